@@ -1,0 +1,33 @@
+"""Alembic environment for the tensordb catalog.
+
+``tensordb`` runs it on connect with an open connection in ``config.attributes``;
+``alembic -x url=... upgrade head`` works too.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine
+
+from tensordb.catalog._schema import metadata
+
+config = context.config
+connection = config.attributes.get("connection")
+
+
+def _run(conn: object) -> None:
+    context.configure(connection=conn, target_metadata=metadata, render_as_batch=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if connection is not None:
+    _run(connection)
+else:
+    url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option(
+        "sqlalchemy.url"
+    )
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        _run(conn)
+    engine.dispose()

@@ -1,0 +1,36 @@
+"""tensordb's storage engine: the bytes of tensors on tiers (host shm, disk).
+
+Imports nothing else of tensordb. See ``_tier.Tier`` for the protocol every tier obeys.
+"""
+
+from __future__ import annotations
+
+from ._checksum import ALGORITHM, checksum, copy_and_checksum
+from ._errors import SegmentMissing, StorageError, TierFull
+from ._files import DiskTier, FileTier, HostTier, shm_root
+from ._io import ALIGN, Source, fill_segment, io_pool, pack
+from ._procs import boot_id, current_holder, holder_alive
+from ._tier import SegmentWriter, Tier
+
+__all__ = [
+    "ALGORITHM",
+    "ALIGN",
+    "DiskTier",
+    "FileTier",
+    "HostTier",
+    "SegmentMissing",
+    "SegmentWriter",
+    "Source",
+    "StorageError",
+    "Tier",
+    "TierFull",
+    "boot_id",
+    "checksum",
+    "copy_and_checksum",
+    "current_holder",
+    "fill_segment",
+    "holder_alive",
+    "io_pool",
+    "pack",
+    "shm_root",
+]

@@ -1,0 +1,317 @@
+"""File-backed tiers: one file per segment, in shared memory or on disk.
+
+Why a file per segment and not one arena with an allocator: deleting a file while a
+reader still maps it keeps the reader's pages alive (POSIX unlink semantics), so gc can
+never change or free bytes under a tensor someone holds, and no reader has to register
+anything. A segment is one commit's bytes, so a reader of a 1,000-tensor commit maps
+one file.
+
+The cost of a fresh file is the page faults of first touch. The host tier therefore
+keeps a *spare*: a file already allocated and mapped with its page tables populated,
+owned by the process and refilled in the background; a commit that fits is copied into
+it at memcpy speed and the spare is renamed into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ._errors import SegmentMissing, TierFull
+from ._tier import SegmentWriter, Tier
+
+__all__ = ["FileTier", "HostTier", "DiskTier", "shm_root"]
+
+_SUFFIX = ".seg"
+_SPARE_PREFIX = "spare-"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def shm_root() -> Path:
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def _lock_nb(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+class _FileWriter(SegmentWriter):
+    def __init__(self, tier: FileTier, segment_id: str, path: Path, fd: int,
+                 mm: mmap.mmap, nbytes: int) -> None:
+        self._tier = tier
+        self.segment_id = segment_id
+        self.nbytes = nbytes
+        self._path = path
+        self._fd: int | None = fd
+        self._mm: mmap.mmap | None = mm
+        self._buffer = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+    @property
+    def buffer(self) -> np.ndarray:
+        return self._buffer
+
+    def _unmap(self) -> None:
+        if self._mm is not None:
+            self._buffer = np.empty(0, np.uint8)
+            try:
+                self._mm.close()
+            except BufferError:  # a caller still holds a view: let gc unmap it
+                pass
+            self._mm = None
+
+    def finish(self) -> None:
+        if self._mm is None or self._fd is None:
+            return
+        if self._tier.persistent:
+            self._mm.flush()
+        self._unmap()
+        if os.fstat(self._fd).st_size != self.nbytes:
+            os.ftruncate(self._fd, self.nbytes)  # a spare larger than the segment
+        if self._tier.persistent:
+            os.fsync(self._fd)
+            self._tier._sync_dir()
+
+    def release(self) -> None:
+        self._unmap()
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def abort(self) -> None:
+        self._unmap()
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+        self.release()
+
+
+class FileTier(Tier):
+    """Segments as files of mode 0600 in a directory of mode 0700."""
+
+    def __init__(self, name: str, root: Path, *, capacity: int | None = None,
+                 persistent: bool) -> None:
+        self.name = name
+        self.root = Path(root)
+        self.capacity = capacity
+        self.persistent = persistent
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+
+    # -- paths ---------------------------------------------------------------------
+    def path(self, segment_id: str) -> Path:
+        return self.root / f"{segment_id}{_SUFFIX}"
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- writing -------------------------------------------------------------------
+    def _check_capacity(self, nbytes: int) -> None:
+        if self.capacity is not None:
+            used = self.used_bytes()
+            if used + nbytes > self.capacity:
+                raise TierFull(self.name, nbytes, used, self.capacity)
+
+    def _new_file(self, path: Path, nbytes: int) -> tuple[int, mmap.mmap]:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            if not _lock_nb(fd):  # nobody else can know this fresh name
+                raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {path}")
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return fd, mm
+
+    def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
+        if nbytes <= 0:
+            raise ValueError("a segment holds at least one byte")
+        self._check_capacity(nbytes)
+        path = self.path(segment_id)
+        fd, mm = self._new_file(path, nbytes)
+        return _FileWriter(self, segment_id, path, fd, mm, nbytes)
+
+    # -- reading -------------------------------------------------------------------
+    def open(self, segment_id: str) -> mmap.mmap:
+        try:
+            fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise SegmentMissing(self.name, segment_id) from exc
+        try:
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except ValueError as exc:  # an empty file: truncated under us
+            raise SegmentMissing(self.name, segment_id) from exc
+        finally:
+            os.close(fd)
+
+    # -- housekeeping --------------------------------------------------------------
+    def delete(self, segment_id: str) -> bool:
+        try:
+            os.unlink(self.path(segment_id))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def segments(self) -> Iterator[str]:
+        with os.scandir(self.root) as it:
+            for entry in it:
+                if entry.name.endswith(_SUFFIX):
+                    yield entry.name[: -len(_SUFFIX)]
+
+    def reclaim_orphans(self, is_registered: Callable[[str], bool]) -> list[str]:
+        reclaimed: list[str] = []
+        with os.scandir(self.root) as it:
+            entries = [e.name for e in it]
+        for fname in entries:
+            is_spare = fname.startswith(_SPARE_PREFIX)
+            if not (is_spare or fname.endswith(_SUFFIX)):
+                continue
+            seg = fname[: -len(_SUFFIX)] if not is_spare else fname
+            if not is_spare and is_registered(seg):
+                continue
+            path = self.root / fname
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                if not _lock_nb(fd):
+                    continue  # its writer is alive
+                # the writer may have registered it and let go between our two looks
+                if not is_spare and is_registered(seg):
+                    continue
+                try:
+                    os.unlink(path)
+                    reclaimed.append(seg)
+                except FileNotFoundError:
+                    pass
+            finally:
+                os.close(fd)
+        return reclaimed
+
+    def used_bytes(self) -> int:
+        total = 0
+        with os.scandir(self.root) as it:
+            for entry in it:
+                if entry.name.endswith(_SUFFIX):
+                    try:
+                        total += entry.stat().st_blocks * 512
+                    except FileNotFoundError:
+                        pass
+        return total
+
+
+class DiskTier(FileTier):
+    """Segments under the store's data directory, fsynced before they are registered."""
+
+    def __init__(self, root: Path, *, capacity: int | None = None) -> None:
+        super().__init__("disk", root, capacity=capacity, persistent=True)
+
+
+class HostTier(FileTier):
+    """Segments in POSIX shared memory (tmpfs), with a pre-faulted spare per process."""
+
+    def __init__(self, root: Path, *, capacity: int | None = None,
+                 spare_bytes: int = 0) -> None:
+        super().__init__("host", root, capacity=capacity, persistent=False)
+        self._lock = threading.Lock()
+        self._spare: tuple[Path, int, mmap.mmap, int] | None = None
+        self._pending: Future[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self.spare_bytes = spare_bytes
+        if spare_bytes:
+            self.prefault(spare_bytes, wait=False)
+
+    def _make_spare(self, nbytes: int) -> None:
+        path = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
+        fd, mm = self._new_file(path, nbytes)
+        # populated page tables are not enough on every kernel: touch each page once
+        np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        with self._lock:
+            old, self._spare = self._spare, (path, fd, mm, nbytes)
+        if old is not None:
+            self._drop(old)
+
+    @staticmethod
+    def _drop(spare: tuple[Path, int, mmap.mmap, int]) -> None:
+        path, fd, mm, _ = spare
+        mm.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+    def prefault(self, nbytes: int, *, wait: bool = True) -> None:
+        """Allocate and map a spare of ``nbytes`` so the next commit that fits is a memcpy."""
+        self.spare_bytes = max(self.spare_bytes, nbytes)
+        with self._lock:
+            if self._spare is not None and self._spare[3] >= nbytes:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensordb-prefault")
+            if self._pending is None or self._pending.done():
+                self._pending = self._pool.submit(self._make_spare, nbytes)
+            pending = self._pending
+        if wait:
+            pending.result()
+
+    def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
+        if os.getpid() != self._pid:  # a forked child does not own its parent's spare
+            self._spare, self._pending, self._pool, self._pid = None, None, None, os.getpid()
+        with self._lock:
+            spare = self._spare
+            if spare is not None and spare[3] >= nbytes:
+                self._spare = None
+            else:
+                spare = None
+        if spare is None:
+            writer = super().create(segment_id, nbytes)
+        else:
+            self._check_capacity(nbytes)
+            path, fd, mm, _ = spare
+            final = self.path(segment_id)
+            os.rename(path, final)  # the lock and the mapping follow the inode
+            writer = _FileWriter(self, segment_id, final, fd, mm, nbytes)
+        if self.spare_bytes:
+            self.prefault(self.spare_bytes, wait=False)
+        return writer
+
+    def close(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # a failed prefault only costs speed
+                pass
+        with self._lock:
+            spare, self._spare = self._spare, None
+            pool, self._pool = self._pool, None
+        if spare is not None and os.getpid() == self._pid:
+            self._drop(spare)
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -1,0 +1,55 @@
+"""Process identity and liveness, for leases and for the locks of writers.
+
+A holder is ``boot_id:pid:start_ticks``: a pid alone is reused by the kernel, the start
+time (in clock ticks since boot, from /proc) and the boot id make the triple unique for
+the life of the host.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+__all__ = ["current_holder", "holder_alive", "boot_id"]
+
+
+@lru_cache(maxsize=1)
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:  # not Linux: fall back on the host name, liveness checks still work
+        import socket
+
+        return socket.gethostname()
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] == b"Z":  # a zombie holds nothing any more
+        return None
+    return int(fields[19])
+
+
+def current_holder() -> str:
+    """The holder string of the calling process (recomputed after a fork)."""
+    pid = os.getpid()
+    return f"{boot_id()}:{pid}:{_start_ticks(pid) or 0}"
+
+
+def holder_alive(holder: str) -> bool | None:
+    """True / False for a holder on this host; None when it lives on another host."""
+    try:
+        boot, pid_s, ticks_s = holder.rsplit(":", 2)
+        pid, ticks = int(pid_s), int(ticks_s)
+    except ValueError:
+        return False
+    if boot != boot_id():
+        return None
+    return _start_ticks(pid) == ticks

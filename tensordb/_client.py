@@ -1,0 +1,592 @@
+"""The client API of section 3 of DESIGN.md: Database, Transaction, Snapshot.
+
+A ``Database`` belongs to one process; open another in a child process (connections
+and pre-faulted buffers are not carried across fork).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from sqlalchemy.exc import OperationalError
+
+import storage_engine as se
+
+from ._dtypes import dtype_name, numpy_to_torch, torch_dtype
+from ._names import check_name
+from .catalog import Catalog, Commit, NewTensor, TensorRow, ensure_schema, make_engine
+from .config import Config
+from .errors import (
+    CorruptData,
+    InvalidInput,
+    NodeUnavailable,
+    NotFound,
+    StoreClosed,
+    StoreFull,
+)
+
+__all__ = ["Database", "Transaction", "Snapshot", "GcReport", "Corruption"]
+
+_EMPTY_CHECKSUM = se.checksum(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    dropped_versions: int
+    dropped_rows: int
+    expired_leases: int
+    segments_deleted: int
+    bytes_freed: int
+    orphans_reclaimed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Corruption:
+    """A stored tensor whose bytes are missing or do not match their checksum."""
+
+    collection: str
+    first_version: int
+    tensor: str
+    segment_id: str
+    tier: str
+    reason: str
+
+
+def as_tensor(value: object, name: str) -> torch.Tensor:
+    """Normalise a user's tensor once: CPU, strided, detached, a supported dtype."""
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        t = numpy_to_torch(value, tensor=name)
+    elif isinstance(value, torch.Tensor):
+        t = value
+        if t.layout != torch.strided:
+            raise InvalidInput(f"tensor {name!r} has layout {t.layout}; store it dense",
+                               tensor=name)
+        if t.is_quantized:
+            raise InvalidInput(f"tensor {name!r} is quantized ({t.dtype}); unsupported",
+                               tensor=name)
+        if t.is_meta:
+            raise InvalidInput(f"tensor {name!r} is on the meta device and has no data",
+                               tensor=name)
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+    else:
+        raise InvalidInput(
+            f"tensor {name!r} must be a torch.Tensor or numpy.ndarray, not "
+            f"{type(value).__name__}", tensor=name)
+    dtype_name(t.dtype, tensor=name)
+    return t
+
+
+def _source(t: torch.Tensor) -> se.Source:
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+    def fill(dst: np.ndarray, t: torch.Tensor = t) -> None:
+        torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
+
+    return fill
+
+
+def _digest(t: torch.Tensor) -> str:
+    src = t if t.is_contiguous() else t.contiguous()
+    return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
+
+
+class Database:
+    """A connection to a store: the embedded one, or a node's store in cluster mode."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        if config.default_tier not in ("host", "disk"):
+            raise InvalidInput(f"default_tier must be 'host' or 'disk', not {config.default_tier!r}")
+        self._engine = make_engine(config.catalog_url, synchronous=config.sqlite_synchronous)
+        try:
+            ensure_schema(self._engine)
+        except OperationalError as exc:
+            self._engine.dispose()
+            raise NodeUnavailable(f"the catalog at {self._engine.url!r} does not answer: "
+                                  f"{exc.orig}") from exc
+        self.catalog = Catalog(self._engine, config.node)
+        self._tiers: dict[str, se.Tier] = {
+            "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
+                                spare_bytes=config.spare_bytes),
+            "disk": se.DiskTier(config.data_dir),
+        }
+        self._closed = False
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"the store at {self.config.home} is closed")
+
+    def tier(self, name: str) -> se.Tier:
+        try:
+            return self._tiers[name]
+        except KeyError:
+            raise InvalidInput(f"unknown tier {name!r}; this store has {sorted(self._tiers)}") from None
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release this process's resources. Tensors already handed out stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        for tier in self._tiers.values():
+            tier.close()
+        self._engine.dispose()
+
+    def prefault(self, nbytes: int) -> None:
+        """Pre-fault a host-tier spare of ``nbytes`` so a commit of that size is a memcpy."""
+        self._check_open()
+        tier = self._tiers["host"]
+        assert isinstance(tier, se.HostTier)
+        tier.prefault(int(nbytes), wait=True)
+
+    # -- writing -----------------------------------------------------------------------
+    def transaction(self, collection: str, *, message: str | None = None,
+                    tier: str | None = None, metadata: Mapping[str, str] | None = None
+                    ) -> Transaction:
+        """A transaction on one collection: nothing is visible before its block ends."""
+        self._check_open()
+        return Transaction(self, collection, message=message, tier=tier, metadata=metadata)
+
+    def commit(self, collection: str, tensors: Mapping[str, Any], *, message: str | None = None,
+               tier: str | None = None, metadata: Mapping[str, str] | None = None) -> Commit:
+        """Shorthand for a transaction that puts every tensor of ``tensors``."""
+        with self.transaction(collection, message=message, tier=tier, metadata=metadata) as tx:
+            tx.put_many(tensors)
+        assert tx.result is not None
+        return tx.result
+
+    def _publish(self, collection: str, base: int, puts: dict[str, torch.Tensor],
+                 deletes: set[str], message: str | None, tier_name: str,
+                 meta: dict[str, str] | None) -> Commit:
+        info = self.catalog.info(collection)
+        live = self.catalog.live(info.id) if info is not None else {}
+        for name in sorted(deletes):
+            if name not in live:
+                raise NotFound(f"cannot delete {name!r}: collection {collection!r} has no such "
+                               f"tensor", collection=collection, tensor=name)
+        # a put equal to the head's tensor is not stored again: it keeps sharing the extent
+        candidates = [n for n, t in puts.items()
+                      if (row := live.get(n)) is not None and row.nbytes == t.nbytes
+                      and row.dtype == dtype_name(t.dtype) and row.shape == tuple(t.shape)]
+        unchanged: list[str] = []
+        if candidates:
+            digests = list(se.io_pool().map(lambda n: _digest(puts[n]), candidates))
+            unchanged = [n for n, d in zip(candidates, digests) if d == live[n].checksum]
+        skip = set(unchanged)
+        changed = [(n, t) for n, t in puts.items() if n not in skip]
+        stored = [(n, t) for n, t in changed if t.nbytes > 0]
+        sizes = [t.nbytes for _, t in stored]
+        offsets, total = se.pack(sizes)
+        tier = self.tier(tier_name)
+        writer: se.SegmentWriter | None = None
+        if total:
+            try:
+                writer = tier.create(uuid.uuid4().hex, total)
+            except se.TierFull as exc:
+                raise StoreFull(f"cannot commit {total} bytes to {collection!r}: {exc}; run "
+                                f"gc, or commit to the disk tier", collection=collection) from exc
+        try:
+            checksums: dict[str, str] = {}
+            if writer is not None:
+                sums = se.fill_segment(writer, [_source(t) for _, t in stored], offsets, sizes)
+                writer.finish()
+                checksums = {n: s for (n, _), s in zip(stored, sums)}
+            where = dict(zip((n for n, _ in stored), offsets))
+            new = [NewTensor(n, dtype_name(t.dtype), tuple(t.shape), t.nbytes,
+                             checksums.get(n, _EMPTY_CHECKSUM),
+                             writer.segment_id if n in where and writer else None,
+                             where.get(n, 0)) for n, t in changed]
+            result = self.catalog.commit(
+                collection, base, new, unchanged, deletes,
+                (writer.segment_id, tier.name, total) if writer else None, message, meta)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.release()
+        return result
+
+    # -- reading -----------------------------------------------------------------------
+    def _map(self, segment_id: str, tier: str, collection: str, tensor: str) -> mmap.mmap:
+        # a fresh private mapping per read: a reader's writes into one snapshot's tensors
+        # must not show through another snapshot in the same process
+        try:
+            return self._tiers[tier].open(segment_id)
+        except se.SegmentMissing as exc:
+            if self.catalog.segment_registered(segment_id):
+                raise CorruptData(
+                    f"the bytes of {collection}/{tensor} (segment {segment_id}) are "
+                    f"missing from the {tier} tier", collection=collection,
+                    tensor=tensor) from exc
+            raise NotFound(f"{collection}/{tensor} was removed while being read",
+                           collection=collection, tensor=tensor) from exc
+
+    def _materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
+                     maps: dict[str, mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
+        """Zero-copy tensors over the segments' copy-on-write mappings (``maps``: the
+        mappings already made for this snapshot)."""
+        out: dict[str, torch.Tensor] = {}
+        if maps is None:
+            maps = {}
+        bases: dict[tuple[str, str], torch.Tensor] = {}
+        for r in rows:
+            dt = torch_dtype(r.dtype)
+            if r.segment_id is None:
+                out[r.name] = torch.empty(r.shape, dtype=dt)
+                continue
+            mm = maps.get(r.segment_id)
+            if mm is None:
+                mm = maps[r.segment_id] = self._map(r.segment_id, r.tier or "host", collection,
+                                                    r.name)
+            if verify:
+                got = se.checksum(np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
+                if got != r.checksum:
+                    raise CorruptData(
+                        f"{collection}/{r.name}: stored bytes fail their checksum (expected "
+                        f"{r.checksum}, found {got}); not served", collection=collection,
+                        tensor=r.name)
+            key = (r.segment_id, r.dtype)
+            base = bases.get(key)
+            if base is None:
+                base = bases[key] = torch.frombuffer(mm, dtype=dt)
+            isz = dt.itemsize
+            strides, acc = [], 1
+            for d in reversed(r.shape):
+                strides.append(acc)
+                acc *= d
+            out[r.name] = base.as_strided(r.shape, tuple(reversed(strides)), r.offset // isz)
+        return out
+
+    def get(self, collection: str, name: str, *, version: int | None = None,
+            tag: str | None = None, verify: bool = False) -> torch.Tensor:
+        """One tensor of the head (or of ``version`` / ``tag``), zero-copy."""
+        self._check_open()
+        check_name("collection", collection)
+        check_name("tensor", name, collection=collection)
+        info, v = self.catalog.resolve(collection, version, tag)
+        rows = self.catalog.manifest(info.id, v, [name])
+        if not rows:
+            raise NotFound(f"collection {collection!r} version {v} has no tensor {name!r}",
+                           collection=collection, tensor=name, version=v)
+        return self._materialize(collection, rows, verify=verify)[name]
+
+    def snapshot(self, collection: str, *, version: int | None = None, tag: str | None = None,
+                 verify: bool = False) -> Snapshot:
+        """A leased, consistent view of one version (the head unless told otherwise)."""
+        self._check_open()
+        check_name("collection", collection)
+        if tag is not None:
+            check_name("tag", tag, collection=collection)
+        return Snapshot(self, collection, version, tag, verify)
+
+    # -- metadata ----------------------------------------------------------------------
+    def history(self, collection: str) -> list[Commit]:
+        """Every retained commit of ``collection``, newest first."""
+        self._check_open()
+        check_name("collection", collection)
+        return self.catalog.history(collection)
+
+    def collections(self) -> list[str]:
+        self._check_open()
+        return self.catalog.collection_names()
+
+    def tag(self, collection: str, tag: str, *, version: int | None = None) -> int:
+        """Point ``tag`` at ``version`` (default: the head); returns the version. A tag
+        keeps its version from retention and gc."""
+        self._check_open()
+        check_name("collection", collection)
+        check_name("tag", tag, collection=collection)
+        return self.catalog.tag(collection, tag, version)
+
+    def untag(self, collection: str, tag: str) -> None:
+        self._check_open()
+        self.catalog.untag(check_name("collection", collection), tag)
+
+    def tags(self, collection: str) -> dict[str, int]:
+        self._check_open()
+        return self.catalog.tags(check_name("collection", collection))
+
+    def set_retention(self, collection: str, keep_last: int | None) -> None:
+        """Keep only the last ``keep_last`` versions (plus tagged and leased ones) at gc."""
+        self._check_open()
+        self.catalog.set_retention(check_name("collection", collection), keep_last)
+
+    def drop(self, collection: str) -> None:
+        """Remove a collection with all its versions and tags; gc reclaims the bytes."""
+        self._check_open()
+        self.catalog.drop(check_name("collection", collection))
+
+    def watch(self, collection: str, *, after: int | None = None,
+              timeout: float | None = None, poll: float = 0.05) -> Iterator[Commit]:
+        """Yield each new commit of ``collection`` in order, as it lands.
+
+        ``after``: the last version the caller has (default: the current head). The
+        iterator ends when ``timeout`` seconds pass without a new commit.
+        """
+        self._check_open()
+        check_name("collection", collection)
+        if after is None:
+            info = self.catalog.info(collection)
+            after = info.head if info else 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            info = self.catalog.info(collection)
+            if info is not None and info.head > after:
+                for c in self.catalog.commits_after(collection, after):
+                    after = c.version
+                    yield c
+                if timeout is not None:
+                    deadline = time.monotonic() + timeout
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+
+    # -- maintenance -------------------------------------------------------------------
+    def gc(self) -> GcReport:
+        """Reclaim what no version, tag, lease or retention rule needs, and the segments
+        of writers that died before committing. Safe while others read and write."""
+        self._check_open()
+        plan = self.catalog.gc()
+        freed = 0
+        for sid, tier, nbytes in plan.dead_segments:
+            if self._tiers[tier].delete(sid):
+                freed += nbytes
+        orphans = 0
+        for tier in self._tiers.values():
+            orphans += len(tier.reclaim_orphans(self.catalog.segment_registered))
+        return GcReport(plan.dropped_versions, plan.dropped_rows, plan.expired_leases,
+                        len(plan.dead_segments), freed, orphans)
+
+    def verify(self) -> list[Corruption]:
+        """Check every stored extent of this node against its checksum; [] when all good."""
+        self._check_open()
+        problems: list[Corruption] = []
+        current: tuple[str, mmap.mmap | None] | None = None
+        for coll, first, r in self.catalog.all_rows():
+            assert r.segment_id is not None and r.tier is not None
+            if current is None or current[0] != r.segment_id:
+                try:
+                    current = (r.segment_id, self._tiers[r.tier].open(r.segment_id))
+                except se.SegmentMissing:
+                    current = (r.segment_id, None)
+            mm = current[1]
+            if mm is None:
+                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "missing"))
+                continue
+            if r.offset + r.nbytes > len(mm):
+                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "truncated"))
+                continue
+            got = se.checksum(np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
+            if got != r.checksum:
+                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier,
+                                           f"checksum {got} != {r.checksum}"))
+        return problems
+
+    def stats(self) -> dict[str, int]:
+        self._check_open()
+        out = self.catalog.stats()
+        for name, tier in self._tiers.items():
+            out[f"{name}_bytes"] = tier.used_bytes()
+        return out
+
+
+class Transaction:
+    """Puts and deletes on one collection, published as one commit when the block ends.
+
+    Tensors are read when the block ends, not when ``put`` is called. An exception in
+    the block publishes nothing and leaves ``result`` None.
+    """
+
+    def __init__(self, db: Database, collection: str, *, message: str | None,
+                 tier: str | None, metadata: Mapping[str, str] | None) -> None:
+        self._db = db
+        self.collection = check_name("collection", collection)
+        if message is not None and not isinstance(message, str):
+            raise InvalidInput(f"message must be a str, not {type(message).__name__}",
+                               collection=collection)
+        self._tier = tier or db.config.default_tier
+        db.tier(self._tier)
+        if metadata is not None:
+            if not isinstance(metadata, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise InvalidInput("metadata must map str to str", collection=collection)
+            json.dumps(dict(metadata))
+        self._meta = dict(metadata) if metadata else None
+        self.message = message
+        self._puts: dict[str, torch.Tensor] = {}
+        self._deletes: set[str] = set()
+        self._base: int | None = None
+        self._done = False
+        self.result: Commit | None = None
+
+    def __enter__(self) -> Transaction:
+        self._db._check_open()
+        info = self._db.catalog.info(self.collection)
+        self._base = info.head if info else 0
+        return self
+
+    def _check(self) -> None:
+        if self._done:
+            raise InvalidInput(f"the transaction on {self.collection!r} has already ended",
+                               collection=self.collection)
+        if self._base is None:
+            raise InvalidInput("use the transaction in a with block", collection=self.collection)
+
+    def put(self, name: str, tensor: torch.Tensor | np.ndarray) -> None:
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        try:
+            t = as_tensor(tensor, name)
+        except InvalidInput as exc:
+            exc.collection = self.collection
+            raise
+        self._puts[name] = t
+        self._deletes.discard(name)
+
+    def put_many(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Put every (name, tensor); all are checked before any is taken."""
+        self._check()
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        staged: dict[str, torch.Tensor] = {}
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise InvalidInput("put_many takes a mapping or (name, tensor) pairs",
+                                   collection=self.collection)
+            name, value = item
+            check_name("tensor", name, collection=self.collection)
+            try:
+                staged[name] = as_tensor(value, name)
+            except InvalidInput as exc:
+                exc.collection = self.collection
+                raise
+        for name, t in staged.items():
+            self._puts[name] = t
+            self._deletes.discard(name)
+
+    def delete(self, name: str) -> None:
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        self._puts.pop(name, None)
+        self._deletes.add(name)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self._done = True
+        if exc_type is not None:
+            return None
+        self._db._check_open()
+        assert self._base is not None
+        self.result = self._db._publish(self.collection, self._base, self._puts,
+                                        self._deletes, self.message, self._tier, self._meta)
+        self._puts = {}
+        return None
+
+
+class Snapshot:
+    """One version of a collection, leased until ``close`` so gc keeps it.
+
+    Tensors are zero-copy views, created when first asked for; they stay valid after
+    the snapshot is closed.
+    """
+
+    def __init__(self, db: Database, collection: str, version: int | None, tag: str | None,
+                 verify: bool) -> None:
+        self._db = db
+        self.collection = collection
+        self._verify = verify
+        self._lease, info, self.version = db.catalog.acquire_lease(
+            collection, version, tag, se.current_holder(), db.config.lease_ttl)
+        try:
+            self._rows = {r.name: r for r in db.catalog.manifest(info.id, self.version)}
+        except BaseException:
+            db.catalog.release_lease(self._lease)
+            raise
+        self._cache: dict[str, torch.Tensor] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._closed = False
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the lease. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._maps = {}  # tensors handed out keep their own mapping alive
+            if not self._db._closed:
+                self._db.catalog.release_lease(self._lease)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
+
+    def keys(self) -> list[str]:
+        return list(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self._rows.values())
+
+    @property
+    def commit(self) -> Commit:
+        return self._db.catalog.commit_info(self.collection, self.version)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"the snapshot of {self.collection!r} v{self.version} is closed",
+                              collection=self.collection, version=self.version)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._check()
+        t = self._cache.get(name)
+        if t is None:
+            row = self._rows.get(name)
+            if row is None:
+                raise NotFound(f"collection {self.collection!r} version {self.version} has no "
+                               f"tensor {name!r}", collection=self.collection, tensor=name,
+                               version=self.version)
+            t = self._cache[name] = self._db._materialize(
+                self.collection, [row], verify=self._verify, maps=self._maps)[name]
+        return t
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, by name, zero-copy."""
+        self._check()
+        missing = [r for n, r in self._rows.items() if n not in self._cache]
+        if missing:
+            self._cache.update(self._db._materialize(self.collection, missing,
+                                                     verify=self._verify, maps=self._maps))
+        return {n: self._cache[n] for n in self._rows}
+
+    def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """name -> (dtype, shape, nbytes), without mapping anything."""
+        return {n: (r.dtype, r.shape, r.nbytes) for n, r in self._rows.items()}

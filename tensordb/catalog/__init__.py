@@ -1,0 +1,23 @@
+"""The catalog: collections, versions, tensor rows, segments, tags, leases and nodes."""
+
+from __future__ import annotations
+
+from ._catalog import Catalog, CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
+from ._engine import current_revision, ensure_schema, make_engine, upgrade, write_conn
+from ._schema import HEAD_REVISION, metadata
+
+__all__ = [
+    "HEAD_REVISION",
+    "Catalog",
+    "CollectionInfo",
+    "Commit",
+    "GcPlan",
+    "NewTensor",
+    "TensorRow",
+    "current_revision",
+    "ensure_schema",
+    "make_engine",
+    "metadata",
+    "upgrade",
+    "write_conn",
+]

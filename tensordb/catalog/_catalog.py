@@ -1,0 +1,463 @@
+"""Catalog operations: every read and write of metadata goes through ``Catalog``.
+
+Each public method is one SQL transaction. Writes take the write lock up front (BEGIN
+IMMEDIATE on SQLite, SELECT ... FOR UPDATE on the collection row elsewhere), so
+concurrent writers queue instead of failing, and versions stay consecutive.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+
+from storage_engine import holder_alive
+
+from ..errors import CommitConflict, InvalidInput, NotFound
+from ._engine import write_conn
+from ._schema import collections, commits, leases, segments, tags, tensors
+
+__all__ = ["Catalog", "CollectionInfo", "Commit", "TensorRow", "NewTensor", "GcPlan"]
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One published version of a collection.
+
+    ``tensors`` / ``nbytes``: the whole version; ``written`` / ``written_nbytes``: what
+    this commit stored anew (the rest is shared with the parent version).
+    """
+
+    collection: str
+    version: int
+    created_at: datetime
+    message: str | None
+    tensors: int
+    nbytes: int
+    parent: int | None = None
+    written: int = 0
+    written_nbytes: int = 0
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionInfo:
+    id: int
+    name: str
+    head: int
+    retain_last: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRow:
+    """Where one tensor of one version lives."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    segment_id: str | None
+    offset: int
+    tier: str | None
+    first_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class NewTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    segment_id: str | None
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class GcPlan:
+    """What a catalog gc removed: the segments whose files may now be deleted."""
+
+    dead_segments: list[tuple[str, str, int]]  # (segment id, tier, nbytes)
+    dropped_versions: int
+    dropped_rows: int
+    expired_leases: int
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return ",".join(str(int(d)) for d in shape)
+
+
+def parse_shape(s: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in s.split(",")) if s else ()
+
+
+def _insert_ignore(conn: Connection, table, values: dict) -> None:  # type: ignore[no-untyped-def]
+    name = conn.dialect.name
+    if name in ("sqlite", "postgresql"):
+        if name == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert
+        conn.execute(insert(table).values(**values).on_conflict_do_nothing())
+        return
+    try:
+        with conn.begin_nested():
+            conn.execute(table.insert().values(**values))
+    except IntegrityError:
+        pass
+
+
+class Catalog:
+    """Metadata of one store, over a SQLAlchemy engine. Thread-safe; any process."""
+
+    def __init__(self, engine: Engine, node: str) -> None:
+        self.engine = engine
+        self.node = node
+
+    # -- collections ---------------------------------------------------------------
+    def _info(self, conn: Connection, name: str, *, lock: bool = False) -> CollectionInfo | None:
+        q = select(collections.c.id, collections.c.name, collections.c.head,
+                   collections.c.retain_last).where(collections.c.name == name)
+        if lock and conn.dialect.name != "sqlite":
+            q = q.with_for_update()
+        row = conn.execute(q).first()
+        return CollectionInfo(*row) if row else None
+
+    def info(self, name: str) -> CollectionInfo | None:
+        with self.engine.connect() as conn:
+            return self._info(conn, name)
+
+    def require(self, name: str) -> CollectionInfo:
+        info = self.info(name)
+        if info is None:
+            raise NotFound(f"no collection {name!r}", collection=name)
+        return info
+
+    def collection_names(self) -> list[str]:
+        with self.engine.connect() as conn:
+            return list(conn.execute(select(collections.c.name).order_by(collections.c.name)).scalars())
+
+    def set_retention(self, name: str, keep_last: int | None) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise InvalidInput(f"keep_last must be a positive integer or None, not {keep_last!r}",
+                               collection=name)
+        with write_conn(self.engine) as conn:
+            res = conn.execute(update(collections).where(collections.c.name == name)
+                               .values(retain_last=keep_last))
+            if res.rowcount == 0:
+                raise NotFound(f"no collection {name!r}", collection=name)
+
+    def drop(self, name: str) -> None:
+        with write_conn(self.engine) as conn:
+            info = self._info(conn, name, lock=True)
+            if info is None:
+                raise NotFound(f"no collection {name!r}", collection=name)
+            for table in (tensors, commits, tags, leases):
+                conn.execute(delete(table).where(table.c.collection_id == info.id))
+            conn.execute(delete(collections).where(collections.c.id == info.id))
+
+    # -- versions --------------------------------------------------------------------
+    def _has_version(self, conn: Connection, cid: int, version: int) -> bool:
+        return conn.execute(select(commits.c.version).where(
+            commits.c.collection_id == cid, commits.c.version == version)).first() is not None
+
+    def resolve(self, name: str, version: int | None = None, tag: str | None = None,
+                conn: Connection | None = None) -> tuple[CollectionInfo, int]:
+        """The collection and the version a (version | tag | head) reference names."""
+        if conn is None:
+            with self.engine.connect() as c:
+                return self.resolve(name, version, tag, c)
+        info = self._info(conn, name)
+        if info is None:
+            raise NotFound(f"no collection {name!r}", collection=name)
+        if version is not None and tag is not None:
+            raise InvalidInput("give a version or a tag, not both", collection=name)
+        if tag is not None:
+            v = conn.execute(select(tags.c.version).where(
+                tags.c.collection_id == info.id, tags.c.name == tag)).scalar()
+            if v is None:
+                raise NotFound(f"no tag {tag!r} in collection {name!r}", collection=name)
+            return info, int(v)
+        if version is None:
+            if info.head == 0:
+                raise NotFound(f"collection {name!r} has no version yet", collection=name)
+            return info, info.head
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise InvalidInput(f"version must be an integer, not {version!r}", collection=name)
+        if not self._has_version(conn, info.id, version):
+            raise NotFound(f"no version {version} of collection {name!r}", collection=name,
+                           version=version)
+        return info, version
+
+    def manifest(self, cid: int, version: int, names: Iterable[str] | None = None,
+                 conn: Connection | None = None) -> list[TensorRow]:
+        """The tensors of one version (or those of ``names``), ordered by name."""
+        if conn is None:
+            with self.engine.connect() as c:
+                return self.manifest(cid, version, names, c)
+        t = tensors.c
+        q = (select(t.name, t.dtype, t.shape, t.nbytes, t.checksum, t.segment_id, t.offset,
+                    segments.c.tier, t.first_version)
+             .select_from(tensors.outerjoin(segments, segments.c.id == t.segment_id))
+             .where(t.collection_id == cid, t.first_version <= version,
+                    or_(t.end_version.is_(None), t.end_version > version))
+             .order_by(t.name))
+        if names is not None:
+            q = q.where(t.name.in_(list(names)))
+        return [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6], r[7], r[8])
+                for r in conn.execute(q)]
+
+    def live(self, cid: int) -> dict[str, TensorRow]:
+        """The head's rows by name (no version lookup needed: end_version IS NULL)."""
+        t = tensors.c
+        q = (select(t.name, t.dtype, t.shape, t.nbytes, t.checksum, t.segment_id, t.offset,
+                    segments.c.tier, t.first_version)
+             .select_from(tensors.outerjoin(segments, segments.c.id == t.segment_id))
+             .where(t.collection_id == cid, t.end_version.is_(None)))
+        with self.engine.connect() as conn:
+            return {r[0]: TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6], r[7], r[8])
+                    for r in conn.execute(q)}
+
+    def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
+               deletes: Iterable[str], segment: tuple[str, str, int] | None,
+               message: str | None, meta: dict[str, str] | None = None) -> Commit:
+        """Publish a new version in one SQL transaction.
+
+        ``base`` is the head the transaction started from; if the head moved since, the
+        commit still lands unless a name it touches (put, unchanged put or delete) was
+        written or deleted after ``base``: then CommitConflict. ``segment`` is (id, tier,
+        nbytes) of the bytes already written for ``puts``.
+        """
+        touched = {p.name for p in puts} | set(unchanged) | set(deletes)
+        deletes = list(deletes)
+        now = _now()
+        with write_conn(self.engine) as conn:
+            info = self._info(conn, name, lock=True)
+            if info is None:
+                _insert_ignore(conn, collections, {"name": name, "head": 0, "created_at": now})
+                info = self._info(conn, name, lock=True)
+                assert info is not None
+            head = info.head
+            if head != base:
+                t = tensors.c
+                moved = set(conn.execute(select(t.name).where(
+                    t.collection_id == info.id,
+                    or_(t.first_version > base, t.end_version > base))).scalars())
+                clash = sorted(moved & touched)
+                if clash:
+                    shown = ", ".join(repr(n) for n in clash[:5])
+                    raise CommitConflict(
+                        f"collection {name!r} moved from version {base} to {head} under this "
+                        f"transaction, and both changed {shown}"
+                        + (f" and {len(clash) - 5} more" if len(clash) > 5 else ""),
+                        collection=name, names=clash, base=base, head=head)
+            version = head + 1
+            t = tensors.c
+            replace = [p.name for p in puts] + deletes
+            removed_n = removed_bytes = 0
+            if replace:
+                old = conn.execute(select(t.name, t.nbytes).where(
+                    t.collection_id == info.id, t.end_version.is_(None),
+                    t.name.in_(replace))).all()
+                found = {r[0] for r in old}
+                missing = [d for d in deletes if d not in found]
+                if missing:
+                    raise NotFound(f"cannot delete {missing[0]!r}: collection {name!r} has no "
+                                   f"such tensor", collection=name, tensor=missing[0])
+                removed_n, removed_bytes = len(old), sum(r[1] for r in old)
+                conn.execute(update(tensors).where(
+                    t.collection_id == info.id, t.end_version.is_(None),
+                    t.name.in_(replace)).values(end_version=version))
+            if segment is not None:
+                sid, tier, snb = segment
+                conn.execute(segments.insert().values(id=sid, node=self.node, tier=tier,
+                                                      nbytes=snb, created_at=now))
+            if puts:
+                conn.execute(tensors.insert(), [
+                    {"collection_id": info.id, "name": p.name, "first_version": version,
+                     "end_version": None, "dtype": p.dtype, "shape": shape_text(p.shape),
+                     "nbytes": p.nbytes, "checksum": p.checksum, "segment_id": p.segment_id,
+                     "offset": p.offset} for p in puts])
+            prev = conn.execute(select(commits.c.n_tensors, commits.c.nbytes).where(
+                commits.c.collection_id == info.id, commits.c.version == head)).first()
+            n_prev, b_prev = (prev[0], prev[1]) if prev else (0, 0)
+            written_bytes = sum(p.nbytes for p in puts)
+            result = Commit(
+                collection=name, version=version, created_at=now, message=message,
+                tensors=n_prev - removed_n + len(puts), nbytes=b_prev - removed_bytes + written_bytes,
+                parent=head or None, written=len(puts), written_nbytes=written_bytes,
+                metadata=meta)
+            conn.execute(commits.insert().values(
+                collection_id=info.id, version=version, parent=result.parent, message=message,
+                created_at=now, n_tensors=result.tensors, nbytes=result.nbytes,
+                n_written=result.written, written_nbytes=written_bytes,
+                meta=json.dumps(meta) if meta else None))
+            conn.execute(update(collections).where(collections.c.id == info.id)
+                         .values(head=version))
+        return result
+
+    def history(self, name: str) -> list[Commit]:
+        info = self.require(name)
+        c = commits.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(c.version, c.created_at, c.message, c.n_tensors, c.nbytes,
+                                       c.parent, c.n_written, c.written_nbytes, c.meta)
+                                .where(c.collection_id == info.id).order_by(c.version.desc()))
+            return [Commit(name, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
+                           json.loads(r[8]) if r[8] else None) for r in rows]
+
+    def commit_info(self, name: str, version: int) -> Commit:
+        for c in self.history(name):
+            if c.version == version:
+                return c
+        raise NotFound(f"no version {version} of collection {name!r}", collection=name,
+                       version=version)
+
+    def commits_after(self, name: str, after: int) -> list[Commit]:
+        return [c for c in reversed(self.history(name)) if c.version > after]
+
+    # -- tags --------------------------------------------------------------------------
+    def tag(self, name: str, tag: str, version: int | None) -> int:
+        with write_conn(self.engine) as conn:
+            info, v = self.resolve(name, version, None, conn)
+            conn.execute(delete(tags).where(tags.c.collection_id == info.id, tags.c.name == tag))
+            conn.execute(tags.insert().values(collection_id=info.id, name=tag, version=v,
+                                              created_at=_now()))
+            return v
+
+    def untag(self, name: str, tag: str) -> None:
+        with write_conn(self.engine) as conn:
+            info = self._info(conn, name)
+            if info is None:
+                raise NotFound(f"no collection {name!r}", collection=name)
+            if conn.execute(delete(tags).where(tags.c.collection_id == info.id,
+                                               tags.c.name == tag)).rowcount == 0:
+                raise NotFound(f"no tag {tag!r} in collection {name!r}", collection=name)
+
+    def tags(self, name: str) -> dict[str, int]:
+        info = self.require(name)
+        with self.engine.connect() as conn:
+            return dict(conn.execute(select(tags.c.name, tags.c.version)
+                                     .where(tags.c.collection_id == info.id).order_by(tags.c.name)).all())
+
+    # -- leases ------------------------------------------------------------------------
+    def acquire_lease(self, name: str, version: int | None, tag: str | None, holder: str,
+                      ttl: float) -> tuple[str, CollectionInfo, int]:
+        """Resolve a version and lease it in one transaction, so gc cannot slip between."""
+        lease_id = uuid.uuid4().hex
+        now = _now()
+        with write_conn(self.engine) as conn:
+            info, v = self.resolve(name, version, tag, conn)
+            conn.execute(leases.insert().values(
+                id=lease_id, collection_id=info.id, version=v, holder=holder, node=self.node,
+                created_at=now, expires_at=now + timedelta(seconds=ttl)))
+        return lease_id, info, v
+
+    def release_lease(self, lease_id: str) -> None:
+        with write_conn(self.engine) as conn:
+            conn.execute(delete(leases).where(leases.c.id == lease_id))
+
+    def lease_holders(self) -> list[tuple[str, str, int, str]]:
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(  # type: ignore[misc]
+                select(leases.c.id, collections.c.name, leases.c.version, leases.c.holder)
+                .join(collections, collections.c.id == leases.c.collection_id))]
+
+    # -- segments ----------------------------------------------------------------------
+    def segment_registered(self, segment_id: str) -> bool:
+        with self.engine.connect() as conn:
+            return conn.execute(select(segments.c.id).where(segments.c.id == segment_id)).first() is not None
+
+    def all_rows(self) -> list[tuple[str, int, TensorRow]]:
+        """Every stored tensor row (collection name, first version, row) of this node."""
+        t = tensors.c
+        q = (select(collections.c.name, t.name, t.dtype, t.shape, t.nbytes, t.checksum,
+                    t.segment_id, t.offset, segments.c.tier, t.first_version)
+             .select_from(tensors.join(collections, collections.c.id == t.collection_id)
+                          .join(segments, segments.c.id == t.segment_id))
+             .where(segments.c.node == self.node)
+             .order_by(t.segment_id, t.offset))
+        with self.engine.connect() as conn:
+            return [(r[0], r[9], TensorRow(r[1], r[2], parse_shape(r[3]), r[4], r[5], r[6], r[7],
+                                           r[8], r[9])) for r in conn.execute(q)]
+
+    # -- gc ----------------------------------------------------------------------------
+    def gc(self) -> GcPlan:
+        """Drop what no version, tag, lease or retention rule needs, in one transaction.
+
+        Returns the segments whose rows were removed; the caller deletes their bytes
+        after this transaction has committed.
+        """
+        now = _now()
+        with write_conn(self.engine) as conn:
+            expired: list[str] = []
+            held: set[tuple[int, int]] = set()
+            for lid, cid, v, holder, exp in conn.execute(select(
+                    leases.c.id, leases.c.collection_id, leases.c.version, leases.c.holder,
+                    leases.c.expires_at)):
+                alive = holder_alive(holder)
+                if alive is False or (alive is None and exp < now):
+                    expired.append(lid)
+                else:
+                    held.add((cid, v))
+            if expired:
+                conn.execute(delete(leases).where(leases.c.id.in_(expired)))
+            tagged = {(r[0], r[1]) for r in conn.execute(select(tags.c.collection_id, tags.c.version))}
+            dropped_versions = dropped_rows = 0
+            for cid, head, keep in conn.execute(select(
+                    collections.c.id, collections.c.head, collections.c.retain_last)).all():
+                versions = sorted(conn.execute(select(commits.c.version)
+                                               .where(commits.c.collection_id == cid)).scalars())
+                if keep is not None:
+                    drop = [v for v in versions if v <= head - keep and (cid, v) not in held
+                            and (cid, v) not in tagged]
+                    if drop:
+                        conn.execute(delete(commits).where(commits.c.collection_id == cid,
+                                                           commits.c.version.in_(drop)))
+                        dropped_versions += len(drop)
+                        dropped = set(drop)
+                        versions = [v for v in versions if v not in dropped]
+                # a closed row [first, end) is needed while some kept version lies in it
+                t = tensors.c
+                dead = []
+                for name, first, end in conn.execute(select(t.name, t.first_version, t.end_version)
+                                                     .where(t.collection_id == cid,
+                                                            t.end_version.is_not(None))):
+                    i = bisect.bisect_left(versions, first)
+                    if i == len(versions) or versions[i] >= end:
+                        dead.append({"c": cid, "n": name, "f": first})
+                if dead:
+                    conn.execute(delete(tensors).where(
+                        t.collection_id == bindparam("c"), t.name == bindparam("n"),
+                        t.first_version == bindparam("f")), dead)
+                    dropped_rows += len(dead)
+            unused = select(segments.c.id, segments.c.tier, segments.c.nbytes).where(
+                segments.c.node == self.node,
+                ~exists().where(tensors.c.segment_id == segments.c.id))
+            dead_segments = [(r[0], r[1], r[2]) for r in conn.execute(unused)]
+            if dead_segments:
+                conn.execute(delete(segments).where(
+                    segments.c.id.in_([s[0] for s in dead_segments])))
+        return GcPlan(dead_segments, dropped_versions, dropped_rows, len(expired))
+
+    def stats(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            return {
+                "collections": conn.execute(select(func.count()).select_from(collections)).scalar() or 0,
+                "segments": conn.execute(select(func.count()).select_from(segments)
+                                         .where(segments.c.node == self.node)).scalar() or 0,
+                "segment_bytes": conn.execute(select(func.coalesce(func.sum(segments.c.nbytes), 0))
+                                              .where(segments.c.node == self.node)).scalar() or 0,
+                "leases": conn.execute(select(func.count()).select_from(leases)).scalar() or 0,
+            }

@@ -1,0 +1,146 @@
+"""Engines for the catalog: SQLite (embedded, WAL) or any SQLAlchemy URL (PostgreSQL).
+
+Migrations run on connect: a store at an older revision is upgraded under a lock (a
+file lock for SQLite, an advisory lock for PostgreSQL), a store at a revision this code
+does not know is refused with IncompatibleStore.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+from ..errors import IncompatibleStore, InvalidInput
+from ._schema import HEAD_REVISION
+
+__all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write_conn"]
+
+_KNOWN = ("0001", "0002")
+_PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
+
+
+def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[1] if "///" in url else ""
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        engine = create_engine(url, poolclass=NullPool if not path else None,
+                               connect_args={"timeout": 60, "check_same_thread": False})
+        sync = synchronous.upper()
+        if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise InvalidInput(f"sqlite_synchronous must be OFF/NORMAL/FULL/EXTRA, not {synchronous!r}")
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA synchronous={sync}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=60000")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            # a writer takes the write lock up front: a deferred transaction that later
+            # wants to write can fail with SQLITE_BUSY instead of waiting its turn
+            immediate = conn.get_execution_options().get("tensordb_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+        if path:
+            try:
+                os.chmod(path, 0o600)
+            except FileNotFoundError:
+                pass
+        return engine
+    try:
+        return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
+    except (SQLAlchemyError, ImportError, ValueError) as exc:
+        raise InvalidInput(f"cannot use catalog URL {url!r}: {exc}") from exc
+
+
+@contextmanager
+def write_conn(engine: Engine) -> Iterator[Connection]:
+    """A connection in a write transaction (BEGIN IMMEDIATE on SQLite), committed on exit."""
+    with engine.connect() as conn:
+        conn = conn.execution_options(tensordb_write=True)
+        with conn.begin():
+            yield conn
+
+
+def current_revision(conn: Connection) -> str | None:
+    if not inspect(conn).has_table("alembic_version"):
+        if inspect(conn).has_table("collections"):
+            raise IncompatibleStore("the catalog has tensordb tables but no schema revision")
+        return None
+    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Run the Alembic migrations up to ``revision`` on ``engine``."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    import migrations
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    with write_conn(engine) as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    if engine.dialect.name == "sqlite":
+        path = engine.url.database
+        if not path or path == ":memory:":
+            yield
+            return
+        fd = os.open(f"{path}.migrate-lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+    elif engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_LOCK_KEY})
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_LOCK_KEY})
+                conn.commit()
+    else:
+        yield
+
+
+def _check(rev: str | None) -> bool:
+    if rev == HEAD_REVISION:
+        return True
+    if rev is not None and rev not in _KNOWN:
+        raise IncompatibleStore(
+            f"the catalog is at schema revision {rev!r}, newer than this tensordb knows "
+            f"(up to {HEAD_REVISION!r}); upgrade tensordb to open it"
+        )
+    return False
+
+
+def ensure_schema(engine: Engine) -> None:
+    """Bring the catalog to HEAD_REVISION, or refuse a newer one. Cheap when current."""
+    with engine.connect() as conn:
+        if _check(current_revision(conn)):
+            return
+    with _migration_lock(engine):
+        with engine.connect() as conn:
+            if _check(current_revision(conn)):
+                return
+        upgrade(engine)

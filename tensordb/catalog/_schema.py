@@ -1,0 +1,162 @@
+"""The catalog schema (SQLAlchemy Core). Alembic revisions in migrations/ build it.
+
+Tensor rows are version intervals: a row is part of every version v with
+``first_version <= v < end_version`` (``end_version`` NULL: still in the head). A
+commit that changes 1 tensor of 1,000 closes 1 row and adds 1; the other 999 rows are
+shared with the previous version, and so are their extents.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.types import TypeDecorator
+
+__all__ = [
+    "metadata",
+    "collections",
+    "commits",
+    "tensors",
+    "segments",
+    "tags",
+    "leases",
+    "nodes",
+    "UTCDateTime",
+    "HEAD_REVISION",
+]
+
+#: the Alembic revision this code writes and reads
+HEAD_REVISION = "0002"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: object) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if getattr(dialect, "name", "") == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: object) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+collections = Table(
+    "collections",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(255), nullable=False, unique=True),
+    Column("head", Integer, nullable=False, server_default="0"),
+    Column("created_at", UTCDateTime, nullable=False),
+    # keep the last N versions (NULL: keep all); added by revision 0002
+    Column("retain_last", Integer, nullable=True),
+)
+
+commits = Table(
+    "commits",
+    metadata,
+    Column("collection_id", Integer, ForeignKey("collections.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("version", Integer, primary_key=True),
+    Column("parent", Integer, nullable=True),
+    Column("message", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("n_tensors", Integer, nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("n_written", Integer, nullable=False),
+    Column("written_nbytes", BigInteger, nullable=False),
+    # JSON text the writer attached (e.g. safetensors __metadata__); added by 0002
+    Column("meta", Text, nullable=True),
+)
+
+tensors = Table(
+    "tensors",
+    metadata,
+    Column("collection_id", Integer, ForeignKey("collections.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("name", String(1024), primary_key=True),
+    Column("first_version", Integer, primary_key=True),
+    Column("end_version", Integer, nullable=True),
+    Column("dtype", String(32), nullable=False),
+    Column("shape", Text, nullable=False),  # "4096,4096"; "" for a 0-d tensor
+    Column("nbytes", BigInteger, nullable=False),
+    Column("checksum", String(32), nullable=False),
+    Column("segment_id", String(32), nullable=True),  # NULL for a tensor of no bytes
+    Column("offset", BigInteger, nullable=False),
+    Index("ix_tensors_live", "collection_id", "end_version"),
+    Index("ix_tensors_segment", "segment_id"),
+)
+
+segments = Table(
+    "segments",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("node", String(255), nullable=False),
+    Column("tier", String(16), nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+tags = Table(
+    "tags",
+    metadata,
+    Column("collection_id", Integer, ForeignKey("collections.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("name", String(255), primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("collection_id", Integer, ForeignKey("collections.id", ondelete="CASCADE"),
+           nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("holder", String(255), nullable=False),  # boot_id:pid:start_ticks
+    Column("node", String(255), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False),
+    Index("ix_leases_collection", "collection_id", "version"),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("address", String(255), nullable=True),
+    Column("tiers", Text, nullable=False, server_default="[]"),
+    Column("capacity", BigInteger, nullable=True),
+    Column("heartbeat_at", UTCDateTime, nullable=True),
+    Column("state", String(16), nullable=False, server_default="up"),
+)

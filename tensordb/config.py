@@ -1,0 +1,70 @@
+"""Where a store lives and how it behaves; read once at ``connect``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from storage_engine import shm_root
+
+__all__ = ["Config"]
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Settings of one store. ``Config.resolve`` fills defaults from the environment.
+
+    home          the embedded store's directory ($TENSORDB_HOME, else ./.tensordb)
+    catalog_url   SQLAlchemy URL of the catalog (default: SQLite in home)
+    node          this host's node name ("local" for the embedded store)
+    data_dir      the disk tier's directory (default: home/data)
+    shm_dir       the host tier's directory in /dev/shm, named after the store
+    default_tier  where commits write unless told otherwise: "host" or "disk"
+    host_capacity bytes the host tier may hold (None: what /dev/shm allows)
+    spare_bytes   size of the pre-faulted spare a writing process keeps (0: none until
+                  the first commit, which then sizes it)
+    lease_ttl     seconds after which a lease held on another host lapses without renewal
+    sqlite_synchronous  SQLite's synchronous pragma for the catalog (FULL: a commit
+                  survives power loss)
+    """
+
+    home: Path
+    catalog_url: str
+    node: str = "local"
+    data_dir: Path = field(default=Path())
+    shm_dir: Path = field(default=Path())
+    default_tier: str = "host"
+    host_capacity: int | None = None
+    spare_bytes: int = 0
+    lease_ttl: float = 300.0
+    sqlite_synchronous: str = "FULL"
+
+    @classmethod
+    def resolve(cls, url: str | None = None, *, home: str | os.PathLike[str] | None = None,
+                node: str | None = None, data_dir: str | os.PathLike[str] | None = None,
+                **overrides: object) -> Config:
+        home_p = Path(home or os.environ.get("TENSORDB_HOME") or ".tensordb").resolve()
+        if data_dir is not None:
+            data_p = Path(data_dir).resolve()
+        else:
+            data_p = home_p / "data"
+        if url is None:
+            url = f"sqlite:///{home_p / 'catalog.db'}"
+        # name the shared-memory area after the store: its directory and its catalog
+        ident = hashlib.blake2b(f"{data_p}|{url}".encode(), digest_size=6).hexdigest()
+        shm = shm_root() / f"tensordb-{home_p.name.strip('.') or 'store'}-{ident}"
+        kw: dict[str, object] = {
+            "host_capacity": _env_int("TENSORDB_HOST_CAPACITY", None),
+            "spare_bytes": _env_int("TENSORDB_SPARE_BYTES", 0),
+            "default_tier": os.environ.get("TENSORDB_DEFAULT_TIER", "host"),
+        }
+        kw.update(overrides)
+        return cls(home=home_p, catalog_url=url, node=node or "local", data_dir=data_p,
+                   shm_dir=shm, **kw)  # type: ignore[arg-type]

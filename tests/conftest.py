@@ -1,0 +1,99 @@
+"""Fixtures: stores parametrised over catalog backends (sqlite, postgres).
+
+PostgreSQL tests use the server at $TENSORDB_TEST_PG (default
+postgresql+psycopg://postgres@127.0.0.1:5432); each test gets a database of its own,
+dropped afterwards. Where no server answers they skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import tensordb
+
+PG_BASE = os.environ.get("TENSORDB_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+_pg_reason: str | None = None
+
+
+def _pg_admin():  # type: ignore[no-untyped-def]
+    return create_engine(f"{PG_BASE}/postgres", isolation_level="AUTOCOMMIT",
+                         connect_args={"connect_timeout": 3})
+
+
+def _pg_available() -> str | None:
+    """None if PostgreSQL answers, else the reason to skip."""
+    global _pg_reason
+    if _pg_reason is None:
+        try:
+            eng = _pg_admin()
+            with eng.connect() as c:
+                c.execute(text("SELECT 1"))
+            eng.dispose()
+            _pg_reason = ""
+        except Exception as exc:  # any failure to reach it means: skip
+            _pg_reason = f"no PostgreSQL server answers at {PG_BASE}: {type(exc).__name__}"
+    return _pg_reason or None
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    reason = _pg_available()
+    if reason:
+        pytest.skip(reason)
+    name = f"tensordb_test_{uuid.uuid4().hex[:12]}"
+    eng = _pg_admin()
+    with eng.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"{PG_BASE}/{name}"
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        eng.dispose()
+
+
+def open_store(home: Path, url: str | None = None, **settings: object) -> tensordb.Database:
+    return tensordb.connect(url, home=home, data_dir=home / "data", **settings)
+
+
+def remove_store(db: tensordb.Database) -> None:
+    db.close()
+    shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
+    if request.param == "sqlite":
+        return None
+    return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def store_home(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def db(catalog_url: str | None, store_home: Path) -> Iterator[tensordb.Database]:
+    """A fresh store on each catalog backend."""
+    database = open_store(store_home, catalog_url)
+    try:
+        yield database
+    finally:
+        remove_store(database)
+
+
+@pytest.fixture
+def sqlite_db(store_home: Path) -> Iterator[tensordb.Database]:
+    database = open_store(store_home)
+    try:
+        yield database
+    finally:
+        remove_store(database)

@@ -1,0 +1,400 @@
+"""The client API contract (DESIGN.md section 3) on every catalog backend."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import tensordb
+from tensordb.errors import (
+    CommitConflict,
+    InvalidInput,
+    NotFound,
+    StoreClosed,
+    TensorDBError,
+)
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.complex64, torch.complex128,
+          torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...] = (3, 5)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * dtype.itemsize,), dtype=torch.uint8,
+                        generator=g)
+    if dtype == torch.bool:
+        return (raw[: int(np.prod(shape))] % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _snapshot_state(db: tensordb.Database) -> tuple:
+    """Everything a reader can see, to check a failed call changed nothing."""
+    out = []
+    for c in db.collections():
+        hist = db.history(c)
+        with db.snapshot(c) as s:
+            out.append((c, [h.version for h in hist],
+                        {n: _bytes(t) for n, t in s.state_dict().items()}, db.tags(c)))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_roundtrips_bit_exact(db: tensordb.Database, dtype: torch.dtype) -> None:
+    tensors = {"m": _sample(dtype), "scalar": _sample(dtype, ()), "empty": _sample(dtype, (0, 4))}
+    db.commit("dt", tensors)
+    with db.snapshot("dt") as s:
+        got = s.state_dict()
+    for name, t in tensors.items():
+        assert got[name].dtype == dtype and got[name].shape == t.shape
+        assert _bytes(got[name]) == _bytes(t)
+
+
+def test_numpy_in_torch_out_and_noncontiguous(db: tensordb.Database) -> None:
+    a = np.arange(24, dtype=np.float64).reshape(4, 6)
+    nc = torch.arange(30, dtype=torch.float32).reshape(5, 6).t()
+    db.commit("np", {"a": a, "nc": nc, "rev": a[::-1], "bigendian": a.astype(">i4")})
+    assert torch.equal(db.get("np", "a"), torch.from_numpy(a))
+    assert torch.equal(db.get("np", "nc"), nc)
+    assert db.get("np", "nc").is_contiguous()
+    assert torch.equal(db.get("np", "rev"), torch.from_numpy(a[::-1].copy()))
+    assert torch.equal(db.get("np", "bigendian"), torch.from_numpy(a.astype(np.int32)))
+
+
+def test_reads_are_zero_copy_and_copy_on_write(db: tensordb.Database) -> None:
+    db.commit("z", {"w": torch.ones(1000)})
+    a = db.get("z", "w")
+    # the tensor's memory is a mapping of the store's shared-memory segment: no copy
+    with open("/proc/self/maps") as fh:
+        maps = fh.read()
+    seg_lines = [ln for ln in maps.splitlines() if str(db.config.shm_dir) in ln]
+    ptr = a.data_ptr()
+    assert any(int(ln.split()[0].split("-")[0], 16) <= ptr < int(ln.split()[0].split("-")[1], 16)
+               for ln in seg_lines)
+    a[:10] = 42.0  # a reader's write: private to the reader, never reaches the store
+    with db.snapshot("z") as s:
+        assert float(s["w"].sum()) == 1000.0
+    assert float(db.get("z", "w", verify=True).sum()) == 1000.0
+
+
+def test_versions_are_consecutive_and_unchanged_tensors_share(db: tensordb.Database) -> None:
+    sd = {f"t{i}": torch.full((256,), float(i)) for i in range(20)}
+    c1 = db.commit("v", sd, message="one")
+    sd2 = dict(sd)
+    sd2["t7"] = torch.zeros(256)
+    c2 = db.commit("v", sd2, message="two")
+    assert (c1.version, c2.version) == (1, 2)
+    assert c1.written == 20 and c2.written == 1
+    assert c2.written_nbytes == 256 * 4 and c2.nbytes == 20 * 256 * 4
+    with db.snapshot("v", version=1) as s1, db.snapshot("v") as s2:
+        assert s2.version == 2
+        assert float(s1["t7"][0]) == 7.0 and float(s2["t7"][0]) == 0.0
+        assert s1["t3"].data_ptr() - s1["t0"].data_ptr() == s2["t3"].data_ptr() - s2["t0"].data_ptr()
+    cid = db.catalog.require("v").id
+    rows1 = {r.name: r for r in db.catalog.manifest(cid, 1)}
+    rows2 = {r.name: r for r in db.catalog.manifest(cid, 2)}
+    assert (rows1["t3"].segment_id, rows1["t3"].offset) == (rows2["t3"].segment_id, rows2["t3"].offset)
+    assert rows1["t7"].segment_id != rows2["t7"].segment_id
+    assert [c.version for c in db.history("v")] == [2, 1]
+    assert db.history("v")[0].message == "two"
+
+
+def test_transaction_put_delete_and_abort(db: tensordb.Database) -> None:
+    with db.transaction("tx", message="m") as tx:
+        tx.put("a", torch.ones(2))
+        tx.put_many({"b": torch.zeros(3), "c": torch.ones(1)})
+    assert tx.result is not None and tx.result.tensors == 3
+    with db.transaction("tx") as tx:
+        tx.delete("c")
+        tx.put("d", torch.ones(4))
+    assert tx.result.version == 2
+    with db.snapshot("tx") as s:
+        assert sorted(s) == ["a", "b", "d"]
+    with pytest.raises(RuntimeError):
+        with db.transaction("tx") as tx3:
+            tx3.put("e", torch.ones(1))
+            raise RuntimeError("boom")
+    assert tx3.result is None
+    assert db.history("tx")[0].version == 2
+    with pytest.raises(InvalidInput):
+        tx3.put("f", torch.ones(1))
+
+
+def test_conflict_on_same_names_and_disjoint_changes_land(db: tensordb.Database) -> None:
+    db.commit("cc", {"a": torch.zeros(2), "b": torch.zeros(2)})
+    t1 = db.transaction("cc").__enter__()
+    t2 = db.transaction("cc").__enter__()
+    t3 = db.transaction("cc").__enter__()
+    t1.put("a", torch.ones(2))
+    t2.put("b", torch.ones(2))
+    t3.put("a", torch.full((2,), 3.0))
+    t1.__exit__(None, None, None)
+    t2.__exit__(None, None, None)  # disjoint: lands on top of t1
+    with pytest.raises(CommitConflict) as info:
+        t3.__exit__(None, None, None)
+    assert info.value.names == ["a"] and info.value.collection == "cc"
+    assert "'a'" in str(info.value)
+    assert db.history("cc")[0].version == 3
+    with db.snapshot("cc") as s:
+        assert float(s["a"][0]) == 1.0 and float(s["b"][0]) == 1.0
+    assert db.gc().orphans_reclaimed == 0  # the loser's bytes were removed at once
+    assert len(list(db.tier("host").segments())) == db.stats()["segments"]
+
+
+def test_concurrent_threads_disjoint(db: tensordb.Database) -> None:
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for j in range(5):
+                db.commit("thr", {f"w{i}.{j}": torch.full((8,), float(i * 10 + j))})
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    assert [c.version for c in db.history("thr")] == list(range(20, 0, -1))
+    with db.snapshot("thr") as s:
+        assert len(s) == 20 and float(s["w3.4"][0]) == 34.0
+
+
+def test_tags_and_snapshot_by_tag(db: tensordb.Database) -> None:
+    db.commit("tg", {"x": torch.zeros(1)})
+    db.commit("tg", {"x": torch.ones(1)})
+    assert db.tag("tg", "first", version=1) == 1
+    assert db.tag("tg", "latest") == 2
+    assert db.tags("tg") == {"first": 1, "latest": 2}
+    with db.snapshot("tg", tag="first") as s:
+        assert s.version == 1 and float(s["x"][0]) == 0.0
+    assert float(db.get("tg", "x", tag="latest")[0]) == 1.0
+    db.untag("tg", "latest")
+    assert db.tags("tg") == {"first": 1}
+    with pytest.raises(NotFound):
+        db.snapshot("tg", tag="latest")
+
+
+def test_retention_gc_keeps_tagged_and_leased(db: tensordb.Database) -> None:
+    for v in range(1, 7):
+        db.commit("ret", {"w": torch.full((4096,), float(v))})
+    db.tag("ret", "keep", version=2)
+    snap = db.snapshot("ret", version=3)
+    db.set_retention("ret", 2)
+    report = db.gc()
+    assert report.dropped_versions == 2  # versions 1 and 4
+    assert [c.version for c in db.history("ret")] == [6, 5, 3, 2]
+    assert report.segments_deleted == 2 and report.bytes_freed >= 2 * 4096 * 4
+    assert float(snap["w"][0]) == 3.0
+    snap.close()
+    report = db.gc()
+    assert report.dropped_versions == 1
+    assert [c.version for c in db.history("ret")] == [6, 5, 2]
+    with pytest.raises(NotFound):
+        db.snapshot("ret", version=3)
+    assert db.verify() == []
+
+
+def test_tensor_stays_valid_whatever_gc_does(db: tensordb.Database) -> None:
+    db.commit("held", {"w": torch.arange(10000, dtype=torch.float32)})
+    t = db.get("held", "w")
+    db.drop("held")
+    report = db.gc()
+    assert report.segments_deleted == 1
+    db.commit("other", {"w": torch.zeros(10000)})  # new bytes, possibly the same memory
+    assert torch.equal(t, torch.arange(10000, dtype=torch.float32))
+    assert db.collections() == ["other"]
+    with pytest.raises(NotFound):
+        db.get("held", "w")
+
+
+def test_disk_tier(db: tensordb.Database) -> None:
+    db.commit("dk", {"w": torch.arange(100)}, tier="disk")
+    files = list(db.tier("disk").segments())
+    assert len(files) == 1 and list(db.tier("host").segments()) == []
+    assert torch.equal(db.get("dk", "w", verify=True), torch.arange(100))
+
+
+def test_watch_delivers_new_commits_in_order(db: tensordb.Database) -> None:
+    db.commit("wt", {"a": torch.zeros(1)})
+    got: list[int] = []
+
+    def writer() -> None:
+        for i in range(3):
+            db.commit("wt", {"a": torch.full((1,), float(i))})
+
+    th = threading.Thread(target=writer)
+    th.start()
+    for c in db.watch("wt", after=1, timeout=5):
+        got.append(c.version)
+        if c.version == 4:
+            break
+    th.join()
+    assert got == [2, 3, 4]
+
+
+def test_flipped_byte_is_caught(db: tensordb.Database) -> None:
+    db.commit("cor", {"a": torch.ones(1024), "b": torch.zeros(1024)})
+    (sid,) = list(db.tier("host").segments())
+    path = db.tier("host").path(sid)
+    with open(path, "r+b") as fh:
+        fh.seek(10)
+        byte = fh.read(1)
+        fh.seek(10)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    problems = db.verify()
+    assert [(p.collection, p.tensor) for p in problems] == [("cor", "a")]
+    with pytest.raises(tensordb.errors.CorruptData) as info:
+        db.get("cor", "a", verify=True)
+    assert info.value.tensor == "a"
+    with pytest.raises(tensordb.errors.CorruptData):
+        db.snapshot("cor", verify=True).state_dict()
+    assert torch.equal(db.get("cor", "b", verify=True), torch.zeros(1024))
+
+
+BAD_NAMES = ["", "   ", "../x", "/abs", "a/../b", "a//b", "x/", "a\\b", "bad\x00name", "tab\tname"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_bad_names_rejected_store_unchanged(db: tensordb.Database, name: str) -> None:
+    db.commit("ok", {"a": torch.ones(2)})
+    before = _snapshot_state(db)
+    with pytest.raises(InvalidInput):
+        db.commit("ok", {name: torch.ones(2)})
+    with pytest.raises(InvalidInput):
+        db.commit(name, {"a": torch.ones(2)})
+    with pytest.raises(InvalidInput):
+        db.tag("ok", name)
+    assert _snapshot_state(db) == before
+
+
+@pytest.mark.parametrize("value", [
+    [1.0, 2.0], 3.0, "tensor", None, np.array(["a", "b"]), np.array([object()]),
+    torch.ones(2).to_sparse(),
+    torch.empty(2, device="meta"),
+], ids=lambda v: type(v).__name__ if not isinstance(v, torch.Tensor) else str(v.layout) + str(v.dtype) + str(v.device))
+def test_bad_tensors_rejected_store_unchanged(db: tensordb.Database, value: object) -> None:
+    db.commit("ok", {"a": torch.ones(2)})
+    before = _snapshot_state(db)
+    with pytest.raises(InvalidInput) as info:
+        db.commit("ok", {"good": torch.ones(1), "bad": value})
+    assert info.value.tensor == "bad" and info.value.collection == "ok"
+    assert _snapshot_state(db) == before
+
+
+def test_unknown_things_are_not_found(db: tensordb.Database) -> None:
+    db.commit("nf", {"a": torch.ones(2)})
+    before = _snapshot_state(db)
+    cases = [
+        lambda: db.get("missing", "a"),
+        lambda: db.get("nf", "missing"),
+        lambda: db.get("nf", "a", version=99),
+        lambda: db.get("nf", "a", tag="nope"),
+        lambda: db.snapshot("missing"),
+        lambda: db.snapshot("nf", version=2),
+        lambda: db.history("missing"),
+        lambda: db.tag("nf", "t", version=5),
+        lambda: db.drop("missing"),
+        lambda: db.untag("nf", "nope"),
+        lambda: db.set_retention("missing", 3),
+    ]
+    for case in cases:
+        with pytest.raises(NotFound) as info:
+            case()
+        assert isinstance(info.value, KeyError) and isinstance(info.value, TensorDBError)
+        assert info.value.collection in ("nf", "missing")
+    with pytest.raises(NotFound) as info:
+        with db.transaction("nf") as tx:
+            tx.delete("ghost")
+    assert info.value.tensor == "ghost"
+    assert _snapshot_state(db) == before
+
+
+def test_other_bad_arguments(db: tensordb.Database) -> None:
+    db.commit("arg", {"a": torch.ones(2)})
+    before = _snapshot_state(db)
+    with pytest.raises(InvalidInput):
+        db.get("arg", "a", version="1")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        db.get("arg", "a", version=1, tag="x")
+    with pytest.raises(InvalidInput):
+        db.commit("arg", {"a": torch.ones(2)}, tier="tape")
+    with pytest.raises(InvalidInput):
+        db.set_retention("arg", 0)
+    with pytest.raises(InvalidInput):
+        db.commit("arg", {"a": torch.ones(2)}, metadata={"k": 1})  # type: ignore[dict-item]
+    with pytest.raises(InvalidInput):
+        db.commit("arg", {"a": torch.ones(2)}, message=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        db.transaction("arg").put("a", torch.ones(1))  # outside a with block
+    assert _snapshot_state(db) == before
+
+
+def test_closed_store_and_snapshot(db: tensordb.Database) -> None:
+    db.commit("cl", {"a": torch.ones(2)})
+    snap = db.snapshot("cl")
+    t = snap["a"]
+    snap.close()
+    with pytest.raises(StoreClosed):
+        snap["a"]
+    db.close()
+    for call in (lambda: db.get("cl", "a"), lambda: db.commit("cl", {"a": torch.ones(1)}),
+                 lambda: db.collections(), lambda: db.gc()):
+        with pytest.raises(StoreClosed):
+            call()
+    assert float(t.sum()) == 2.0  # handed-out tensors outlive the store handle
+
+
+def test_drop_and_collections(db: tensordb.Database) -> None:
+    db.commit("b", {"a": torch.ones(2)})
+    db.commit("a", {"a": torch.ones(2)})
+    assert db.collections() == ["a", "b"]
+    db.drop("b")
+    assert db.collections() == ["a"]
+    assert db.gc().segments_deleted == 1
+    db.commit("b", {"a": torch.zeros(2)})
+    assert [c.version for c in db.history("b")] == [1]
+
+
+def test_commit_metadata_kept(db: tensordb.Database) -> None:
+    c = db.commit("meta", {"a": torch.ones(2)}, metadata={"format": "pt"})
+    assert c.metadata == {"format": "pt"}
+    assert db.history("meta")[0].metadata == {"format": "pt"}
+
+
+def test_store_full(store_home, catalog_url) -> None:  # type: ignore[no-untyped-def]
+    from conftest import open_store, remove_store
+
+    db = open_store(store_home, catalog_url, host_capacity=1 << 20)
+    try:
+        db.commit("f", {"a": torch.zeros(100_000)})
+        before = _snapshot_state(db)
+        with pytest.raises(tensordb.errors.StoreFull):
+            db.commit("f", {"b": torch.zeros(300_000)})
+        assert _snapshot_state(db) == before
+        db.commit("f", {"b": torch.zeros(300_000)}, tier="disk")
+    finally:
+        remove_store(db)
+
+
+def test_public_surface() -> None:
+    import storage_engine
+
+    assert set(tensordb.__all__) >= {"connect", "Database", "Transaction", "Snapshot", "Commit",
+                                     "errors"}
+    assert set(tensordb.errors.__all__) >= {
+        "TensorDBError", "NotFound", "InvalidInput", "CommitConflict", "StoreFull",
+        "CorruptData", "QueryError", "Unauthorized", "NodeUnavailable"}
+    for mod in (tensordb, tensordb.errors, storage_engine):
+        for name in mod.__all__:
+            assert hasattr(mod, name), name
+    assert issubclass(tensordb.errors.NotFound, KeyError)
+    assert issubclass(tensordb.errors.InvalidInput, ValueError)

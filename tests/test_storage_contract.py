@@ -1,0 +1,162 @@
+"""The contract every tier obeys; each tier's test class subclasses TierContract."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import storage_engine as se
+
+
+class TierContract:
+    """Subclass and provide a ``tier`` fixture."""
+
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> se.Tier:  # pragma: no cover - overridden
+        raise AssertionError("subclasses provide the tier")
+
+    def _write(self, tier: se.Tier, data: bytes, sid: str = "s1") -> se.SegmentWriter:
+        w = tier.create(sid, len(data))
+        w.buffer[:] = np.frombuffer(data, np.uint8)
+        w.finish()
+        return w
+
+    def test_roundtrip(self, tier: se.Tier) -> None:
+        w = self._write(tier, b"abcdefgh" * 100)
+        w.release()
+        mm = tier.open("s1")
+        assert bytes(mm[:8]) == b"abcdefgh" and len(mm) == 800
+        assert list(tier.segments()) == ["s1"]
+
+    def test_reader_writes_stay_private(self, tier: se.Tier) -> None:
+        self._write(tier, b"x" * 4096).release()
+        mine = tier.open("s1")
+        mine[0:4] = b"MINE"  # copy-on-write: neither crashes nor reaches the tier
+        assert bytes(tier.open("s1")[0:4]) == b"xxxx"
+
+    def test_mapping_survives_delete(self, tier: se.Tier) -> None:
+        self._write(tier, b"y" * 8192).release()
+        mm = tier.open("s1")
+        assert tier.delete("s1") is True
+        assert bytes(mm[100:104]) == b"yyyy"
+        with pytest.raises(se.SegmentMissing):
+            tier.open("s1")
+        assert tier.delete("s1") is False
+
+    def test_missing_segment(self, tier: se.Tier) -> None:
+        with pytest.raises(se.SegmentMissing) as info:
+            tier.open("nope")
+        assert "nope" in str(info.value)
+
+    def test_files_are_private(self, tier: se.Tier) -> None:
+        self._write(tier, b"z" * 64).release()
+        root = getattr(tier, "root")
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+        for name in os.listdir(root):
+            assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
+
+    def test_orphans_of_live_writers_are_kept(self, tier: se.Tier) -> None:
+        w = tier.create("busy", 4096)  # still locked by us: a writer in progress
+        assert tier.reclaim_orphans(lambda sid: False) == []
+        w.finish()
+        w.release()  # released but never registered: its writer is gone
+        assert tier.reclaim_orphans(lambda sid: False) == ["busy"]
+        assert list(tier.segments()) == []
+
+    def test_registered_segments_are_not_orphans(self, tier: se.Tier) -> None:
+        self._write(tier, b"r" * 64).release()
+        assert tier.reclaim_orphans(lambda sid: True) == []
+        assert list(tier.segments()) == ["s1"]
+
+    def test_abort_removes(self, tier: se.Tier) -> None:
+        w = tier.create("gone", 128)
+        w.abort()
+        w.abort()
+        assert list(tier.segments()) == []
+
+    def test_capacity(self, tmp_path: Path) -> None:
+        tier = self.make(tmp_path / "cap", capacity=8192)
+        self._write(tier, b"a" * 4096).release()
+        with pytest.raises(se.TierFull) as info:
+            tier.create("s2", 8192)
+        assert info.value.tier == tier.name
+        assert list(tier.segments()) == ["s1"]
+        tier.close()
+
+    def test_zero_bytes_refused(self, tier: se.Tier) -> None:
+        with pytest.raises(ValueError):
+            tier.create("empty", 0)
+
+    def make(self, root: Path, capacity: int | None = None) -> se.Tier:  # pragma: no cover
+        raise AssertionError("subclasses provide make")
+
+
+class TestHostTier(TierContract):
+    def make(self, root: Path, capacity: int | None = None) -> se.Tier:
+        return se.HostTier(root, capacity=capacity)
+
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> se.Tier:
+        t = self.make(tmp_path / "host")
+        yield t
+        t.close()
+
+    def test_spare_is_used_and_renamed(self, tmp_path: Path) -> None:
+        tier = se.HostTier(tmp_path / "spare", spare_bytes=1 << 20)
+        tier.prefault(1 << 20)
+        spares = [n for n in os.listdir(tier.root) if n.startswith("spare-")]
+        assert len(spares) == 1
+        w = self._write(tier, b"q" * 1000, "fromspare")
+        w.release()
+        assert os.path.getsize(tier.path("fromspare")) == 1000  # trimmed to the segment
+        assert bytes(tier.open("fromspare")[:3]) == b"qqq"
+        tier.close()
+        assert not [n for n in os.listdir(tier.root) if n.startswith("spare-")]
+
+
+class TestDiskTier(TierContract):
+    def make(self, root: Path, capacity: int | None = None) -> se.Tier:
+        return se.DiskTier(root, capacity=capacity)
+
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> se.Tier:
+        return self.make(tmp_path / "disk")
+
+    def test_persistent(self, tier: se.Tier) -> None:
+        assert tier.persistent
+
+
+def test_pack_aligns() -> None:
+    offsets, total = se.pack([1, 64, 0, 65])
+    assert offsets == [0, 64, 128, 128] and total == 256
+    assert all(o % se.ALIGN == 0 for o in offsets)
+
+
+def test_fill_segment_parallel_checksums(tmp_path: Path) -> None:
+    tier = se.HostTier(tmp_path / "fill")
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (5 << 20, 3 << 20, 17, 1 << 20)]
+    sizes = [a.size for a in arrays]
+    offsets, total = se.pack(sizes)
+    w = tier.create("f", total)
+    sums = se.fill_segment(w, arrays, offsets, sizes)
+    w.finish()
+    w.release()
+    mm = tier.open("f")
+    for a, o, s in zip(arrays, offsets, sums):
+        got = np.frombuffer(mm, np.uint8, count=a.size, offset=o)
+        assert np.array_equal(got, a) and s == se.checksum(a)
+    tier.close()
+
+
+def test_holder_liveness() -> None:
+    me = se.current_holder()
+    assert se.holder_alive(me) is True
+    boot, pid, ticks = me.rsplit(":", 2)
+    assert se.holder_alive(f"{boot}:{pid}:{int(ticks) + 1}") is False
+    assert se.holder_alive(f"another-host:{pid}:{ticks}") is None
+    assert se.holder_alive("garbage") is False
