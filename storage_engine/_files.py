@@ -68,11 +68,10 @@ class _FileWriter(SegmentWriter):
     def _unmap(self) -> None:
         if self._mm is not None:
             self._buffer = np.empty(0, np.uint8)
-            try:
-                self._mm.close()
-            except BufferError:  # a caller still holds a view: let gc unmap it
-                pass
-            self._mm = None
+            mm, self._mm = self._mm, None
+            # munmap of a large populated mapping takes ~70 ms/GiB; it releases the GIL,
+            # so it runs beside the catalog commit instead of before it
+            threading.Thread(target=_close_quietly, args=(mm,), daemon=True).start()
 
     def finish(self) -> None:
         if self._mm is None or self._fd is None:
@@ -91,6 +90,7 @@ class _FileWriter(SegmentWriter):
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+            self._tier._released()
 
     def abort(self) -> None:
         self._unmap()
@@ -99,6 +99,13 @@ class _FileWriter(SegmentWriter):
         except FileNotFoundError:
             pass
         self.release()
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a caller still holds a view: the mapping goes with it
+        pass
 
 
 class FileTier(Tier):
@@ -131,13 +138,20 @@ class FileTier(Tier):
             if used + nbytes > self.capacity:
                 raise TierFull(self.name, nbytes, used, self.capacity)
 
-    def _new_file(self, path: Path, nbytes: int) -> tuple[int, mmap.mmap]:
+    def _new_file(self, path: Path, nbytes: int, *, populate: bool = True
+                  ) -> tuple[int, mmap.mmap]:
+        """A new locked file of ``nbytes``, mapped shared. ``populate`` pre-faults the
+        mapping in the kernel (fastest, but holds the GIL); without it the pages are
+        allocated by fallocate and faulted in by the caller."""
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             if not _lock_nb(fd):  # nobody else can know this fresh name
                 raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {path}")
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE,
+            if populate:
+                os.ftruncate(fd, nbytes)
+            else:
+                os.posix_fallocate(fd, 0, nbytes)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -152,6 +166,9 @@ class FileTier(Tier):
         path = self.path(segment_id)
         fd, mm = self._new_file(path, nbytes)
         return _FileWriter(self, segment_id, path, fd, mm, nbytes)
+
+    def _released(self) -> None:
+        """A writer of this tier let go of its segment (hook for spare refills)."""
 
     # -- reading -------------------------------------------------------------------
     def open(self, segment_id: str) -> mmap.mmap:
@@ -247,8 +264,9 @@ class HostTier(FileTier):
 
     def _make_spare(self, nbytes: int) -> None:
         path = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
-        fd, mm = self._new_file(path, nbytes)
-        # populated page tables are not enough on every kernel: touch each page once
+        # runs beside the caller's threads: fallocate and numpy's page walk release the
+        # GIL, MAP_POPULATE would not
+        fd, mm = self._new_file(path, nbytes, populate=False)
         np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
         with self._lock:
             old, self._spare = self._spare, (path, fd, mm, nbytes)
@@ -282,6 +300,9 @@ class HostTier(FileTier):
     def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
         if os.getpid() != self._pid:  # a forked child does not own its parent's spare
             self._spare, self._pending, self._pool, self._pid = None, None, None, os.getpid()
+        if nbytes <= 0:
+            raise ValueError("a segment holds at least one byte")
+        self._check_capacity(nbytes)
         with self._lock:
             spare = self._spare
             if spare is not None and spare[3] >= nbytes:
@@ -289,16 +310,17 @@ class HostTier(FileTier):
             else:
                 spare = None
         if spare is None:
-            writer = super().create(segment_id, nbytes)
-        else:
-            self._check_capacity(nbytes)
-            path, fd, mm, _ = spare
-            final = self.path(segment_id)
-            os.rename(path, final)  # the lock and the mapping follow the inode
-            writer = _FileWriter(self, segment_id, final, fd, mm, nbytes)
-        if self.spare_bytes:
+            return super().create(segment_id, nbytes)
+        path, fd, mm, _ = spare
+        final = self.path(segment_id)
+        os.rename(path, final)  # the lock and the mapping follow the inode
+        return _FileWriter(self, segment_id, final, fd, mm, nbytes)
+
+    def _released(self) -> None:
+        # refill only now: a refill running during the commit would compete for memory
+        # bandwidth with the commit's own copy
+        if self.spare_bytes and os.getpid() == self._pid:
             self.prefault(self.spare_bytes, wait=False)
-        return writer
 
     def close(self) -> None:
         with self._lock:

@@ -118,7 +118,12 @@ class Database:
             self._engine.dispose()
             raise NodeUnavailable(f"the catalog at {self._engine.url!r} does not answer: "
                                   f"{exc.orig}") from exc
-        self.catalog = Catalog(self._engine, config.node)
+        except BaseException:
+            self._engine.dispose()
+            raise
+        self._lease_engine = (make_engine(config.catalog_url, synchronous="NORMAL")
+                              if self._engine.dialect.name == "sqlite" else self._engine)
+        self.catalog = Catalog(self._engine, config.node, lease_engine=self._lease_engine)
         self._tiers: dict[str, se.Tier] = {
             "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
                                 spare_bytes=config.spare_bytes),
@@ -151,6 +156,7 @@ class Database:
         for tier in self._tiers.values():
             tier.close()
         self._engine.dispose()
+        self._lease_engine.dispose()
 
     def prefault(self, nbytes: int) -> None:
         """Pre-fault a host-tier spare of ``nbytes`` so a commit of that size is a memcpy."""
@@ -190,7 +196,11 @@ class Database:
                       and row.dtype == dtype_name(t.dtype) and row.shape == tuple(t.shape)]
         unchanged: list[str] = []
         if candidates:
-            digests = list(se.io_pool().map(lambda n: _digest(puts[n]), candidates))
+            pool = se.io_pool()
+            step = max(1, -(-len(candidates) // pool._max_workers))
+            batches = [candidates[i : i + step] for i in range(0, len(candidates), step)]
+            digests = [d for batch in pool.map(lambda b: [_digest(puts[n]) for n in b], batches)
+                       for d in batch]
             unchanged = [n for n, d in zip(candidates, digests) if d == live[n].checksum]
         skip = set(unchanged)
         changed = [(n, t) for n, t in puts.items() if n not in skip]
@@ -285,7 +295,7 @@ class Database:
         check_name("collection", collection)
         check_name("tensor", name, collection=collection)
         info, v = self.catalog.resolve(collection, version, tag)
-        rows = self.catalog.manifest(info.id, v, [name])
+        rows = self.catalog.manifest(info.id, v, [name], head=(v == info.head))
         if not rows:
             raise NotFound(f"collection {collection!r} version {v} has no tensor {name!r}",
                            collection=collection, tensor=name, version=v)
@@ -515,13 +525,9 @@ class Snapshot:
         self._db = db
         self.collection = collection
         self._verify = verify
-        self._lease, info, self.version = db.catalog.acquire_lease(
+        self._lease, _, self.version, rows = db.catalog.open_snapshot(
             collection, version, tag, se.current_holder(), db.config.lease_ttl)
-        try:
-            self._rows = {r.name: r for r in db.catalog.manifest(info.id, self.version)}
-        except BaseException:
-            db.catalog.release_lease(self._lease)
-            raise
+        self._rows = {r.name: r for r in rows}
         self._cache: dict[str, torch.Tensor] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._closed = False

@@ -27,7 +27,8 @@ def check_name(kind: str, name: object, *, collection: str | None = None) -> str
     if len(name) > _MAX[kind]:
         raise InvalidInput(f"{what[:80]}... is longer than {_MAX[kind]} characters",
                            collection=collection)
-    if any(unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in name):
+    if not (name.isascii() and name.isprintable()) and any(
+            unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in name):
         raise InvalidInput(f"{what} contains a control character", collection=collection)
     if name != name.strip():
         raise InvalidInput(f"{what} starts or ends with white space", collection=collection)

@@ -13,8 +13,24 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import lru_cache
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    String,
+    any_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import IntegrityError
 
 from storage_engine import holder_alive
@@ -58,9 +74,8 @@ class CollectionInfo:
     retain_last: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRow:
-    """Where one tensor of one version lives."""
+class TensorRow(NamedTuple):
+    """Where one tensor of one version lives (a tuple: manifests build thousands)."""
 
     name: str
     dtype: str
@@ -98,8 +113,20 @@ def shape_text(shape: Sequence[int]) -> str:
     return ",".join(str(int(d)) for d in shape)
 
 
+@lru_cache(maxsize=4096)
 def parse_shape(s: str) -> tuple[int, ...]:
     return tuple(int(d) for d in s.split(",")) if s else ()
+
+
+def _in(conn: Connection, col: Any, values: Sequence[str]) -> Any:
+    """``col IN values``; on PostgreSQL one array parameter instead of one per value."""
+    if conn.dialect.name == "postgresql":
+        return col == any_(literal(list(values), ARRAY(String)))
+    return col.in_(list(values))
+
+
+def _row(r: Any) -> TensorRow:
+    return TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6], r[7], r[8])
 
 
 def _insert_ignore(conn: Connection, table, values: dict) -> None:  # type: ignore[no-untyped-def]
@@ -121,9 +148,11 @@ def _insert_ignore(conn: Connection, table, values: dict) -> None:  # type: igno
 class Catalog:
     """Metadata of one store, over a SQLAlchemy engine. Thread-safe; any process."""
 
-    def __init__(self, engine: Engine, node: str) -> None:
+    def __init__(self, engine: Engine, node: str, *, lease_engine: Engine | None = None) -> None:
         self.engine = engine
         self.node = node
+        # leases die with their holders: they need no fsync (SQLite: a NORMAL-sync engine)
+        self.lease_engine = lease_engine or engine
 
     # -- collections ---------------------------------------------------------------
     def _info(self, conn: Connection, name: str, *, lock: bool = False) -> CollectionInfo | None:
@@ -200,34 +229,36 @@ class Catalog:
                            version=version)
         return info, version
 
-    def manifest(self, cid: int, version: int, names: Iterable[str] | None = None,
-                 conn: Connection | None = None) -> list[TensorRow]:
-        """The tensors of one version (or those of ``names``), ordered by name."""
+    def _manifest_query(self, cid: int, version: int | None) -> Any:
+        t = tensors.c
+        q = (select(t.name, t.dtype, t.shape, t.nbytes, t.checksum, t.segment_id, t.offset,
+                    segments.c.tier, t.first_version)
+             .select_from(tensors.outerjoin(segments, segments.c.id == t.segment_id))
+             .where(t.collection_id == cid))
+        if version is None:  # the head: the partial index on live rows answers it
+            return q.where(t.end_version.is_(None))
+        return q.where(t.first_version <= version,
+                       or_(t.end_version.is_(None), t.end_version > version))
+
+    def manifest(self, cid: int, version: int, names: Sequence[str] | None = None,
+                 conn: Connection | None = None, *, head: bool = False) -> list[TensorRow]:
+        """The tensors of one version (or those of ``names``), ordered by name.
+
+        ``head``: the caller knows ``version`` is the head (a cheaper lookup)."""
         if conn is None:
             with self.engine.connect() as c:
-                return self.manifest(cid, version, names, c)
-        t = tensors.c
-        q = (select(t.name, t.dtype, t.shape, t.nbytes, t.checksum, t.segment_id, t.offset,
-                    segments.c.tier, t.first_version)
-             .select_from(tensors.outerjoin(segments, segments.c.id == t.segment_id))
-             .where(t.collection_id == cid, t.first_version <= version,
-                    or_(t.end_version.is_(None), t.end_version > version))
-             .order_by(t.name))
+                return self.manifest(cid, version, names, c, head=head)
+        q = self._manifest_query(cid, None if head else version)
         if names is not None:
-            q = q.where(t.name.in_(list(names)))
-        return [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6], r[7], r[8])
-                for r in conn.execute(q)]
+            q = q.where(_in(conn, tensors.c.name, names))
+        rows = [_row(r) for r in conn.execute(q)]
+        rows.sort()
+        return rows
 
     def live(self, cid: int) -> dict[str, TensorRow]:
-        """The head's rows by name (no version lookup needed: end_version IS NULL)."""
-        t = tensors.c
-        q = (select(t.name, t.dtype, t.shape, t.nbytes, t.checksum, t.segment_id, t.offset,
-                    segments.c.tier, t.first_version)
-             .select_from(tensors.outerjoin(segments, segments.c.id == t.segment_id))
-             .where(t.collection_id == cid, t.end_version.is_(None)))
+        """The head's rows by name."""
         with self.engine.connect() as conn:
-            return {r[0]: TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6], r[7], r[8])
-                    for r in conn.execute(q)}
+            return {r[0]: _row(r) for r in conn.execute(self._manifest_query(cid, None))}
 
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
@@ -267,18 +298,23 @@ class Catalog:
             replace = [p.name for p in puts] + deletes
             removed_n = removed_bytes = 0
             if replace:
-                old = conn.execute(select(t.name, t.nbytes).where(
-                    t.collection_id == info.id, t.end_version.is_(None),
-                    t.name.in_(replace))).all()
+                close = (update(tensors).where(t.collection_id == info.id,
+                                               t.end_version.is_(None),
+                                               _in(conn, t.name, replace))
+                         .values(end_version=version))
+                if conn.dialect.update_returning:
+                    old = conn.execute(close.returning(t.name, t.nbytes)).all()
+                else:
+                    old = conn.execute(select(t.name, t.nbytes).where(
+                        t.collection_id == info.id, t.end_version.is_(None),
+                        _in(conn, t.name, replace))).all()
+                    conn.execute(close)
                 found = {r[0] for r in old}
                 missing = [d for d in deletes if d not in found]
-                if missing:
+                if missing:  # raising rolls the whole transaction back
                     raise NotFound(f"cannot delete {missing[0]!r}: collection {name!r} has no "
                                    f"such tensor", collection=name, tensor=missing[0])
                 removed_n, removed_bytes = len(old), sum(r[1] for r in old)
-                conn.execute(update(tensors).where(
-                    t.collection_id == info.id, t.end_version.is_(None),
-                    t.name.in_(replace)).values(end_version=version))
             if segment is not None:
                 sid, tier, snb = segment
                 conn.execute(segments.insert().values(id=sid, node=self.node, tier=tier,
@@ -352,20 +388,29 @@ class Catalog:
                                      .where(tags.c.collection_id == info.id).order_by(tags.c.name)).all())
 
     # -- leases ------------------------------------------------------------------------
-    def acquire_lease(self, name: str, version: int | None, tag: str | None, holder: str,
-                      ttl: float) -> tuple[str, CollectionInfo, int]:
-        """Resolve a version and lease it in one transaction, so gc cannot slip between."""
+    @staticmethod
+    def _ephemeral(conn: Connection) -> None:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+
+    def open_snapshot(self, name: str, version: int | None, tag: str | None, holder: str,
+                      ttl: float) -> tuple[str, CollectionInfo, int, list[TensorRow]]:
+        """Resolve a version, lease it and read its manifest in one transaction, so gc
+        cannot slip between the look-up and the lease."""
         lease_id = uuid.uuid4().hex
         now = _now()
-        with write_conn(self.engine) as conn:
+        with write_conn(self.lease_engine) as conn:
+            self._ephemeral(conn)
             info, v = self.resolve(name, version, tag, conn)
             conn.execute(leases.insert().values(
                 id=lease_id, collection_id=info.id, version=v, holder=holder, node=self.node,
                 created_at=now, expires_at=now + timedelta(seconds=ttl)))
-        return lease_id, info, v
+            rows = self.manifest(info.id, v, None, conn, head=(v == info.head))
+        return lease_id, info, v, rows
 
     def release_lease(self, lease_id: str) -> None:
-        with write_conn(self.engine) as conn:
+        with write_conn(self.lease_engine) as conn:
+            self._ephemeral(conn)
             conn.execute(delete(leases).where(leases.c.id == lease_id))
 
     def lease_holders(self) -> list[tuple[str, str, int, str]]:

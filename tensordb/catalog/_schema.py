@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    text,
 )
 from sqlalchemy.types import TypeDecorator
 
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0003"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -114,6 +115,10 @@ tensors = Table(
     Column("offset", BigInteger, nullable=False),
     Index("ix_tensors_live", "collection_id", "end_version"),
     Index("ix_tensors_segment", "segment_id"),
+    # the head's rows: one per name; added by revision 0003
+    Index("uq_tensors_head", "collection_id", "name", unique=True,
+          sqlite_where=text("end_version IS NULL"),
+          postgresql_where=text("end_version IS NULL")),
 )
 
 segments = Table(
