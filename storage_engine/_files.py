@@ -147,10 +147,15 @@ class FileTier(Tier):
         try:
             if not _lock_nb(fd):  # nobody else can know this fresh name
                 raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {path}")
-            if populate:
-                os.ftruncate(fd, nbytes)
-            else:
+            # allocate for real: a file only truncated to size on a full tmpfs maps fine
+            # and then kills the writer with SIGBUS at the first write
+            try:
                 os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise TierFull(self.name, nbytes, self.used_bytes(),
+                                   self.capacity or self.used_bytes()) from exc
+                raise
             # map through a second open file description: mmap keeps a dup of the fd it
             # is given, and a dup of the locked description would keep the lock for as
             # long as the mapping lives (its unmapping runs in the background)

@@ -160,3 +160,26 @@ def test_holder_liveness() -> None:
     assert se.holder_alive(f"{boot}:{pid}:{int(ticks) + 1}") is False
     assert se.holder_alive(f"another-host:{pid}:{ticks}") is None
     assert se.holder_alive("garbage") is False
+
+
+def test_full_tmpfs_raises_tier_full_not_sigbus(tmp_path: Path) -> None:
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                         capture_output=True)
+    if res.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        tier = se.HostTier(mnt / "host")
+        with pytest.raises(se.TierFull):
+            tier.create("big", 8 << 20)
+        assert list(tier.segments()) == []
+        w = tier.create("fits", 1 << 20)  # the failed attempt left nothing behind
+        w.buffer[:] = 7
+        w.finish()
+        w.release()
+        tier.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

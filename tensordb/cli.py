@@ -1,0 +1,350 @@
+"""The ``tensordb`` command line: look into a store and maintain it.
+
+Every command opens the store named by the global options (``--home``, ``--catalog``,
+``--node``, ``--data-dir``), does one thing and closes it. A ``TensorDBError`` ends
+the command with one red ``error: ...`` line on stderr and exit status 2; ``verify``
+exits 1 when it finds a problem.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from typer.core import TyperGroup
+
+from . import Database, connect
+from .config import Config
+from .errors import NodeUnavailable, TensorDBError
+
+__all__ = ["app", "main"]
+
+
+_TABLE: dict[str, Any] = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False,
+                         "collapse_padding": True}
+
+
+def _console(*, stderr: bool = False) -> Console:
+    # made per command, not at import: rich reads the terminal width when it is built
+    console = Console(stderr=stderr, highlight=False, emoji=False, soft_wrap=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = 120  # a pipe or a file: no terminal to fit, keep rows whole
+    return console
+
+
+def _report(exc: TensorDBError) -> None:
+    _console(stderr=True).print(f"error: {exc}", style="red", markup=False)
+
+
+class _Group(TyperGroup):
+    """Turns a TensorDBError raised by any command into ``error: ...`` and exit 2."""
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TensorDBError as exc:
+            _report(exc)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(
+    name="tensordb",
+    cls=_Group,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Versioned tensors in a shared store: inspect and maintain one.",
+)
+db_app = typer.Typer(no_args_is_help=True, help="Operations on the catalog database.")
+app.add_typer(db_app, name="db")
+
+
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """The store the global options name."""
+
+    home: Path | None
+    catalog: str | None
+    node: str | None
+    data_dir: Path | None
+
+    def config(self) -> Config:
+        return Config.resolve(self.catalog, home=self.home, node=self.node,
+                              data_dir=self.data_dir)
+
+
+def _where(ctx: typer.Context) -> _Where:
+    obj = ctx.find_root().obj
+    return obj if isinstance(obj, _Where) else _Where(None, None, None, None)
+
+
+@contextmanager
+def _open(ctx: typer.Context) -> Iterator[Database]:
+    w = _where(ctx)
+    db = connect(w.catalog, home=w.home, node=w.node, data_dir=w.data_dir)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+# -- formatting ------------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(t: datetime) -> str:
+    if t.tzinfo is None:  # SQLite hands back the stored UTC time without its zone
+        t = t.replace(tzinfo=timezone.utc)
+    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def history_table(commits: Sequence[Any], tags: dict[str, int] | None = None,
+                  title: str | None = None) -> Table:
+    """A rich table of commits (newest first, as ``Database.history`` returns them)."""
+    by_version: dict[int, list[str]] = {}
+    for name, v in (tags or {}).items():
+        by_version.setdefault(v, []).append(name)
+    table = Table(title=title, title_justify="left", **_TABLE)
+    table.add_column("version", justify="right", no_wrap=True, min_width=7)
+    table.add_column("created", no_wrap=True, min_width=19)
+    table.add_column("message", overflow="fold", ratio=1, min_width=10)
+    table.add_column("tensors", justify="right", no_wrap=True, min_width=7)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("written", justify="right", no_wrap=True)
+    if by_version:
+        table.add_column("tags", overflow="fold", min_width=4)
+    for c in commits:
+        row = [str(c.version), _when(c.created_at), escape(c.message or ""), str(c.tensors),
+               human_bytes(c.nbytes), f"{c.written} / {human_bytes(c.written_nbytes)}"]
+        if by_version:
+            row.append(escape(", ".join(sorted(by_version.get(c.version, [])))))
+        table.add_row(*row)
+    return table
+
+
+# -- the commands ----------------------------------------------------------------------
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    home: Annotated[Path | None, typer.Option(
+        "--home", help="The embedded store's directory (default: $TENSORDB_HOME, else "
+        "./.tensordb).", show_default=False)] = None,
+    catalog: Annotated[str | None, typer.Option(
+        "--catalog", metavar="URL", help="SQLAlchemy URL of the catalog, e.g. "
+        "postgresql+psycopg://host/tensordb (default: SQLite in the home directory).",
+        show_default=False)] = None,
+    node: Annotated[str | None, typer.Option(
+        "--node", help="This host's node name (default: local).", show_default=False)] = None,
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="The disk tier's directory (default: HOME/data).",
+        show_default=False)] = None,
+) -> None:
+    ctx.obj = _Where(home, catalog, node, data_dir)
+
+
+@app.command("ls")
+def ls_command(ctx: typer.Context) -> None:
+    """List the collections with their head version, tensors and size."""
+    out = _console()
+    with _open(ctx) as db:
+        table = Table(**_TABLE)
+        table.add_column("collection", overflow="fold")
+        table.add_column("head", justify="right", no_wrap=True)
+        table.add_column("tensors", justify="right", no_wrap=True, min_width=7)
+        table.add_column("size", justify="right", no_wrap=True)
+        table.add_column("versions", justify="right", no_wrap=True, min_width=8)
+        table.add_column("tags", overflow="fold")
+        n = 0
+        for name in db.collections():
+            try:
+                hist = db.history(name)
+                tags = db.tags(name)
+            except TensorDBError:  # dropped between the two looks
+                continue
+            n += 1
+            if hist:
+                head = hist[0]
+                row = [str(head.version), str(head.tensors), human_bytes(head.nbytes)]
+            else:
+                row = ["-", "0", human_bytes(0)]
+            table.add_row(escape(name), *row, str(len(hist)), escape(", ".join(tags)))
+        if n == 0:
+            out.print(f"no collections in {escape(str(db.config.home))}")
+            return
+        out.print(table)
+
+
+@app.command("log")
+def log_command(ctx: typer.Context,
+                collection: Annotated[str, typer.Argument(help="The collection.")]) -> None:
+    """Show a collection's history, newest first."""
+    with _open(ctx) as db:
+        commits = db.history(collection)
+        tags = db.tags(collection)
+    _console().print(history_table(commits, tags))
+
+
+@app.command("show")
+def show_command(
+    ctx: typer.Context,
+    collection: Annotated[str, typer.Argument(help="The collection.")],
+    version: Annotated[int | None, typer.Option(
+        "--version", "-v", help="The version (default: the head).", show_default=False)] = None,
+    tag: Annotated[str | None, typer.Option("--tag", "-t", help="A tag instead of a version.")
+                   ] = None,
+) -> None:
+    """List the tensors of one version: name, dtype, shape, bytes."""
+    out = _console()
+    with _open(ctx) as db, db.snapshot(collection, version=version, tag=tag) as snap:
+        info = snap.info()
+        v = snap.version
+    table = Table(title=f"{escape(collection)} v{v}: {len(info)} tensors, "
+                        f"{human_bytes(sum(i[2] for i in info.values()))}",
+                  title_justify="left", **_TABLE)
+    table.add_column("name", overflow="fold")
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape", overflow="fold")
+    table.add_column("nbytes", justify="right", no_wrap=True)
+    for name, (dtype, shape, nbytes) in info.items():
+        table.add_row(escape(name), dtype, _shape(shape), str(nbytes))
+    out.print(table)
+
+
+@app.command("tag")
+def tag_command(
+    ctx: typer.Context,
+    collection: Annotated[str, typer.Argument(help="The collection.")],
+    tag: Annotated[str, typer.Argument(help="The tag's name.")],
+    version: Annotated[int | None, typer.Option(
+        "--version", "-v", help="The version to tag (default: the head).",
+        show_default=False)] = None,
+    delete: Annotated[bool, typer.Option("--delete", "-d", help="Remove the tag.")] = False,
+) -> None:
+    """Point a tag at a version (a tagged version is kept by gc), or delete it."""
+    if delete and version is not None:
+        raise typer.BadParameter("--delete takes no --version", param_hint="--version")
+    out = _console()
+    with _open(ctx) as db:
+        if delete:
+            db.untag(collection, tag)
+            out.print(f"deleted tag {escape(tag)!r} of {escape(collection)}")
+        else:
+            v = db.tag(collection, tag, version=version)
+            out.print(f"tagged {escape(collection)} v{v} as {escape(tag)!r}")
+
+
+@app.command("gc")
+def gc_command(ctx: typer.Context) -> None:
+    """Reclaim the bytes no version, tag, lease or retention rule needs."""
+    out = _console()
+    with _open(ctx) as db, _console(stderr=True).status("collecting garbage..."):
+        report = db.gc()
+    table = Table(title="gc", title_justify="left", show_header=False, box=None,
+                  pad_edge=False)
+    table.add_column("what")
+    table.add_column("how many", justify="right")
+    for f in fields(report):
+        value = getattr(report, f.name)
+        text = human_bytes(value) if f.name == "bytes_freed" else str(value)
+        table.add_row(f.name.replace("_", " "), text)
+    out.print(table)
+
+
+@app.command("verify")
+def verify_command(ctx: typer.Context) -> None:
+    """Check every stored tensor against its checksum; exit 1 if any is bad."""
+    out = _console()
+    with _open(ctx) as db:
+        with _console(stderr=True).status("verifying checksums..."):
+            problems = db.verify()
+        stats = db.stats()
+    if not problems:
+        out.print(f"ok: {stats['segments']} segments, {human_bytes(stats['segment_bytes'])}, "
+                  f"no problems")
+        return
+    table = Table(title=f"{len(problems)} problem(s)", title_justify="left",
+                  **_TABLE)
+    for col in ("collection", "version", "tensor", "segment", "tier", "problem"):
+        table.add_column(col, overflow="fold")
+    for p in problems:
+        table.add_row(escape(p.collection), str(p.first_version), escape(p.tensor),
+                      p.segment_id, p.tier, escape(p.reason))
+    out.print(table)
+    _console(stderr=True).print(f"verify: {len(problems)} tensor(s) fail their check",
+                                style="red", markup=False)
+    raise typer.Exit(1)
+
+
+@db_app.command("upgrade")
+def db_upgrade_command(ctx: typer.Context) -> None:
+    """Migrate the catalog's schema to this version of tensordb (connecting does it too)."""
+    from sqlalchemy.exc import OperationalError
+
+    from .catalog import current_revision, ensure_schema, make_engine
+
+    cfg = _where(ctx).config()
+    engine = make_engine(cfg.catalog_url, synchronous=cfg.sqlite_synchronous)
+    url = engine.url.render_as_string(hide_password=True)
+    try:
+        with engine.connect() as conn:
+            before = current_revision(conn)
+        ensure_schema(engine)
+        with engine.connect() as conn:
+            after = current_revision(conn)
+    except OperationalError as exc:
+        raise NodeUnavailable(f"the catalog at {url} does not answer: {exc.orig}") from exc
+    finally:
+        engine.dispose()
+    out = _console()
+    out.print(f"catalog: {escape(url)}")
+    if before == after:
+        out.print(f"revision {after}: already current")
+    else:
+        out.print(f"revision {before or 'none (empty catalog)'} -> {after}")
+
+
+@app.command("demo")
+def demo_command() -> None:
+    """A tour on a throwaway store: commit, read zero-copy, commit a change.
+
+    Commits a model, reads it from a second process without copying it, commits a
+    version that changes one tensor and shows what the two versions share.
+    """
+    from ._demo import run
+
+    run(_console())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The console script: run the app, and end any TensorDBError with exit status 2."""
+    try:
+        app(args=list(argv) if argv is not None else None, prog_name="tensordb")
+    except TensorDBError as exc:  # raised outside a command, e.g. while closing
+        _report(exc)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
