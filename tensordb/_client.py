@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,16 @@ def _source(t: torch.Tensor) -> se.Source:
     return fill
 
 
+@lru_cache(maxsize=4096)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape``, in elements."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
 def _digest(t: torch.Tensor) -> str:
     src = t if t.is_contiguous() else t.contiguous()
     return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
@@ -124,6 +135,8 @@ class Database:
         self._lease_engine = (make_engine(config.catalog_url, synchronous="NORMAL")
                               if self._engine.dialect.name == "sqlite" else self._engine)
         self.catalog = Catalog(self._engine, config.node, lease_engine=self._lease_engine)
+        if self._lease_engine is not self._engine:  # open its pooled connection now
+            self._lease_engine.connect().close()
         self._tiers: dict[str, se.Tier] = {
             "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
                                 spare_bytes=config.spare_bytes),
@@ -280,12 +293,7 @@ class Database:
             base = bases.get(key)
             if base is None:
                 base = bases[key] = torch.frombuffer(mm, dtype=dt)
-            isz = dt.itemsize
-            strides, acc = [], 1
-            for d in reversed(r.shape):
-                strides.append(acc)
-                acc *= d
-            out[r.name] = base.as_strided(r.shape, tuple(reversed(strides)), r.offset // isz)
+            out[r.name] = base.as_strided(r.shape, _strides(r.shape), r.offset // dt.itemsize)
         return out
 
     def get(self, collection: str, name: str, *, version: int | None = None,
