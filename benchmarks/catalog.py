@@ -1,0 +1,243 @@
+"""Catalog benchmark: a 1,000-tensor commit, metadata only, on SQLite and PostgreSQL.
+
+What it measures, per backend:
+
+* ``metadata commit (fresh)``: ``db.catalog.commit`` of N ``NewTensor`` rows into a new
+  collection: the catalog transaction alone (no bytes; fake checksums, offsets and one
+  fake segment id per commit);
+* ``metadata commit (replace)``: the same, replacing all N names of an existing
+  collection (closes N rows, inserts N);
+* ``manifest read``: ``db.catalog.manifest(cid, version)`` of N rows;
+* ``full db.commit``: for context, ``db.commit`` of N tiny tensors (bytes + metadata).
+
+Each figure is the median and p90 of ``--reps`` runs (``--full-reps`` for db.commit),
+printed beside the goals of DESIGN.md (SQLite <= 20 ms, PostgreSQL <= 50 ms for the
+metadata commit). SQLite runs with ``sqlite_synchronous`` (default FULL: every commit
+is fsynced); PostgreSQL in a throwaway database that is dropped at the end. The
+PostgreSQL part is skipped, with the reason printed, if the server does not answer.
+
+Run:  .venv/bin/python benchmarks/catalog.py [--tensors 1000] [--reps 30] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from sqlalchemy import create_engine, text
+
+import tensordb
+from tensordb.catalog import NewTensor
+
+GOALS_MS = {"sqlite": 20.0, "postgresql": 50.0}
+
+
+def pctl(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summary(xs_s: list[float]) -> dict[str, float]:
+    ms = [x * 1e3 for x in xs_s]
+    return {"median_ms": statistics.median(ms), "p90_ms": pctl(ms, 0.9),
+            "min_ms": min(ms), "n": len(ms)}
+
+
+def fake_rows(n: int, sid: str, tag: int) -> list[NewTensor]:
+    return [NewTensor(f"model.layers.{i}.weight", "float32", (16,), 64,
+                      f"{(tag * 1_000_003 + i) & (2**64 - 1):016x}", sid, i * 64)
+            for i in range(n)]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> dict[str, object]:
+    cat = db.catalog
+    out: dict[str, object] = {}
+
+    def meta_commit(coll: str, base: int, tag: int) -> None:
+        sid = uuid.uuid4().hex
+        cat.commit(coll, base, fake_rows(n, sid, tag), unchanged=[], deletes=[],
+                   segment=(sid, "host", n * 64), message=f"bench {tag}")
+
+    # warm-up: connection pool, statement caches, first-table-page allocation
+    for w in range(3):
+        meta_commit(f"warm-{w}", 0, w)
+
+    # rows are built outside the timed region: only the catalog transaction counts
+    fresh: list[float] = []
+    for r in range(reps):
+        sid = uuid.uuid4().hex
+        rows = fake_rows(n, sid, r)
+        fresh.append(timed(lambda: cat.commit(f"fresh-{r}", 0, rows, unchanged=[], deletes=[],
+                                              segment=(sid, "host", n * 64),
+                                              message="fresh")))
+    out["metadata commit (fresh)"] = summary(fresh)
+
+    meta_commit("replace", 0, 0)
+    replace: list[float] = []
+    for r in range(reps):
+        sid = uuid.uuid4().hex
+        rows = fake_rows(n, sid, r + 1)
+        replace.append(timed(lambda: cat.commit("replace", r + 1, rows, unchanged=[], deletes=[],
+                                                segment=(sid, "host", n * 64),
+                                                message="replace")))
+    out["metadata commit (replace)"] = summary(replace)
+
+    info = cat.require("replace")
+    manifests: list[float] = []
+    got = 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        got = len(cat.manifest(info.id, info.head))
+        manifests.append(time.perf_counter() - t0)
+    assert got == n, (got, n)
+    out["manifest read (mid-history)"] = summary(manifests)
+    fresh_info = cat.require("fresh-0")
+    out["manifest read (v1)"] = summary(
+        [timed(lambda: cat.manifest(fresh_info.id, 1)) for _ in range(reps)])
+
+    tiny = [{f"model.layers.{i}.weight": torch.full((16,), float(r * n + i))
+             for i in range(n)} for r in range(full_reps + 1)]
+    db.commit("full-warm", tiny[-1])
+    full_fresh = [timed(lambda: db.commit(f"full-{r}", tiny[r])) for r in range(full_reps)]
+    out["full db.commit (fresh)"] = summary(full_fresh)
+    db.commit("full-replace", tiny[-1])
+    full_repl = [timed(lambda: db.commit("full-replace", tiny[r])) for r in range(full_reps)]
+    out["full db.commit (replace)"] = summary(full_repl)
+    return out
+
+
+def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
+    tmp = tempfile.mkdtemp(prefix="tensordb-bench-cat-", dir=args.tmp_dir)
+    db = tensordb.connect(home=tmp, sqlite_synchronous=args.sqlite_synchronous)
+    try:
+        with db._engine.connect() as conn:
+            level = conn.exec_driver_sql("PRAGMA synchronous").scalar()
+            journal = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+        names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+        res = bench_backend(db, args.tensors, args.reps, args.full_reps)
+        res["settings"] = {"sqlite_synchronous (config)": db.config.sqlite_synchronous,
+                           "PRAGMA synchronous": names.get(level, str(level)),
+                           "journal_mode": journal, "catalog": str(Path(tmp) / "catalog.db")}
+        return res
+    finally:
+        db.close()
+        shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def postgres_part(args: argparse.Namespace) -> dict[str, object]:
+    admin_url = f"postgresql+psycopg://{args.pg}/postgres"
+    dbname = f"tensordb_bench_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(admin_url, isolation_level="AUTOCOMMIT",
+                              connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            version = conn.execute(text("SHOW server_version")).scalar()
+            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the server skips
+        return {"skipped": f"PostgreSQL at {args.pg} does not answer: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    tmp = tempfile.mkdtemp(prefix="tensordb-bench-cat-pg-", dir=args.tmp_dir)
+    db = None
+    try:
+        db = tensordb.connect(f"postgresql+psycopg://{args.pg}/{dbname}", data_dir=tmp, home=tmp)
+        with db._engine.connect() as conn:
+            sync = conn.execute(text("SHOW synchronous_commit")).scalar()
+            fsync = conn.execute(text("SHOW fsync")).scalar()
+        res = bench_backend(db, args.tensors, args.reps, args.full_reps)
+        res["settings"] = {"server_version": version, "synchronous_commit": sync,
+                           "fsync": fsync, "database": dbname}
+        return res
+    finally:
+        if db is not None:
+            db.close()
+            shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def print_table(results: dict[str, dict[str, object]], n: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=110)
+    table = Table(title=f"catalog: {n}-tensor commits (ms per operation)")
+    for col in ("backend", "operation", "median", "p90", "min", "runs", "goal"):
+        table.add_column(col, justify="left" if col in ("backend", "operation") else "right")
+    for backend, res in results.items():
+        if "skipped" in res:
+            table.add_row(backend, f"skipped: {res['skipped']}", "", "", "", "", "")
+            continue
+        for op, s in res.items():
+            if op == "settings":
+                continue
+            assert isinstance(s, dict)
+            goal = ""
+            if op.startswith("metadata commit"):
+                g = GOALS_MS[backend]
+                ok = s["median_ms"] <= g
+                goal = f"<= {g:.0f} [{'green' if ok else 'red'}]{'ok' if ok else 'MISS'}[/]"
+            table.add_row(backend, op, f"{s['median_ms']:.2f}", f"{s['p90_ms']:.2f}",
+                          f"{s['min_ms']:.2f}", str(s["n"]), goal)
+        table.add_section()
+    console.print(table)
+    for backend, res in results.items():
+        if "settings" in res:
+            console.print(f"{backend} settings: " + ", ".join(
+                f"{k}={v}" for k, v in res["settings"].items()))  # type: ignore[union-attr]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensors", type=int, default=1000, help="rows per commit (1000)")
+    p.add_argument("--reps", type=int, default=30, help="timed metadata commits of each kind (30)")
+    p.add_argument("--full-reps", type=int, default=10, help="timed full db.commit runs (10)")
+    p.add_argument("--sqlite-synchronous", default="FULL",
+                   choices=["OFF", "NORMAL", "FULL", "EXTRA"])
+    p.add_argument("--pg", default="postgres@127.0.0.1:5432",
+                   help="PostgreSQL user@host:port; a throwaway database is created there")
+    p.add_argument("--backends", default="sqlite,postgresql", help="comma-separated")
+    p.add_argument("--tmp-dir", default=None, help="where the temporary stores go")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = p.parse_args(argv)
+
+    results: dict[str, dict[str, object]] = {}
+    load_before = os.getloadavg()[0]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "sqlite" in backends:
+        results["sqlite"] = sqlite_part(args)
+    if "postgresql" in backends:
+        results["postgresql"] = postgres_part(args)
+    load = (load_before, os.getloadavg()[0])
+    if args.json:
+        print(json.dumps({"tensors": args.tensors, "reps": args.reps, "goals_ms": GOALS_MS,
+                          "loadavg_before_after": load, "results": results},
+                         indent=2, default=str))
+    else:
+        print_table(results, args.tensors)
+        print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
+              "(other processes on the host skew the figures)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Materialization benchmark: commit ~1 GiB of tensors, then map them from a second process.
+
+What it measures:
+
+* ``memcpy``: numpy ``copyto`` of the same number of bytes into a pre-touched
+  destination, with 1 thread and with 2 threads (the physical limit, same run);
+* ``commit``: ``db.commit`` of ``--count`` float32 tensors totalling ``--total-mib`` to
+  (a) the host tier of a writer that pre-faulted its spare (``db.prefault``; the designed
+  fast path), (a') the same with the background refill of the next spare switched off,
+  to show what that refill costs the commit it runs beside, (b) the host tier with no
+  spare (cold: page faults of first touch), (c) the disk tier (fsynced). GB/s (1e9
+  bytes/s) and the fraction of 1-thread memcpy; best of ``--reps`` (median shown too);
+* ``child``: a second process (this script with ``--child``) connects to the same store,
+  opens the head snapshot, builds ``state_dict()`` and reads one element of every tensor,
+  timed from snapshot open to done (start-up+import and connect are reported apart); then
+  sums every tensor (all bytes, 1 thread, first pass and again) as GB/s. It checks that each
+  tensor's data_ptr lies in a mapping of the store's shm directory (/proc/self/maps):
+  zero-copy. Median of ``--child-runs`` processes.
+
+Goals printed beside: the child reads 1,000 tensors in <= 5 ms; commit >= 0.8 x memcpy.
+
+Run:  .venv/bin/python benchmarks/materialize.py [--count 1000] [--total-mib 1024] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+import tensordb
+
+GB = 1e9
+MiB = 1 << 20
+GOAL_CHILD_MS = 5.0
+GOAL_COMMIT_FRACTION = 0.8
+
+
+def name_of(i: int) -> str:
+    return f"model.layers.{i:05d}.weight"
+
+
+# -- child ------------------------------------------------------------------------------
+def shm_mappings(shm_dir: str) -> list[tuple[int, int, str]]:
+    out = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].strip().startswith(shm_dir + "/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, parts[1]))
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    started = time.time()  # imports are done by now
+    res: dict[str, Any] = {"startup_import_s": started - args.spawned_at}
+    t0 = time.perf_counter()
+    db = tensordb.connect(home=args.home)
+    res["connect_ms"] = (time.perf_counter() - t0) * 1e3
+
+    t0 = time.perf_counter()
+    snap = db.snapshot(args.collection)
+    t1 = time.perf_counter()
+    sd = snap.state_dict()
+    t2 = time.perf_counter()
+    firsts = [t.reshape(-1)[0].item() for t in sd.values()]
+    t3 = time.perf_counter()
+    res.update(snapshot_open_ms=(t1 - t0) * 1e3, state_dict_ms=(t2 - t1) * 1e3,
+               touch_ms=(t3 - t2) * 1e3, materialize_ms=(t3 - t0) * 1e3, tensors=len(sd))
+    res["values_ok"] = all(v == float(i) for i, v in enumerate(firsts))
+
+    # zero-copy: every tensor's storage lies inside a private mapping of the store's shm
+    maps = shm_mappings(str(db.config.shm_dir))
+    inside = sum(any(lo <= t.data_ptr() < hi for lo, hi, _ in maps) for t in sd.values())
+    res.update(zero_copy_tensors=inside, shm_mappings=len(maps),
+               mapping_perms=sorted({p for _, _, p in maps}))
+
+    nbytes = sum(t.nbytes for t in sd.values())
+    torch.set_num_threads(1)  # compare with 1-thread memcpy; OpenMP stalls on a busy host
+    for label in ("read_all_first", "read_all_again"):
+        t0 = time.perf_counter()
+        total = 0.0
+        for t in sd.values():
+            total += float(t.sum())
+        res[f"{label}_gbps"] = nbytes / (time.perf_counter() - t0) / GB
+    res["read_bytes"] = nbytes
+
+    t0 = time.perf_counter()
+    snap.close()
+    res["snapshot_close_ms"] = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()  # a second snapshot in the same process: segments mapped
+    with db.snapshot(args.collection) as s2:
+        sd2 = s2.state_dict()
+        [t.reshape(-1)[0].item() for t in sd2.values()]
+    res["materialize_warm_ms"] = (time.perf_counter() - t0) * 1e3
+    db.close()
+    print(json.dumps(res))
+
+
+def run_child(script: str, home: str, collection: str) -> dict[str, Any]:
+    spawned = time.time()
+    out = subprocess.run([sys.executable, script, "--child", "--home", home, "--collection",
+                          collection, "--spawned-at", repr(spawned)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- parent -----------------------------------------------------------------------------
+def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
+    src = np.empty(nbytes, np.uint8)
+    src.fill(1)
+    dst = np.empty(nbytes, np.uint8)
+    dst.fill(0)  # pre-touched: no page faults in the timed copies
+    one, two = [], []
+    half = nbytes // 2
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            list(pool.map(lambda s: np.copyto(dst[s], src[s]), [slice(0, half), slice(half, None)]))
+            two.append(time.perf_counter() - t0)
+    return {"memcpy_1t_gbps": nbytes / min(one) / GB, "memcpy_2t_gbps": nbytes / min(two) / GB}
+
+
+def timed_commits(db: tensordb.Database, prefix: str, tensors: dict[str, torch.Tensor],
+                  reps: int, *, tier: str = "host", prefault: int = 0, refill: bool = True,
+                  keep_last: bool = False) -> dict[str, Any]:
+    nbytes = sum(t.nbytes for t in tensors.values())
+    times, prefaults = [], []
+    for r in range(reps):
+        if prefault:
+            t0 = time.perf_counter()
+            db.prefault(prefault)
+            prefaults.append(time.perf_counter() - t0)
+            if not refill:  # private knob: no background refill of the next spare
+                db.tier("host").spare_bytes = 0
+        t0 = time.perf_counter()
+        c = db.commit(f"{prefix}{r}", tensors, tier=tier)
+        times.append(time.perf_counter() - t0)
+        assert c.nbytes == nbytes and c.tensors == len(tensors)
+        if prefault and refill:
+            db.prefault(prefault)  # wait for the background refill: keep the machine idle
+        if not (keep_last and r == reps - 1):
+            db.drop(f"{prefix}{r}")
+            db.gc()
+    best, med = min(times), statistics.median(times)
+    out: dict[str, Any] = {"best_s": best, "median_s": med, "best_gbps": nbytes / best / GB,
+                           "median_gbps": nbytes / med / GB, "runs": len(times)}
+    if prefaults:  # the first call faults a whole spare in; later ones find it refilled
+        out["prefault_gbps"] = prefault / max(prefaults) / GB
+    return out
+
+
+def parent(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.count
+    per = max(1, args.total_mib * MiB // n // 4)
+    tensors = {name_of(i): torch.empty(per, dtype=torch.float32).fill_(float(i)) for i in range(n)}
+    nbytes = n * per * 4
+    res: dict[str, Any] = {"tensors": n, "bytes": nbytes, "tensor_bytes": per * 4,
+                           "loadavg_before": os.getloadavg()[0]}
+    res.update(measure_memcpy(nbytes, args.reps))
+    spare = nbytes + 64 * MiB
+    homes: list[str] = []
+    dbs: list[tensordb.Database] = []
+
+    def open_store(**kw: object) -> tensordb.Database:
+        homes.append(tempfile.mkdtemp(prefix="tensordb-bench-mat-", dir=args.tmp_dir))
+        dbs.append(tensordb.connect(home=homes[-1], **kw))
+        return dbs[-1]
+
+    try:
+        a = open_store()
+        commits: dict[str, dict[str, Any]] = {}
+        commits["(a) host, prefaulted spare"] = timed_commits(
+            a, "a", tensors, args.reps, prefault=spare, keep_last=True)
+        if not args.skip_norefill:
+            x = open_store()
+            commits["(a') host, prefaulted, no refill"] = timed_commits(
+                x, "x", tensors, args.reps, prefault=spare, refill=False)
+            x.close()
+        # the child reads store (a): its writer stays open and idle meanwhile
+        runs = [run_child(__file__, homes[0], f"a{args.reps - 1}")
+                for _ in range(args.child_runs)]
+        b = open_store()
+        commits["(b) host, cold (no spare)"] = timed_commits(b, "b", tensors, args.reps)
+        if not args.skip_disk:
+            commits["(c) disk tier (fsync)"] = timed_commits(b, "c", tensors, args.reps,
+                                                            tier="disk")
+            res["disk_dir"] = str(b.config.data_dir)
+    finally:
+        for db in dbs:
+            db.close()
+            shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        for h in homes:
+            shutil.rmtree(h, ignore_errors=True)
+    for c in commits.values():
+        c["fraction_of_memcpy_1t"] = c["best_gbps"] / res["memcpy_1t_gbps"]
+        c["fraction_of_memcpy_2t"] = c["best_gbps"] / res["memcpy_2t_gbps"]
+    res["commits"] = commits
+    keys = [k for k, v in runs[0].items() if type(v) in (int, float)]
+    res["child_median"] = {k: statistics.median(r[k] for r in runs) for k in keys}
+    res["child_min"] = {k: min(r[k] for r in runs) for k in keys}
+    res["child_checks"] = {"values_ok": all(r["values_ok"] for r in runs),
+                           "zero_copy_tensors": [r["zero_copy_tensors"] for r in runs],
+                           "shm_mappings": runs[0]["shm_mappings"],
+                           "mapping_perms": runs[0]["mapping_perms"]}
+    res["child_runs"] = len(runs)
+    res["child_each"] = runs
+    res["loadavg_after"] = os.getloadavg()[0]
+    return res
+
+
+def verdict(ok: bool) -> str:
+    return "[green]ok[/]" if ok else "[red]MISS[/]"
+
+
+def print_report(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=110)
+    mc1, mc2 = res["memcpy_1t_gbps"], res["memcpy_2t_gbps"]
+    con.print(f"[bold]materialize[/]: {res['tensors']} float32 tensors of {res['tensor_bytes']:,} B"
+              f" = {res['bytes'] / GB:.3f} GB; GB = 1e9 bytes")
+    t = Table(title="commit (best of runs; median beside)")
+    for col in ("store", "best GB/s", "median GB/s", "x memcpy 1t", "x memcpy 2t", "goal"):
+        t.add_column(col, justify="left" if col == "store" else "right")
+    t.add_row("memcpy, 1 thread (best)", f"{mc1:.2f}", "", "1.00", f"{mc1 / mc2:.2f}", "")
+    t.add_row("memcpy, 2 threads (best)", f"{mc2:.2f}", "", f"{mc2 / mc1:.2f}", "1.00", "")
+    for name, c in res["commits"].items():
+        ok = c["fraction_of_memcpy_1t"] >= GOAL_COMMIT_FRACTION
+        t.add_row(name, f"{c['best_gbps']:.2f}", f"{c['median_gbps']:.2f}",
+                  f"{c['fraction_of_memcpy_1t']:.2f}", f"{c['fraction_of_memcpy_2t']:.2f}",
+                  f">= {GOAL_COMMIT_FRACTION} {verdict(ok)}")
+    con.print(t)
+    pf = [f"{k}: {c['prefault_gbps']:.2f} GB/s" for k, c in res["commits"].items()
+          if "prefault_gbps" in c]
+    if pf:
+        con.print("prefault of the first spare (untimed; page-fault rate): " + "; ".join(pf))
+
+    med, lo = res["child_median"], res["child_min"]
+    t = Table(title=f"second process (median of {res['child_runs']} processes; min beside)")
+    for col in ("step", "median", "min", "goal"):
+        t.add_column(col, justify="left" if col == "step" else "right")
+    ok = med["materialize_ms"] <= GOAL_CHILD_MS
+    rows = [("interpreter start-up + imports", "startup_import_s", 1e3, "ms"),
+            ("connect", "connect_ms", 1, "ms"),
+            ("snapshot open (lease + manifest)", "snapshot_open_ms", 1, "ms"),
+            ("state_dict() (map + views)", "state_dict_ms", 1, "ms"),
+            ("touch one element of each", "touch_ms", 1, "ms"),
+            ("= snapshot open to done", "materialize_ms", 1, "ms"),
+            ("same again, segments already mapped", "materialize_warm_ms", 1, "ms"),
+            ("snapshot close (release lease)", "snapshot_close_ms", 1, "ms"),
+            ("read all bytes (sum, 1 thread), first pass", "read_all_first_gbps", 1, "GB/s"),
+            ("read all bytes (sum, 1 thread), again", "read_all_again_gbps", 1, "GB/s")]
+    for label, key, scale, unit in rows:
+        goal = f"{med[key] / mc1:.2f} x memcpy 1t" if unit == "GB/s" else ""
+        if key == "materialize_ms":
+            goal = f"<= {GOAL_CHILD_MS:g} ms {verdict(ok)}"
+        t.add_row(label, f"{med[key] * scale:.2f} {unit}", f"{lo[key] * scale:.2f} {unit}", goal)
+    con.print(t)
+    chk = res["child_checks"]
+    con.print(f"child checks: values ok={chk['values_ok']}; zero-copy tensors per run "
+              f"{chk['zero_copy_tensors']} of {res['tensors']} (data_ptr inside "
+              f"{chk['shm_mappings']} mapping(s) of the store's shm dir, perms "
+              f"{chk['mapping_perms']})")
+    if "disk_dir" in res:
+        con.print(f"disk tier directory: {res['disk_dir']}")
+    con.print(f"1-min load average before/after: {res['loadavg_before']:.2f} / "
+              f"{res['loadavg_after']:.2f} (other processes on the host skew the figures)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--count", type=int, default=1000, help="number of tensors (1000)")
+    p.add_argument("--total-mib", type=int, default=1024, help="total size in MiB (1024)")
+    p.add_argument("--reps", type=int, default=3, help="timed commits per store kind (3)")
+    p.add_argument("--child-runs", type=int, default=3, help="reader processes (3)")
+    p.add_argument("--skip-disk", action="store_true", help="skip the disk-tier commit")
+    p.add_argument("--skip-norefill", action="store_true", help="skip the (a') variant")
+    p.add_argument("--tmp-dir", default=None, help="where the temporary stores go")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--home", help=argparse.SUPPRESS)
+    p.add_argument("--collection", help=argparse.SUPPRESS)
+    p.add_argument("--spawned-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    res = parent(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_report(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
