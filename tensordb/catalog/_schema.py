@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     ForeignKey,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     Table,
     Text,
     text,
+    true,
 )
 from sqlalchemy.types import TypeDecorator
 
@@ -34,12 +36,16 @@ __all__ = [
     "tags",
     "leases",
     "nodes",
+    "pins",
+    "policies",
+    "policy_runs",
+    "kv_namespaces",
     "UTCDateTime",
     "HEAD_REVISION",
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0003"
+HEAD_REVISION = "0004"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -164,4 +170,56 @@ nodes = Table(
     Column("capacity", BigInteger, nullable=True),
     Column("heartbeat_at", UTCDateTime, nullable=True),
     Column("state", String(16), nullable=False, server_default="up"),
+)
+
+# -- revision 0004 ------------------------------------------------------------------------
+
+#: a pinned version keeps its bytes in ``tier``: gc and eviction leave it alone
+pins = Table(
+    "pins",
+    metadata,
+    Column("collection_id", Integer, ForeignKey("collections.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("version", Integer, primary_key=True),
+    Column("tier", String(16), primary_key=True),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+#: stored policies: trigger is 'every' (schedule: an interval such as '10 minutes'),
+#: 'cron' (schedule: a crontab expression) or 'commit' (schedule: a collection name)
+policies = Table(
+    "policies",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("trigger", String(16), nullable=False),
+    Column("schedule", Text, nullable=False),
+    Column("statement", Text, nullable=False),
+    Column("enabled", Boolean, nullable=False, server_default=true()),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+#: one row per policy run: outcome 'ok' or 'error' (detail: the error), attempt from 1
+policy_runs = Table(
+    "policy_runs",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("policy", String(255), nullable=False),
+    Column("attempt", Integer, nullable=False, server_default="1"),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Column("outcome", String(16), nullable=False),
+    Column("detail", Text, nullable=True),
+    Index("ix_policy_runs_policy", "policy", "started_at"),
+)
+
+#: KV block stores per node (filled by the KV store)
+kv_namespaces = Table(
+    "kv_namespaces",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("block_tokens", Integer, nullable=False),
+    Column("node", String(255), primary_key=True),
+    Column("blocks", BigInteger, nullable=False, server_default="0"),
+    Column("nbytes", BigInteger, nullable=False, server_default="0"),
+    Column("created_at", UTCDateTime, nullable=False),
 )
