@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from . import errors
-from ._client import Corruption, Database, GcReport, Snapshot, Transaction
+from ._client import Corruption, Database, EvictReport, GcReport, Snapshot, Transaction
 from .catalog import Commit
 from .config import Config
 
@@ -14,6 +14,7 @@ __all__ = [
     "Config",
     "Corruption",
     "Database",
+    "EvictReport",
     "GcReport",
     "Snapshot",
     "Transaction",

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -35,7 +36,7 @@ from .errors import (
     StoreFull,
 )
 
-__all__ = ["Database", "Transaction", "Snapshot", "GcReport", "Corruption"]
+__all__ = ["Database", "Transaction", "Snapshot", "GcReport", "Corruption", "EvictReport"]
 
 _EMPTY_CHECKSUM = se.checksum(b"")
 
@@ -48,6 +49,15 @@ class GcReport:
     segments_deleted: int
     bytes_freed: int
     orphans_reclaimed: int
+
+
+@dataclass(frozen=True, slots=True)
+class EvictReport:
+    """What an eviction moved down a tier, and what it left because a pin holds it."""
+
+    segments: int
+    nbytes: int
+    skipped_pinned: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +267,10 @@ class Database:
         try:
             return self._tiers[tier].open(segment_id)
         except se.SegmentMissing as exc:
-            if self.catalog.segment_registered(segment_id):
+            moved_to = self.catalog.segment_tier(segment_id)
+            if moved_to is not None and moved_to != tier:  # evicted or promoted meanwhile
+                return self._map(segment_id, moved_to, collection, tensor)
+            if moved_to is not None:
                 raise CorruptData(
                     f"the bytes of {collection}/{tensor} (segment {segment_id}) are "
                     f"missing from the {tier} tier", collection=collection,
@@ -380,6 +393,136 @@ class Database:
             if deadline is not None and time.monotonic() >= deadline:
                 return
             time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+
+    # -- placement -------------------------------------------------------------------
+    _ORDER = ("gpu", "host", "disk")  # fastest first
+
+    def _placement_tier(self, tier: str) -> str:
+        if tier not in self._ORDER:
+            raise InvalidInput(f"unknown tier {tier!r}; tiers are {', '.join(self._ORDER)}")
+        if tier not in self._tiers:
+            raise InvalidInput(f"node {self.config.node!r} has no {tier} tier")
+        return tier
+
+    def _move(self, segment_id: str, src: str, dst: str) -> bool:
+        """Copy a segment to another tier, repoint the catalog, delete the old copy.
+
+        Readers that mapped the old copy keep it; readers that look the segment up
+        after the move find it in ``dst``."""
+        source = self._tiers[src]
+        try:
+            mm = source.open(segment_id)
+        except se.SegmentMissing:
+            return False
+        writer = self._tiers[dst].create(segment_id, len(mm))
+        try:
+            np.copyto(writer.buffer, np.frombuffer(mm, np.uint8))
+            del mm
+            writer.finish()
+            moved = self.catalog.move_segment(segment_id, src, dst)
+        except BaseException:
+            writer.abort()
+            raise
+        if not moved:  # someone else moved or dropped it first
+            writer.abort()
+            return False
+        writer.release()
+        source.delete(segment_id)
+        return True
+
+    def pin(self, collection: str, *, version: int | None = None, tag: str | None = None,
+            tier: str = "host") -> int:
+        """Keep a version's bytes in ``tier`` (moving them there now): eviction skips
+        them and gc keeps the version. Returns the pinned version. Idempotent."""
+        self._check_open()
+        check_name("collection", collection)
+        tier = self._placement_tier(tier)
+        v = self.catalog.pin(collection, version, tag, tier)
+        cid = self.catalog.require(collection).id
+        for sid, at, _ in self.catalog.version_segments(cid, v):
+            if at != tier:
+                self._move(sid, at, tier)
+        return v
+
+    def unpin(self, collection: str, *, version: int | None = None, tag: str | None = None,
+              tier: str = "host") -> bool:
+        """Remove a pin; False if there was none."""
+        self._check_open()
+        check_name("collection", collection)
+        return self.catalog.unpin(collection, version, tag, self._placement_tier(tier))
+
+    def pins(self) -> list[tuple[str, int, str]]:
+        """(collection, version, tier) of every pin."""
+        self._check_open()
+        return self.catalog.pins()
+
+    def evict(self, collection: str, *, version: int | None = None, tag: str | None = None,
+              tier: str = "host") -> EvictReport:
+        """Move a version's bytes from ``tier`` down to the next tier (host to disk),
+        except those a pin in ``tier`` holds."""
+        self._check_open()
+        check_name("collection", collection)
+        tier = self._placement_tier(tier)
+        below = [t for t in self._ORDER[self._ORDER.index(tier) + 1 :] if t in self._tiers]
+        if not below:
+            raise InvalidInput(f"cannot evict from the {tier} tier: no tier lies below it",
+                               collection=collection)
+        info, v = self.catalog.resolve(collection, version, tag)
+        pinned = self.catalog.pinned_segments(tier)
+        moved = nbytes = skipped = 0
+        for sid, at, size in self.catalog.version_segments(info.id, v):
+            if at != tier:
+                continue
+            if sid in pinned:
+                skipped += 1
+            elif self._move(sid, tier, below[0]):
+                moved += 1
+                nbytes += size
+        return EvictReport(moved, nbytes, skipped)
+
+    def drop_versions(self, collection: str, *, keep_last: int | None = None,
+                      older_than: timedelta | None = None) -> int:
+        """Forget old versions, keeping the head and every tagged, pinned or leased
+        version; ``gc`` then frees their bytes. Returns how many were dropped."""
+        self._check_open()
+        check_name("collection", collection)
+        if (keep_last is None) == (older_than is None):
+            raise InvalidInput("give keep_last or older_than (exactly one)",
+                               collection=collection)
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                      or keep_last < 1):
+            raise InvalidInput(f"keep_last must be a positive integer, not {keep_last!r}",
+                               collection=collection)
+        if older_than is not None and (not isinstance(older_than, timedelta)
+                                       or older_than.total_seconds() < 0):
+            raise InvalidInput(f"older_than must be a non-negative timedelta, not {older_than!r}",
+                               collection=collection)
+        return self.catalog.drop_versions(collection, keep_last, older_than)
+
+    def replicate(self, collection: str, *, version: int | None = None,
+                  to: Iterable[str]) -> list[str]:
+        """Make ``to`` nodes hold a version. Returns the nodes that hold it.
+
+        The embedded store is one node: it holds every version already, and any other
+        node name is unknown. Registered remote nodes need the node-to-node transport
+        of cluster mode, which this store does not run: NodeUnavailable."""
+        self._check_open()
+        check_name("collection", collection)
+        targets = [to] if isinstance(to, str) else list(to)
+        if not targets:
+            raise InvalidInput("replicate needs at least one target node", collection=collection)
+        self.catalog.resolve(collection, version, None)
+        known = self.catalog.node_names() | {self.config.node}
+        for node in targets:
+            if not isinstance(node, str) or node not in known:
+                raise NotFound(f"no node {node!r} in the catalog", collection=collection,
+                               node=str(node))
+        remote = [n for n in targets if n != self.config.node]
+        if remote:
+            raise NodeUnavailable(f"node {remote[0]!r} is registered, but this store runs no "
+                                  f"node-to-node transport (cluster mode)", collection=collection,
+                                  node=remote[0])
+        return targets
 
     # -- maintenance -------------------------------------------------------------------
     def gc(self) -> GcReport:

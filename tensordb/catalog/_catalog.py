@@ -37,7 +37,7 @@ from storage_engine import holder_alive
 
 from ..errors import CommitConflict, InvalidInput, NotFound
 from ._engine import write_conn
-from ._schema import collections, commits, leases, segments, tags, tensors
+from ._schema import collections, commits, leases, nodes, pins, segments, tags, tensors
 
 __all__ = ["Catalog", "CollectionInfo", "Commit", "TensorRow", "NewTensor", "GcPlan"]
 
@@ -452,6 +452,92 @@ class Catalog:
                 select(leases.c.id, collections.c.name, leases.c.version, leases.c.holder)
                 .join(collections, collections.c.id == leases.c.collection_id))]
 
+    # -- pins ---------------------------------------------------------------------------
+    def pin(self, name: str, version: int | None, tag: str | None, tier: str) -> int:
+        with write_conn(self.engine) as conn:
+            info, v = self.resolve(name, version, tag, conn)
+            _insert_ignore(conn, pins, {"collection_id": info.id, "version": v, "tier": tier,
+                                        "created_at": _now()})
+            return v
+
+    def unpin(self, name: str, version: int | None, tag: str | None, tier: str) -> bool:
+        with write_conn(self.engine) as conn:
+            info, v = self.resolve(name, version, tag, conn)
+            return conn.execute(delete(pins).where(
+                pins.c.collection_id == info.id, pins.c.version == v,
+                pins.c.tier == tier)).rowcount > 0
+
+    def pins(self) -> list[tuple[str, int, str]]:
+        with self.engine.connect() as conn:
+            return [(r[0], r[1], r[2]) for r in conn.execute(
+                select(collections.c.name, pins.c.version, pins.c.tier)
+                .join(collections, collections.c.id == pins.c.collection_id)
+                .order_by(collections.c.name, pins.c.version))]
+
+    def pinned_segments(self, tier: str) -> set[str]:
+        """Segments that hold bytes of a version pinned in ``tier``."""
+        t = tensors.c
+        q = (select(t.segment_id).distinct()
+             .select_from(tensors.join(pins, pins.c.collection_id == t.collection_id))
+             .where(pins.c.tier == tier, t.segment_id.is_not(None),
+                    t.first_version <= pins.c.version,
+                    or_(t.end_version.is_(None), t.end_version > pins.c.version)))
+        with self.engine.connect() as conn:
+            return set(conn.execute(q).scalars())
+
+    def version_segments(self, cid: int, version: int) -> list[tuple[str, str, int]]:
+        """(segment id, tier, nbytes) of the segments one version's tensors live in."""
+        t = tensors.c
+        q = (select(segments.c.id, segments.c.tier, segments.c.nbytes).distinct()
+             .select_from(tensors.join(segments, segments.c.id == t.segment_id))
+             .where(t.collection_id == cid, t.first_version <= version,
+                    or_(t.end_version.is_(None), t.end_version > version),
+                    segments.c.node == self.node))
+        with self.engine.connect() as conn:
+            return [(r[0], r[1], r[2]) for r in conn.execute(q)]
+
+    def move_segment(self, segment_id: str, src: str, dst: str) -> bool:
+        """Record that a segment now lives in ``dst``; False if it was not in ``src``."""
+        with write_conn(self.engine) as conn:
+            return conn.execute(update(segments).where(
+                segments.c.id == segment_id, segments.c.tier == src,
+                segments.c.node == self.node).values(tier=dst)).rowcount == 1
+
+    def segment_tier(self, segment_id: str) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(select(segments.c.tier).where(
+                segments.c.id == segment_id, segments.c.node == self.node)).scalar()
+
+    def drop_versions(self, name: str, keep_last: int | None,
+                      older_than: timedelta | None) -> int:
+        """Forget versions (never the head, a tagged, pinned or leased one); gc then
+        reclaims what only they needed. Returns how many were dropped."""
+        with write_conn(self.engine) as conn:
+            info = self._info(conn, name, lock=True)
+            if info is None:
+                raise NotFound(f"no collection {name!r}", collection=name)
+            held, _ = self._held(conn)
+            keep = {v for c, v in held if c == info.id}
+            keep |= set(conn.execute(select(tags.c.version).where(
+                tags.c.collection_id == info.id)).scalars())
+            keep |= set(conn.execute(select(pins.c.version).where(
+                pins.c.collection_id == info.id)).scalars())
+            keep.add(info.head)
+            q = select(commits.c.version).where(commits.c.collection_id == info.id)
+            if keep_last is not None:
+                q = q.where(commits.c.version <= info.head - keep_last)
+            if older_than is not None:
+                q = q.where(commits.c.created_at < _now() - older_than)
+            drop = [v for v in conn.execute(q).scalars() if v not in keep]
+            if drop:
+                conn.execute(delete(commits).where(commits.c.collection_id == info.id,
+                                                   commits.c.version.in_(drop)))
+            return len(drop)
+
+    def node_names(self) -> set[str]:
+        with self.engine.connect() as conn:
+            return set(conn.execute(select(nodes.c.name)).scalars())
+
     # -- segments ----------------------------------------------------------------------
     def segment_registered(self, segment_id: str) -> bool:
         with self.engine.connect() as conn:
@@ -471,27 +557,34 @@ class Catalog:
                                            r[8], r[9])) for r in conn.execute(q)]
 
     # -- gc ----------------------------------------------------------------------------
+    @staticmethod
+    def _held(conn: Connection) -> tuple[set[tuple[int, int]], list[str]]:
+        """(collection id, version) pairs under a live lease, and the ids of dead leases."""
+        now = _now()
+        expired: list[str] = []
+        held: set[tuple[int, int]] = set()
+        for lid, cid, v, holder, exp in conn.execute(select(
+                leases.c.id, leases.c.collection_id, leases.c.version, leases.c.holder,
+                leases.c.expires_at)):
+            alive = holder_alive(holder)
+            if alive is False or (alive is None and exp < now):
+                expired.append(lid)
+            else:
+                held.add((cid, v))
+        return held, expired
+
     def gc(self) -> GcPlan:
         """Drop what no version, tag, lease or retention rule needs, in one transaction.
 
         Returns the segments whose rows were removed; the caller deletes their bytes
         after this transaction has committed.
         """
-        now = _now()
         with write_conn(self.engine) as conn:
-            expired: list[str] = []
-            held: set[tuple[int, int]] = set()
-            for lid, cid, v, holder, exp in conn.execute(select(
-                    leases.c.id, leases.c.collection_id, leases.c.version, leases.c.holder,
-                    leases.c.expires_at)):
-                alive = holder_alive(holder)
-                if alive is False or (alive is None and exp < now):
-                    expired.append(lid)
-                else:
-                    held.add((cid, v))
+            held, expired = self._held(conn)
             if expired:
                 conn.execute(delete(leases).where(leases.c.id.in_(expired)))
             tagged = {(r[0], r[1]) for r in conn.execute(select(tags.c.collection_id, tags.c.version))}
+            tagged |= {(r[0], r[1]) for r in conn.execute(select(pins.c.collection_id, pins.c.version))}
             dropped_versions = dropped_rows = 0
             for cid, head, keep in conn.execute(select(
                     collections.c.id, collections.c.head, collections.c.retain_last)).all():
