@@ -11,7 +11,7 @@ import mmap
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError
 
 import storage_engine as se
 
-from ._dtypes import dtype_name, numpy_to_torch, torch_dtype
+from ._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
 from ._names import check_name
 from .catalog import Catalog, Commit, NewTensor, TensorRow, ensure_schema, make_engine
 from .config import Config
@@ -100,7 +100,19 @@ def as_tensor(value: object, name: str) -> torch.Tensor:
     return t
 
 
-def _source(t: torch.Tensor) -> se.Source:
+@dataclass(frozen=True, slots=True)
+class _RawPut:
+    """A tensor whose bytes a function writes straight into the extent at commit."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    fill: Callable[[np.ndarray], None]
+
+
+def _source(t: torch.Tensor | _RawPut) -> se.Source:
+    if isinstance(t, _RawPut):
+        return t.fill
     if t.is_contiguous():
         return t.reshape(-1).view(torch.uint8).numpy()
 
@@ -215,7 +227,8 @@ class Database:
                                f"tensor", collection=collection, tensor=name)
         # a put equal to the head's tensor is not stored again: it keeps sharing the extent
         candidates = [n for n, t in puts.items()
-                      if (row := live.get(n)) is not None and row.nbytes == t.nbytes
+                      if not isinstance(t, _RawPut)
+                      and (row := live.get(n)) is not None and row.nbytes == t.nbytes
                       and row.dtype == dtype_name(t.dtype) and row.shape == tuple(t.shape)]
         unchanged: list[str] = []
         if candidates:
@@ -624,6 +637,36 @@ class Transaction:
             exc.collection = self.collection
             raise
         self._puts[name] = t
+        self._deletes.discard(name)
+
+    def put_raw(self, name: str, dtype: torch.dtype | str, shape: Iterable[int],
+                fill: Callable[[np.ndarray], None]) -> None:
+        """Put a tensor whose bytes ``fill(dst)`` writes into ``dst`` (a uint8 array of
+        exactly the tensor's size, in the store) when the block ends: copy-once loaders
+        read files straight into the extent (``os.preadv`` releases the GIL). ``fill``
+        may run on a pool thread, beside the fills of other tensors."""
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        dt = torch_dtype(dtype) if isinstance(dtype, str) and dtype in DTYPES else dtype
+        if not isinstance(dt, torch.dtype):
+            raise InvalidInput(f"unsupported dtype {dtype!r} for tensor {name!r}",
+                               collection=self.collection, tensor=name)
+        dtype_name(dt, tensor=name)
+        try:
+            dims = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"shape of {name!r} must be a sequence of integers, not "
+                               f"{shape!r}", collection=self.collection, tensor=name) from None
+        if any(d < 0 for d in dims):
+            raise InvalidInput(f"shape of {name!r} has a negative dimension: {dims}",
+                               collection=self.collection, tensor=name)
+        if not callable(fill):
+            raise InvalidInput(f"fill for {name!r} must be callable", collection=self.collection,
+                               tensor=name)
+        numel = 1
+        for d in dims:
+            numel *= d
+        self._puts[name] = _RawPut(dt, dims, numel * dt.itemsize, fill)  # type: ignore[assignment]
         self._deletes.discard(name)
 
     def put_many(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:

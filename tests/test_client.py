@@ -398,3 +398,38 @@ def test_public_surface() -> None:
             assert hasattr(mod, name), name
     assert issubclass(tensordb.errors.NotFound, KeyError)
     assert issubclass(tensordb.errors.InvalidInput, ValueError)
+
+
+def test_put_raw_fills_the_extent_in_place(db: tensordb.Database, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    data = torch.arange(1000, dtype=torch.float32)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(data.numpy().tobytes())
+    seen: list[int] = []
+
+    def fill(dst: np.ndarray) -> None:
+        seen.append(dst.size)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.preadv(fd, [dst], 0) == dst.size
+        finally:
+            os.close(fd)
+
+    with db.transaction("raw") as tx:
+        tx.put_raw("w", "float32", (10, 100), fill)
+        tx.put_raw("empty", torch.int8, (0,), fill)
+    assert seen == [4000]  # the empty tensor has no bytes to fill
+    assert torch.equal(db.get("raw", "w", verify=True), data.reshape(10, 100))
+    assert db.get("raw", "empty").shape == (0,)
+    with pytest.raises(InvalidInput):
+        with db.transaction("raw") as tx:
+            tx.put_raw("x", "float128", (1,), fill)
+    with pytest.raises(InvalidInput):
+        with db.transaction("raw") as tx:
+            tx.put_raw("x", "float32", (-1,), fill)
+    with pytest.raises(RuntimeError):
+        with db.transaction("raw") as tx:
+            tx.put_raw("bad", "float32", (4,), lambda dst: (_ for _ in ()).throw(RuntimeError("io")))
+    assert [c.version for c in db.history("raw")] == [1]
+    assert db.gc().orphans_reclaimed == 0 and db.verify() == []
