@@ -25,6 +25,7 @@ import storage_engine as se
 
 from ._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
 from ._names import check_name
+from ._notify import Notifier, PgNotifier, SocketNotifier
 from .catalog import Catalog, Commit, NewTensor, TensorRow, ensure_schema, make_engine
 from .config import Config
 from .errors import (
@@ -164,6 +165,11 @@ class Database:
                                 spare_bytes=config.spare_bytes),
             "disk": se.DiskTier(config.data_dir),
         }
+        if self._engine.dialect.name == "postgresql":
+            self._notifier: Notifier = PgNotifier(
+                self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
+        else:
+            self._notifier = SocketNotifier(config.shm_dir)
         self._closed = False
 
     # -- plumbing ----------------------------------------------------------------------
@@ -190,6 +196,7 @@ class Database:
         self._closed = True
         for tier in self._tiers.values():
             tier.close()
+        self._notifier.close()
         self._engine.dispose()
         self._lease_engine.dispose()
 
@@ -271,6 +278,7 @@ class Database:
             raise
         if writer is not None:
             writer.release()
+        self._notifier.publish(collection, result.version)
         return result
 
     # -- reading -----------------------------------------------------------------------
@@ -382,30 +390,42 @@ class Database:
         self.catalog.drop(check_name("collection", collection))
 
     def watch(self, collection: str, *, after: int | None = None,
-              timeout: float | None = None, poll: float = 0.05) -> Iterator[Commit]:
+              timeout: float | None = None, poll: float = 1.0) -> Iterator[Commit]:
         """Yield each new commit of ``collection`` in order, as it lands.
 
         ``after``: the last version the caller has (default: the current head). The
-        iterator ends when ``timeout`` seconds pass without a new commit.
+        iterator ends when ``timeout`` seconds pass without a new commit. It sleeps
+        until a commit notification arrives (a socket on this host; LISTEN/NOTIFY with
+        a PostgreSQL catalog) and re-reads the catalog at least every ``poll`` seconds.
         """
         self._check_open()
         check_name("collection", collection)
-        if after is None:
-            info = self.catalog.info(collection)
-            after = info.head if info else 0
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            info = self.catalog.info(collection)
-            if info is not None and info.head > after:
-                for c in self.catalog.commits_after(collection, after):
-                    after = c.version
-                    yield c
-                if timeout is not None:
-                    deadline = time.monotonic() + timeout
-                continue
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+        sub = self._notifier.subscribe()  # before the first look: no commit slips between
+        try:
+            if after is None:
+                info = self.catalog.info(collection)
+                after = info.head if info else 0
+            deadline = None if timeout is None else time.monotonic() + timeout
+            check = True
+            while True:
+                if check:
+                    info = self.catalog.info(collection)
+                    if info is not None and info.head > after:
+                        for c in self.catalog.commits_after(collection, after):
+                            after = c.version
+                            yield c
+                        if timeout is not None:
+                            deadline = time.monotonic() + timeout
+                        continue
+                wait = poll
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return
+                names = sub.wait(wait)
+                check = names is None or collection in names
+        finally:
+            sub.close()
 
     # -- placement -------------------------------------------------------------------
     _ORDER = ("gpu", "host", "disk")  # fastest first

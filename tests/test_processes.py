@@ -173,3 +173,39 @@ def _many_writers(db: tensordb.Database, home: Path, url: str | None, writers: i
 def test_eight_writers_hundred_commits_each(db: tensordb.Database, store_home: Path,
                                             catalog_url: str | None) -> None:
     _many_writers(db, store_home, catalog_url, 8, 100)
+
+
+def _watch_versions(home: str, url: str | None, out: mp.queues.Queue, ready: mp.connection.Connection) -> None:
+    db = open_store(Path(home), url)
+    seen = []
+    it = db.watch("w", after=0, timeout=10, poll=30.0)  # poll=30: only notifications wake it
+    ready.send("ready")
+    for c in it:
+        with db.snapshot("w", version=c.version) as snap:
+            values = {float(t[0]) for t in snap.state_dict().values()}
+            seen.append((c.version, sorted(values) == [float(c.version)], len(snap)))
+        if c.version == 30:
+            break
+    out.put(seen)
+    db.close()
+
+
+def test_watcher_sees_every_version_in_order_untorn(db: tensordb.Database, store_home: Path,
+                                                    catalog_url: str | None) -> None:
+    db.commit("w", {f"t{i}": torch.zeros(256) for i in range(8)})  # version 1... of zeros
+    db.commit("w", {f"t{i}": torch.full((256,), 2.0) for i in range(8)})
+    out = CTX.Queue()
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_watch_versions, args=(str(store_home), catalog_url, out, child))
+    proc.start()
+    assert parent.recv() == "ready"
+    time.sleep(0.2)
+    start = time.monotonic()
+    for v in range(3, 31):
+        db.commit("w", {f"t{i}": torch.full((256,), float(v)) for i in range(8)})
+    seen = out.get(timeout=60)
+    proc.join(30)
+    assert [s[0] for s in seen] == list(range(1, 31))
+    # version 1 holds zeros, not 1.0: every later version is whole and consistent
+    assert all(ok for v, ok, n in seen if v > 2) and all(n == 8 for _, _, n in seen)
+    assert time.monotonic() - start < 20  # woken by notifications, not the 30 s poll

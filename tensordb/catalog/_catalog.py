@@ -374,6 +374,8 @@ class Catalog:
                 meta=json.dumps(meta) if meta else None))
             conn.execute(update(collections).where(collections.c.id == info.id)
                          .values(head=version))
+            if conn.dialect.name == "postgresql":  # delivered to watchers if this commits
+                conn.execute(select(func.pg_notify("tensordb_commit", f"{name}\n{version}")))
         return result
 
     def history(self, name: str) -> list[Commit]:

@@ -1,0 +1,153 @@
+"""Commit notifications, so ``db.watch`` waits instead of polling SQL.
+
+- Embedded store: each watcher binds a Unix datagram socket in the store's
+  shared-memory directory (``watch/<id>.sock``, mode 0600); a committing process sends
+  ``collection LF version`` (names hold no control characters) to every socket there. A socket whose owner died refuses
+  the datagram and the sender removes it.
+- PostgreSQL catalog: the commit's own transaction calls ``pg_notify`` (delivered only
+  if it commits, to every host); watchers LISTEN on a connection of their own.
+
+A notification only says "look again": watchers always re-read the catalog, so a lost
+or duplicated datagram costs latency, never correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import uuid
+from pathlib import Path
+
+__all__ = ["Notifier", "SocketNotifier", "PgNotifier", "Subscription", "PG_CHANNEL"]
+
+PG_CHANNEL = "tensordb_commit"
+
+
+class Subscription:
+    """An open subscription; ``wait`` returns the collections notified, or None."""
+
+    def wait(self, timeout: float | None) -> set[str] | None:
+        raise NotImplementedError  # pragma: no cover - the two kinds below implement it
+
+    def close(self) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+
+class Notifier:
+    def publish(self, collection: str, version: int) -> None:
+        """Tell watchers ``collection`` moved (after the commit is durable)."""
+
+    def subscribe(self) -> Subscription:
+        raise NotImplementedError  # pragma: no cover
+
+    def close(self) -> None:
+        """Release the notifier's resources."""
+
+
+def _decode(payload: bytes) -> str:
+    return payload.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
+class _SocketSubscription(Subscription):
+    def __init__(self, sock: socket.socket, path: Path) -> None:
+        self._sock = sock
+        self._path = path
+
+    def wait(self, timeout: float | None) -> set[str] | None:
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            return None
+        names: set[str] = set()
+        while True:  # drain: one wake-up for a burst of commits
+            try:
+                names.add(_decode(self._sock.recv(4096)))
+            except BlockingIOError:
+                return names
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        self._sock.close()
+
+
+class SocketNotifier(Notifier):
+    """Notifications between the processes of one host, over Unix datagram sockets."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = Path(root) / "watch"
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._out: socket.socket | None = None
+        self._pid = 0
+
+    def _sender(self) -> socket.socket:
+        if self._out is None or self._pid != os.getpid():
+            self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._out.setblocking(False)
+            self._pid = os.getpid()
+        return self._out
+
+    def publish(self, collection: str, version: int) -> None:
+        payload = f"{collection}\n{version}".encode()
+        out = self._sender()
+        try:
+            entries = list(os.scandir(self.dir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if not entry.name.endswith(".sock"):
+                continue
+            try:
+                out.sendto(payload, entry.path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)  # its watcher is gone
+            except (BlockingIOError, OSError):
+                pass  # a full queue: that watcher has a wake-up pending anyway
+
+    def subscribe(self) -> Subscription:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path = self.dir / f"{uuid.uuid4().hex}.sock"
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        sock.setblocking(False)
+        return _SocketSubscription(sock, path)
+
+    def close(self) -> None:
+        if self._out is not None and self._pid == os.getpid():
+            self._out.close()
+        self._out = None
+
+
+class _PgSubscription(Subscription):
+    def __init__(self, conninfo: str) -> None:
+        import psycopg
+
+        self._conn = psycopg.connect(conninfo, autocommit=True)
+        self._conn.execute(f"LISTEN {PG_CHANNEL}")
+
+    def wait(self, timeout: float | None) -> set[str] | None:
+        names = {_decode(n.payload.encode()) for n in
+                 self._conn.notifies(timeout=timeout, stop_after=1)}
+        if not names:
+            return None
+        # take whatever else is queued without waiting
+        names |= {_decode(n.payload.encode()) for n in self._conn.notifies(timeout=0)}
+        return names
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class PgNotifier(Notifier):
+    """Notifications through PostgreSQL LISTEN/NOTIFY; the commit sends them itself."""
+
+    def __init__(self, conninfo: str) -> None:
+        self._conninfo = conninfo
+
+    def subscribe(self) -> Subscription:
+        return _PgSubscription(self._conninfo)
