@@ -337,7 +337,7 @@ class Database:
         check_name("collection", collection)
         check_name("tensor", name, collection=collection)
         info, v = self.catalog.resolve(collection, version, tag)
-        rows = self.catalog.manifest(info.id, v, [name], head=(v == info.head))
+        rows = self.catalog.manifest(info.id, v, [name])
         if not rows:
             raise NotFound(f"collection {collection!r} version {v} has no tensor {name!r}",
                            collection=collection, tensor=name, version=v)

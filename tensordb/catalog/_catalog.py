@@ -283,7 +283,8 @@ class Catalog:
                  conn: Connection | None = None, *, head: bool = False) -> list[TensorRow]:
         """The tensors of one version (or those of ``names``), ordered by name.
 
-        ``head``: the caller knows ``version`` is the head (a cheaper lookup)."""
+        ``head``: ``version`` is the head as seen in the same snapshot as ``conn``'s
+        (a cheaper lookup through the live-rows index)."""
         if conn is None:
             with self.engine.connect() as c:
                 return self.manifest(cid, version, names, c, head=head)
@@ -440,7 +441,11 @@ class Catalog:
             conn.execute(leases.insert().values(
                 id=lease_id, collection_id=info.id, version=v, holder=holder, node=self.node,
                 created_at=now, expires_at=now + timedelta(seconds=ttl)))
-            rows = self.manifest(info.id, v, None, conn, head=(v == info.head))
+            # the live-rows shortcut needs one snapshot for both statements: SQLite's
+            # write transaction is one; PostgreSQL's READ COMMITTED is not, and a commit
+            # landing between them would hand out the next version's rows
+            rows = self.manifest(info.id, v, None, conn,
+                                 head=(v == info.head and conn.dialect.name == "sqlite"))
         return lease_id, info, v, rows
 
     def release_lease(self, lease_id: str) -> None:
