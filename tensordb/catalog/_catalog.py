@@ -172,6 +172,9 @@ def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTen
         for p in puts])
 
 
+_GC_LOCK_KEY = 0x7E75D9  # advisory lock between lease takers and version droppers
+
+
 class Catalog:
     """Metadata of one store, over a SQLAlchemy engine. Thread-safe; any process."""
 
@@ -425,6 +428,15 @@ class Catalog:
 
     # -- leases ------------------------------------------------------------------------
     @staticmethod
+    def _gc_lock(conn: Connection, *, shared: bool) -> None:
+        """On PostgreSQL, snapshot openers (shared) and version droppers (exclusive)
+        exclude each other, so a lease never lands on a version being dropped.
+        SQLite's write transactions are serialised already."""
+        if conn.dialect.name == "postgresql":
+            fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+            conn.execute(select(getattr(func, fn)(_GC_LOCK_KEY)))
+
+    @staticmethod
     def _ephemeral(conn: Connection) -> None:
         if conn.dialect.name == "postgresql":
             conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
@@ -437,6 +449,7 @@ class Catalog:
         now = _now()
         with write_conn(self.lease_engine) as conn:
             self._ephemeral(conn)
+            self._gc_lock(conn, shared=True)
             info, v = self.resolve(name, version, tag, conn)
             conn.execute(leases.insert().values(
                 id=lease_id, collection_id=info.id, version=v, holder=holder, node=self.node,
@@ -520,6 +533,7 @@ class Catalog:
         """Forget versions (never the head, a tagged, pinned or leased one); gc then
         reclaims what only they needed. Returns how many were dropped."""
         with write_conn(self.engine) as conn:
+            self._gc_lock(conn, shared=False)
             info = self._info(conn, name, lock=True)
             if info is None:
                 raise NotFound(f"no collection {name!r}", collection=name)
@@ -587,6 +601,7 @@ class Catalog:
         after this transaction has committed.
         """
         with write_conn(self.engine) as conn:
+            self._gc_lock(conn, shared=False)
             held, expired = self._held(conn)
             if expired:
                 conn.execute(delete(leases).where(leases.c.id.in_(expired)))
