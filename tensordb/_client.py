@@ -605,6 +605,16 @@ class Database:
             out[f"{name}_bytes"] = tier.used_bytes()
         return out
 
+    def query(self, text: str, params: Mapping[str, object] | None = None
+              ) -> pyarrow.Table:  # noqa: F821 - pyarrow is imported with the query layer
+        """Run one statement of the query language (see the ``query`` package): a
+        pyarrow.Table of rows for SELECT, one summary row for an action. ``params``:
+        values of its ``:name`` parameters. Raises QueryError for a bad statement."""
+        self._check_open()
+        from query import execute
+
+        return execute(self, text, params)
+
 
 class Transaction:
     """Puts and deletes on one collection, published as one commit when the block ends.

@@ -68,6 +68,8 @@ app = typer.Typer(
 )
 db_app = typer.Typer(no_args_is_help=True, help="Operations on the catalog database.")
 app.add_typer(db_app, name="db")
+policies_app = typer.Typer(no_args_is_help=True, help="Run stored policies and read their log.")
+app.add_typer(policies_app, name="policies")
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +297,128 @@ def verify_command(ctx: typer.Context) -> None:
     _console(stderr=True).print(f"verify: {len(problems)} tensor(s) fail their check",
                                 style="red", markup=False)
     raise typer.Exit(1)
+
+
+def _param_value(text: str) -> object:
+    """A --param value: an integer or number if it reads as one, else the string."""
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, datetime):
+        return _when(value)
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".") if abs(value) < 1e15 else repr(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return escape(str(value))
+
+
+def result_table(result: Any, title: str | None = None) -> Table:
+    """A rich table of a query result (a pyarrow.Table)."""
+    table = Table(title=title, title_justify="left", **_TABLE)
+    for field in result.schema:
+        numeric = str(field.type).startswith(("int", "uint", "double", "float"))
+        table.add_column(escape(field.name), justify="right" if numeric else "left",
+                         overflow="fold")
+    for row in zip(*(col.to_pylist() for col in result.columns)):
+        table.add_row(*(_cell(v) for v in row))
+    return table
+
+
+@app.command("query")
+def query_command(
+    ctx: typer.Context,
+    statement: Annotated[str, typer.Argument(
+        help="One statement, e.g. \"SELECT name, nbytes FROM tensors WHERE collection = "
+        "'llama'\"; or - to read statements separated by ';' from stdin.")],
+    param: Annotated[list[str] | None, typer.Option(
+        "--param", "-p", metavar="NAME=VALUE",
+        help="A value for :NAME in the statement (an integer or number if it reads as one, "
+        "else a string). Repeat for more.")] = None,
+) -> None:
+    """Run statements of the query language and print their results as tables.
+
+    SELECT over tensors, versions, collections, commits, tags, extents, nodes, leases,
+    pins, kv_namespaces, policies, policy_runs; SNAPSHOT, REPLICATE, PIN, UNPIN, EVICT,
+    DROP VERSIONS; EXPLAIN; CREATE POLICY, SHOW POLICIES, DROP POLICY.
+    """
+    import query  # the query layer (lark, pyarrow) loads only for this command
+
+    params: dict[str, object] = {}
+    for item in param or []:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise typer.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--param")
+        params[name.strip().lstrip(":")] = _param_value(value)
+    if statement == "-":
+        statements = query.parse_script(sys.stdin.read())
+    else:
+        statements = [query.parse(statement)]
+    out = _console()
+    with _open(ctx) as db:
+        for k, stmt in enumerate(statements):
+            result = query.execute(db, stmt, params)
+            if len(statements) > 1:  # each result under its statement (a title would wrap)
+                out.print(("\n" if k else "") + str(stmt), style="bold", markup=False)
+            out.print(result_table(result))
+            if result.num_rows == 0:
+                out.print("(no rows)")
+
+
+@policies_app.command("run")
+def policies_run_command(
+    ctx: typer.Context,
+    duration: Annotated[float | None, typer.Option(
+        help="Stop after this many seconds (default: until interrupted).")] = None,
+) -> None:
+    """Run the store's policies (EVERY, CRON, ON COMMIT) in this process.
+
+    One runner per store leads; others started beside it stand by and take over if
+    it stops. Created and dropped policies are picked up while it runs.
+    """
+    import time
+
+    import query
+
+    out = _console(stderr=True)
+    with _open(ctx) as db:
+        runner = query.PolicyRunner(db)
+        try:
+            runner.start()
+            out.print(f"running the policies of {escape(str(db.config.home))} "
+                      f"({'leader' if runner.is_leader else 'standing by'}); Ctrl-C stops")
+            deadline = None if duration is None else time.monotonic() + duration
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic())))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            runner.stop()
+
+
+@policies_app.command("log")
+def policies_log_command(
+    ctx: typer.Context,
+    name: Annotated[str | None, typer.Argument(help="Only this policy's runs.")] = None,
+    limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
+) -> None:
+    """The latest policy runs and their outcomes."""
+    import query
+
+    with _open(ctx) as db:
+        text = ("SELECT policy, attempt, started_at, finished_at, outcome, detail FROM policy_runs"
+                + (" WHERE policy = :name" if name else "")
+                + " ORDER BY started_at DESC LIMIT :limit")
+        result = query.execute(db, text, {"name": name, "limit": limit} if name else {"limit": limit})
+    _console().print(result_table(result))
 
 
 @db_app.command("upgrade")

@@ -298,3 +298,16 @@ def test_demo_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(shm_of(Path(path)), ignore_errors=True)
+
+
+def test_policies_run_and_log(store: Path) -> None:
+    r = invoke(store, "query", "CREATE POLICY tick EVERY '200 milliseconds' "
+                               "DO SELECT count(*) AS n FROM collections")
+    assert r.exit_code == 0, r.output
+    r = invoke(store, "policies", "run", "--duration", "1.2")
+    assert r.exit_code == 0, r.output
+    r = invoke(store, "policies", "log", "tick")
+    assert r.exit_code == 0, r.output
+    runs = [row for row in rows(r.output) if row and row[0] == "tick"]
+    assert runs and all("ok" in row for row in runs)
+    assert invoke(store, "policies", "log", "--limit", "x").exit_code == 2

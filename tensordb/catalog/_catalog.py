@@ -172,7 +172,7 @@ def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTen
         for p in puts])
 
 
-_GC_LOCK_KEY = 0x7E75D9  # advisory lock between lease takers and version droppers
+_GC_LOCK_KEY = 0x7E75DA  # advisory lock between lease takers and version droppers (policies: ...D9)
 
 
 class Catalog:

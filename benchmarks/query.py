@@ -1,0 +1,259 @@
+"""Query benchmark: a filtered aggregate through ``db.query`` beside the same query in
+SQLAlchemy Core, over a catalog of 100,000 tensor rows, on SQLite and PostgreSQL.
+
+The catalog is filled with metadata only: ``db.catalog.commit`` of ``NewTensor`` rows in
+chunks of 10,000 (fake checksums and segment ids, no bytes), spread over ``--collections``
+collections with a mix of dtypes and sizes. Then, alternating, ``--reps`` runs each of
+
+* ``db.query``: ``SELECT dtype, count(*), sum(nbytes) FROM tensors WHERE collection = 'c3'
+  AND nbytes > 1000 GROUP BY dtype`` -> a pyarrow.Table (parse and plan cached by text);
+* ``direct``: the same query built once with SQLAlchemy Core (tensors JOIN collections,
+  head rows, the two filters, GROUP BY dtype), executed on the same engine, rows fetched;
+* ``db.query, cold``: ``db.query`` with the parse and plan caches cleared before each run
+  (for context: what a statement costs the first time).
+
+Each figure is the median (and p90) in milliseconds; the ratio db.query / direct is
+printed beside the goal (<= 1.2 x). The results of the two are checked to be equal.
+PostgreSQL runs in a throwaway database, dropped at the end, and is skipped (with the
+reason) if the server does not answer.
+
+Run:  .venv/bin/python benchmarks/query.py [--rows 100000] [--reps 50] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from pathlib import Path
+
+from sqlalchemy import create_engine, func, select, text
+
+# run as a script, this file's folder comes first on sys.path, and this file is named
+# like the package it measures: take the folder off so that "query" is the package
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import tensordb  # noqa: E402
+from query import _execute, _parser, _plan  # noqa: E402
+from tensordb.catalog import NewTensor  # noqa: E402
+from tensordb.catalog._schema import collections, tensors  # noqa: E402
+
+GOAL_RATIO = 1.2
+CHUNK = 10_000
+DTYPES = (("float32", 4), ("bfloat16", 2), ("float16", 2), ("int64", 8))
+STATEMENT = ("SELECT dtype, count(*), sum(nbytes) FROM tensors WHERE collection = 'c3' "
+             "AND nbytes > 1000 GROUP BY dtype")
+
+
+def pctl(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summary(xs_s: list[float]) -> dict[str, float]:
+    ms = [x * 1e3 for x in xs_s]
+    return {"median_ms": statistics.median(ms), "p90_ms": pctl(ms, 0.9), "min_ms": min(ms),
+            "n": len(ms)}
+
+
+def fill(db: tensordb.Database, rows: int, n_collections: int) -> None:
+    """``rows`` head rows over ``n_collections`` collections, ``CHUNK`` rows a commit."""
+    per = rows // n_collections
+    k = 0
+    for c in range(n_collections):
+        done = 0
+        while done < per:
+            n = min(CHUNK, per - done)
+            sid = uuid.uuid4().hex
+            puts = []
+            for i in range(done, done + n):
+                dtype, size = DTYPES[(i * 7 + c) % len(DTYPES)]
+                elems = (i * 2654435761 + c) % 4096  # 0 .. 4095 elements: some <= 1000 bytes
+                puts.append(NewTensor(f"layers.{i}.weight", dtype, (elems,), elems * size,
+                                      f"{(k * 1_000_003 + i) & (2**64 - 1):016x}", sid, 0))
+            info = db.catalog.info(f"c{c}")
+            db.catalog.commit(f"c{c}", info.head if info else 0, puts, unchanged=[],
+                              deletes=[], segment=(sid, "host", 0), message=f"chunk {k}")
+            done += n
+            k += 1
+
+
+def direct_query() -> Any:
+    t, c = tensors.c, collections.c
+    return (select(t.dtype, func.count(), func.sum(t.nbytes))
+            .select_from(tensors.join(collections, c.id == t.collection_id))
+            .where(t.end_version.is_(None), c.name == "c3", t.nbytes > 1000)
+            .group_by(t.dtype))
+
+
+def clear_caches() -> None:
+    _parser._parse_one.cache_clear()
+    _plan.plan_select.cache_clear()
+    _execute._prepared.cache_clear()
+
+
+def bench(db: tensordb.Database, reps: int) -> dict[str, object]:
+    engine = db.catalog.engine
+    stmt = direct_query()
+
+    def ours() -> Any:
+        return db.query(STATEMENT)
+
+    def direct() -> Any:
+        with engine.connect() as conn:
+            return conn.execute(stmt).all()
+
+    def cold() -> Any:
+        clear_caches()
+        return db.query(STATEMENT)
+
+    got = sorted(tuple(r.values()) for r in ours().to_pylist())
+    want = sorted(tuple(int(v) if not isinstance(v, str) else v for v in r) for r in direct())
+    assert got == want, (got, want)
+    runs: dict[str, list[float]] = {"db.query": [], "direct": [], "db.query, cold": []}
+    fns: dict[str, Callable[[], Any]] = {"db.query": ours, "direct": direct,
+                                         "db.query, cold": cold}
+    for _ in range(3):  # warm-up: pool connections, SQLAlchemy's statement cache, pages
+        for fn in fns.values():
+            fn()
+    for _ in range(reps):  # interleaved, so that drift in the host hits all alike
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - t0)
+    out: dict[str, object] = {name: summary(xs) for name, xs in runs.items()}
+    ratio = statistics.median(runs["db.query"]) / statistics.median(runs["direct"])
+    out["ratio"] = ratio
+    out["groups"] = len(got)
+    with engine.connect() as conn:
+        out["tensor rows"] = conn.execute(select(func.count()).select_from(tensors)).scalar()
+    return out
+
+
+def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
+    tmp = tempfile.mkdtemp(prefix="tensordb-bench-query-", dir=args.tmp_dir)
+    db = tensordb.connect(home=tmp)
+    try:
+        t0 = time.perf_counter()
+        fill(db, args.rows, args.collections)
+        fill_s = time.perf_counter() - t0
+        res = bench(db, args.reps)
+        res["fill_s"] = fill_s
+        return res
+    finally:
+        db.close()
+        shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def postgres_part(args: argparse.Namespace) -> dict[str, object]:
+    admin_url = f"postgresql+psycopg://{args.pg}/postgres"
+    dbname = f"tensordb_bench_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(admin_url, isolation_level="AUTOCOMMIT",
+                              connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the server skips
+        return {"skipped": f"PostgreSQL at {args.pg} does not answer: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    tmp = tempfile.mkdtemp(prefix="tensordb-bench-query-pg-", dir=args.tmp_dir)
+    db = None
+    try:
+        db = tensordb.connect(f"postgresql+psycopg://{args.pg}/{dbname}", data_dir=tmp, home=tmp)
+        t0 = time.perf_counter()
+        fill(db, args.rows, args.collections)
+        with db.catalog.engine.connect() as conn:  # fresh statistics, as autovacuum would
+            conn.execute(text("ANALYZE"))
+            conn.commit()
+        fill_s = time.perf_counter() - t0
+        res = bench(db, args.reps)
+        res["fill_s"] = fill_s
+        return res
+    finally:
+        if db is not None:
+            db.close()
+            shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def print_table(results: dict[str, dict[str, Any]], rows: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=110)
+    table = Table(title=f"query: filtered aggregate over {rows:,} tensor rows (ms per query)")
+    for col in ("backend", "path", "median", "p90", "min", "runs", "ratio", "goal"):
+        table.add_column(col, justify="left" if col in ("backend", "path") else "right")
+    for backend, res in results.items():
+        if "skipped" in res:
+            table.add_row(backend, f"skipped: {res['skipped']}", "", "", "", "", "", "")
+            continue
+        for path in ("db.query", "direct", "db.query, cold"):
+            s = res[path]
+            ratio = goal = ""
+            if path == "db.query":
+                ok = res["ratio"] <= GOAL_RATIO
+                ratio = f"{res['ratio']:.2f} x"
+                goal = f"<= {GOAL_RATIO} x [{'green' if ok else 'red'}]{'ok' if ok else 'MISS'}[/]"
+            table.add_row(backend, path, f"{s['median_ms']:.3f}", f"{s['p90_ms']:.3f}",
+                          f"{s['min_ms']:.3f}", str(s["n"]), ratio, goal)
+        table.add_section()
+    console.print(table)
+    console.print(f"statement: {STATEMENT}", markup=False)
+    for backend, res in results.items():
+        if "skipped" not in res:
+            console.print(f"{backend}: {res['tensor rows']:,} tensor rows, {res['groups']} "
+                          f"groups, catalog filled in {res['fill_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=100_000, help="tensor rows (100000)")
+    p.add_argument("--collections", type=int, default=10, help="collections c0.. (10)")
+    p.add_argument("--reps", type=int, default=100, help="timed runs of each path (100)")
+    p.add_argument("--pg", default="postgres@127.0.0.1:5432",
+                   help="PostgreSQL user@host:port; a throwaway database is created there")
+    p.add_argument("--backends", default="sqlite,postgresql", help="comma-separated")
+    p.add_argument("--tmp-dir", default=None, help="where the temporary stores go")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = p.parse_args(argv)
+    if args.collections < 4:
+        p.error("--collections must be at least 4 (the statement reads c3)")
+
+    results: dict[str, dict[str, Any]] = {}
+    load_before = os.getloadavg()[0]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "sqlite" in backends:
+        results["sqlite"] = sqlite_part(args)
+    if "postgresql" in backends:
+        results["postgresql"] = postgres_part(args)
+    load = (load_before, os.getloadavg()[0])
+    if args.json:
+        print(json.dumps({"rows": args.rows, "reps": args.reps, "statement": STATEMENT,
+                          "goal_ratio": GOAL_RATIO, "loadavg_before_after": load,
+                          "results": results}, indent=2, default=str))
+    else:
+        print_table(results, args.rows)
+        print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
+              "(other processes on the host skew the figures)")
+    ok = all("skipped" in r or r["ratio"] <= GOAL_RATIO for r in results.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
