@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._checksum import ALGORITHM, checksum, copy_and_checksum
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, shm_root
+from ._gpu import GpuError, GpuTier, GpuView
 from ._io import ALIGN, Source, fill_segment, io_pool, pack
 from ._procs import boot_id, current_holder, holder_alive
 from ._tier import SegmentWriter, Tier
@@ -17,6 +18,9 @@ __all__ = [
     "ALIGN",
     "DiskTier",
     "FileTier",
+    "GpuError",
+    "GpuTier",
+    "GpuView",
     "HostTier",
     "SegmentMissing",
     "SegmentWriter",

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +35,9 @@ from .errors import (
     StoreClosed,
     StoreFull,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["Database", "Transaction", "Snapshot", "GcReport", "Corruption", "EvictReport"]
 
@@ -138,13 +140,38 @@ def _digest(t: torch.Tensor) -> str:
     return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
 
 
+def _device(device: str | torch.device | None, collection: str) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}",
+                           collection=collection) from exc
+    if d.type not in ("cpu", "cuda"):
+        raise InvalidInput(f"device must be 'cpu' or a CUDA device, not {device!r}",
+                           collection=collection)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInput(f"device {device!r}: this torch build has no CUDA device",
+                               collection=collection)
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class Database:
     """A connection to a store: the embedded one, or a node's store in cluster mode."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        if config.default_tier not in ("host", "disk"):
-            raise InvalidInput(f"default_tier must be 'host' or 'disk', not {config.default_tier!r}")
+        if config.default_tier not in ("host", "disk", "gpu"):
+            raise InvalidInput(f"default_tier must be 'host', 'disk' or 'gpu', not "
+                               f"{config.default_tier!r}")
+        if (config.default_tier == "gpu" or config.gpu_device is not None) \
+                and not se.GpuTier.available():
+            raise InvalidInput(f"the GPU tier is unavailable here: "
+                               f"{se.GpuTier.unavailable_reason()}")
         self._engine = make_engine(config.catalog_url, synchronous=config.sqlite_synchronous)
         try:
             ensure_schema(self._engine)
@@ -165,6 +192,8 @@ class Database:
                                 spare_bytes=config.spare_bytes),
             "disk": se.DiskTier(config.data_dir),
         }
+        if config.gpu_device is not None:  # this process writes (and owns) GPU segments
+            self._tiers["gpu"] = self._gpu_tier()
         if self._engine.dialect.name == "postgresql":
             self._notifier: Notifier = PgNotifier(
                 self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
@@ -177,7 +206,23 @@ class Database:
         if self._closed:
             raise StoreClosed(f"the store at {self.config.home} is closed")
 
+    def _gpu_tier(self) -> se.Tier:
+        """The GPU tier, made on first use: constructing it touches no CUDA, so a reader
+        gets it the first time a row points at it."""
+        tier = self._tiers.get("gpu")
+        if tier is None:
+            tier = self._tiers["gpu"] = se.GpuTier(
+                self.config.shm_dir / "gpu", device=self.config.gpu_device or 0,
+                capacity=self.config.gpu_capacity)
+        return tier
+
+    def _store(self, name: str) -> se.Tier:
+        """The tier a catalog row names (the GPU tier opened on first use)."""
+        return self._gpu_tier() if name == "gpu" else self._tiers[name]
+
     def tier(self, name: str) -> se.Tier:
+        if name == "gpu" and "gpu" not in self._tiers and self.config.gpu_device is not None:
+            return self._gpu_tier()
         try:
             return self._tiers[name]
         except KeyError:
@@ -282,11 +327,16 @@ class Database:
         return result
 
     # -- reading -----------------------------------------------------------------------
-    def _map(self, segment_id: str, tier: str, collection: str, tensor: str) -> mmap.mmap:
+    def _map(self, segment_id: str, tier: str, collection: str, tensor: str
+             ) -> mmap.mmap | se.GpuView:
         # a fresh private mapping per read: a reader's writes into one snapshot's tensors
-        # must not show through another snapshot in the same process
+        # must not show through another snapshot in the same process (GPU views are
+        # shared, read-only by convention)
         try:
-            return self._tiers[tier].open(segment_id)
+            return self._store(tier).open(segment_id)  # type: ignore[return-value]
+        except se.GpuError as exc:
+            raise NodeUnavailable(f"cannot map {collection}/{tensor} from the GPU tier: {exc}",
+                                  collection=collection, tensor=tensor) from exc
         except se.SegmentMissing as exc:
             moved_to = self.catalog.segment_tier(segment_id)
             if moved_to is not None and moved_to != tier:  # evicted or promoted meanwhile
@@ -317,7 +367,9 @@ class Database:
                 mm = maps[r.segment_id] = self._map(r.segment_id, r.tier or "host", collection,
                                                     r.name)
             if verify:
-                got = se.checksum(np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
+                got = se.checksum(mm.to_host(r.offset, r.nbytes) if isinstance(mm, se.GpuView)
+                                  else np.frombuffer(mm, np.uint8, count=r.nbytes,
+                                                     offset=r.offset))
                 if got != r.checksum:
                     raise CorruptData(
                         f"{collection}/{r.name}: stored bytes fail their checksum (expected "
@@ -326,7 +378,11 @@ class Database:
             key = (r.segment_id, r.dtype)
             base = bases.get(key)
             if base is None:
-                base = bases[key] = torch.frombuffer(mm, dtype=dt)
+                if isinstance(mm, se.GpuView):  # the IPC mapping itself: no copy
+                    base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
+                else:
+                    base = torch.frombuffer(mm, dtype=dt)
+                bases[key] = base
             out[r.name] = base.as_strided(r.shape, _strides(r.shape), r.offset // dt.itemsize)
         return out
 
@@ -344,13 +400,18 @@ class Database:
         return self._materialize(collection, rows, verify=verify)[name]
 
     def snapshot(self, collection: str, *, version: int | None = None, tag: str | None = None,
-                 verify: bool = False) -> Snapshot:
-        """A leased, consistent view of one version (the head unless told otherwise)."""
+                 verify: bool = False, device: str | torch.device | None = None) -> Snapshot:
+        """A leased, consistent view of one version (the head unless told otherwise).
+
+        ``device``: where its tensors are handed out. None: where they are stored (host
+        views; CUDA IPC views for GPU-tier rows). "cuda:N": GPU-tier rows of that device
+        zero-copy, every other row copied there once per snapshot. "cpu": host views,
+        GPU-tier rows copied to the host."""
         self._check_open()
         check_name("collection", collection)
         if tag is not None:
             check_name("tag", tag, collection=collection)
-        return Snapshot(self, collection, version, tag, verify)
+        return Snapshot(self, collection, version, tag, verify, _device(device, collection))
 
     # -- metadata ----------------------------------------------------------------------
     def history(self, collection: str) -> list[Commit]:
@@ -442,14 +503,15 @@ class Database:
 
         Readers that mapped the old copy keep it; readers that look the segment up
         after the move find it in ``dst``."""
-        source = self._tiers[src]
+        source = self._store(src)
         try:
             mm = source.open(segment_id)
         except se.SegmentMissing:
             return False
-        writer = self._tiers[dst].create(segment_id, len(mm))
+        writer = self._store(dst).create(segment_id, len(mm))
         try:
-            np.copyto(writer.buffer, np.frombuffer(mm, np.uint8))
+            np.copyto(writer.buffer, mm.to_host() if isinstance(mm, se.GpuView)
+                      else np.frombuffer(mm, np.uint8))
             del mm
             writer.finish()
             moved = self.catalog.move_segment(segment_id, src, dst)
@@ -565,7 +627,7 @@ class Database:
         plan = self.catalog.gc()
         freed = 0
         for sid, tier, nbytes in plan.dead_segments:
-            if self._tiers[tier].delete(sid):
+            if self._store(tier).delete(sid):
                 freed += nbytes
         orphans = 0
         for tier in self._tiers.values():
@@ -582,7 +644,7 @@ class Database:
             assert r.segment_id is not None and r.tier is not None
             if current is None or current[0] != r.segment_id:
                 try:
-                    current = (r.segment_id, self._tiers[r.tier].open(r.segment_id))
+                    current = (r.segment_id, self._store(r.tier).open(r.segment_id))
                 except se.SegmentMissing:
                     current = (r.segment_id, None)
             mm = current[1]
@@ -592,7 +654,8 @@ class Database:
             if r.offset + r.nbytes > len(mm):
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "truncated"))
                 continue
-            got = se.checksum(np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
+            got = se.checksum(mm.to_host(r.offset, r.nbytes) if isinstance(mm, se.GpuView)
+                              else np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
             if got != r.checksum:
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier,
                                            f"checksum {got} != {r.checksum}"))
@@ -606,7 +669,7 @@ class Database:
         return out
 
     def query(self, text: str, params: Mapping[str, object] | None = None
-              ) -> pyarrow.Table:  # noqa: F821 - pyarrow is imported with the query layer
+              ) -> pa.Table:
         """Run one statement of the query language (see the ``query`` package): a
         pyarrow.Table of rows for SELECT, one summary row for an action. ``params``:
         values of its ``:name`` parameters. Raises QueryError for a bad statement."""
@@ -745,8 +808,9 @@ class Snapshot:
     """
 
     def __init__(self, db: Database, collection: str, version: int | None, tag: str | None,
-                 verify: bool) -> None:
+                 verify: bool, device: torch.device | None = None) -> None:
         self._db = db
+        self.device = device
         self.collection = collection
         self._verify = verify
         self._lease, _, self.version, rows = db.catalog.open_snapshot(
@@ -804,19 +868,35 @@ class Snapshot:
                 raise NotFound(f"collection {self.collection!r} version {self.version} has no "
                                f"tensor {name!r}", collection=self.collection, tensor=name,
                                version=self.version)
-            t = self._cache[name] = self._db._materialize(
-                self.collection, [row], verify=self._verify, maps=self._maps)[name]
+            t = self._cache[name] = self._place(self._db._materialize(
+                self.collection, [row], verify=self._verify, maps=self._maps)[name])
         return t
 
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor on the snapshot's device: itself when it is there (zero-copy)."""
+        if self.device is None or t.device == self.device:
+            return t
+        return t.to(self.device)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the version, by name, zero-copy."""
+        """Every tensor of the version, by name, zero-copy (copied once to ``device``
+        for rows stored elsewhere)."""
         self._check()
         missing = [r for n, r in self._rows.items() if n not in self._cache]
         if missing:
-            self._cache.update(self._db._materialize(self.collection, missing,
-                                                     verify=self._verify, maps=self._maps))
+            got = self._db._materialize(self.collection, missing, verify=self._verify,
+                                        maps=self._maps)
+            self._cache.update((n, self._place(t)) for n, t in got.items())
         return {n: self._cache[n] for n in self._rows}
 
     def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
         """name -> (dtype, shape, nbytes), without mapping anything."""
         return {n: (r.dtype, r.shape, r.nbytes) for n, r in self._rows.items()}
+
+    def extents(self) -> dict[str, tuple[str | None, int, str]]:
+        """name -> (segment id, offset, checksum): where each tensor's bytes lie.
+
+        Rows are immutable and a commit shares unchanged tensors' extents, so a tensor
+        holds the same bytes in two versions exactly when its extent is the same (a
+        tensor of no bytes has no segment). Maps nothing."""
+        return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}

@@ -33,6 +33,9 @@ class Config:
     lease_ttl     seconds after which a lease held on another host lapses without renewal
     sqlite_synchronous  SQLite's synchronous pragma for the catalog (FULL: a commit
                   survives power loss)
+    gpu_device    the CUDA ordinal this process writes GPU-tier segments to (None: the
+                  GPU tier is only read, opened when a row points at it)
+    gpu_capacity  bytes the GPU tier may hold on this host (None: what the device has)
     """
 
     home: Path
@@ -45,6 +48,8 @@ class Config:
     spare_bytes: int = 0
     lease_ttl: float = 300.0
     sqlite_synchronous: str = "FULL"
+    gpu_device: int | None = None
+    gpu_capacity: int | None = None
 
     @classmethod
     def resolve(cls, url: str | None = None, *, home: str | os.PathLike[str] | None = None,
@@ -64,6 +69,8 @@ class Config:
             "host_capacity": _env_int("TENSORDB_HOST_CAPACITY", None),
             "spare_bytes": _env_int("TENSORDB_SPARE_BYTES", 0),
             "default_tier": os.environ.get("TENSORDB_DEFAULT_TIER", "host"),
+            "gpu_device": _env_int("TENSORDB_GPU_DEVICE", None),
+            "gpu_capacity": _env_int("TENSORDB_GPU_CAPACITY", None),
         }
         kw.update(overrides)
         return cls(home=home_p, catalog_url=url, node=node or "local", data_dir=data_p,
