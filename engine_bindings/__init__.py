@@ -5,4 +5,37 @@ Bindings use the public ``tensordb`` API only.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ._safetensors import (
+    INDEX_NAME,
+    LAYOUT_KEY,
+    MAX_HEADER_SIZE,
+    SAFETENSORS_DTYPES,
+    export_safetensors,
+    import_safetensors,
+)
+from ._sync import UpdateReport, WeightUpdater
+from ._torch import (
+    LoadReport,
+    commit_module,
+    load_module,
+    shard,
+    shard_bounds,
+    shard_state_dict,
+)
+
+__all__ = [
+    "INDEX_NAME",
+    "LAYOUT_KEY",
+    "MAX_HEADER_SIZE",
+    "SAFETENSORS_DTYPES",
+    "LoadReport",
+    "UpdateReport",
+    "WeightUpdater",
+    "commit_module",
+    "export_safetensors",
+    "import_safetensors",
+    "load_module",
+    "shard",
+    "shard_bounds",
+    "shard_state_dict",
+]

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -667,6 +669,29 @@ class Database:
         for name, tier in self._tiers.items():
             out[f"{name}_bytes"] = tier.used_bytes()
         return out
+
+    def import_safetensors(self, collection: str, path: str | os.PathLike[str], *,
+                           message: str | None = None, tier: str | None = None,
+                           progress: bool = False) -> Commit:
+        """Commit a .safetensors file, or a Hugging Face folder with
+        model.safetensors.index.json, as one version of ``collection``: read straight
+        into the store's extents, headers checked as strictly as safetensors does
+        (CorruptData / InvalidInput, and nothing committed, for a bad file)."""
+        self._check_open()
+        from engine_bindings import import_safetensors  # a binding: loaded on use
+
+        return import_safetensors(self, collection, path, message=message, tier=tier,
+                                  progress=progress)
+
+    def export_safetensors(self, collection: str, out_dir: str | os.PathLike[str], *,
+                           version: int | None = None, progress: bool = False) -> list[Path]:
+        """Write a version as safetensors files (byte-identical to the imported ones,
+        with the index of a sharded folder); returns the paths written."""
+        self._check_open()
+        from engine_bindings import export_safetensors
+
+        return export_safetensors(self, collection, out_dir, version=version,
+                                  progress=progress)
 
     def query(self, text: str, params: Mapping[str, object] | None = None
               ) -> pa.Table:

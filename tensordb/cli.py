@@ -373,6 +373,38 @@ def query_command(
                 out.print("(no rows)")
 
 
+@app.command("import")
+def import_command(
+    ctx: typer.Context,
+    collection: Annotated[str, typer.Argument(help="The collection to commit into.")],
+    path: Annotated[Path, typer.Argument(
+        help="A .safetensors file, or a folder with model.safetensors.index.json.")],
+    message: Annotated[str | None, typer.Option("--message", "-m")] = None,
+    tier: Annotated[str | None, typer.Option(help="host or disk (default: the store's).")] = None,
+) -> None:
+    """Import a safetensors checkpoint as one new version."""
+    with _open(ctx) as db:
+        c = db.import_safetensors(collection, path, message=message, tier=tier, progress=True)
+    _console().print(f"{escape(c.collection)} version {c.version}: {c.tensors} tensors, "
+                     f"{human_bytes(c.nbytes)} ({c.written} written, "
+                     f"{human_bytes(c.written_nbytes)})")
+
+
+@app.command("export")
+def export_command(
+    ctx: typer.Context,
+    collection: Annotated[str, typer.Argument(help="The collection to export.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the files.")],
+    version: Annotated[int | None, typer.Option("--version", "-v")] = None,
+) -> None:
+    """Export a version as safetensors files."""
+    with _open(ctx) as db:
+        paths = db.export_safetensors(collection, out_dir, version=version, progress=True)
+    out = _console()
+    for p in paths:
+        out.print(escape(str(p)))
+
+
 @policies_app.command("run")
 def policies_run_command(
     ctx: typer.Context,

@@ -311,3 +311,19 @@ def test_policies_run_and_log(store: Path) -> None:
     runs = [row for row in rows(r.output) if row and row[0] == "tick"]
     assert runs and all("ok" in row for row in runs)
     assert invoke(store, "policies", "log", "--limit", "x").exit_code == 2
+
+
+def test_import_export_roundtrip(home: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": torch.randn(3, 4), "b": torch.arange(5)}, str(src), metadata={"k": "v"})
+    r = invoke(home, "import", "m", str(src), "-m", "first")
+    assert r.exit_code == 0, r.output
+    assert "m version 1: 2 tensors" in r.output
+    r = invoke(home, "export", "m", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    (out,) = list((tmp_path / "out").glob("*.safetensors"))
+    assert out.read_bytes() == src.read_bytes()
+    r = invoke(home, "import", "m2", str(tmp_path / "missing.safetensors"))
+    assert r.exit_code == 2 and "error:" in r.output

@@ -1,0 +1,473 @@
+"""Weights benchmark (import): a safetensors checkpoint into the store, beside the loaders
+a user would otherwise pick and beside memcpy, all in one run.
+
+For each size (``--sizes``, default 512M,2G) it generates a checkpoint with safetensors
+(mixed dtypes: bf16 attention, fp8 e4m3 MLP up/gate, f16 MLP down, f32 norms and rotary
+table, an int64 buffer; 24 layers, 220 tensors), reads it once so the page cache is warm,
+and times, best of ``--reps`` (median beside):
+
+* ``memcpy``: numpy ``copyto`` of the same number of bytes into a pre-touched
+  destination, 1 thread and 2 threads (the physical limit, same run);
+* ``tensordb``: ``engine_bindings.import_safetensors`` (what ``db.import_safetensors``
+  runs) into the host tier, (a) with a pre-faulted spare (``db.prefault``, untimed) and
+  (b) cold; it validates the header, reads the file straight into the extent with
+  parallel ``preadv`` and checksums every tensor;
+* peers, each in a process of its own, only where importable (``pip install
+  tensordb[bench]``; a peer that fails is skipped with its reason): safetensors
+  ``load_file`` + ``.clone()`` of each tensor (mmap'd, so the clone is the load) and
+  ``load_file(backend="pread")``; tensorizer ``TensorDeserializer(device="cpu")`` of the
+  same tensors serialized by ``TensorSerializer``; Run:ai Model Streamer
+  ``SafetensorsStreamer`` (owned tensors); fastsafetensors ``fastsafe_open(nogds=True)``;
+* ``second process``: another process connects to the store, opens the imported
+  version's snapshot, builds ``state_dict()`` and touches one element of every tensor,
+  timed from snapshot open to done; it checks every tensor lies in the store's shm
+  mapping (zero-copy). Median of ``--child-runs``.
+
+Goals printed beside: import >= 0.8 x memcpy (1 thread) and >= 1.5 x the best peer;
+the second process materializes the whole model in <= 5 ms.
+
+Run:  .venv/bin/python benchmarks/weights.py [--sizes 512M,2G] [--reps 3] [--json]
+      [--png weights.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GB = 1e9
+MiB = 1 << 20
+LAYERS = 24
+GOAL_MEMCPY = 0.8
+GOAL_PEER = 1.5
+GOAL_CHILD_MS = 5.0
+PEERS = ["safetensors", "safetensors-pread", "tensorizer", "runai", "fastsafetensors"]
+PEER_LABELS = {
+    "safetensors": "safetensors load_file + clone",
+    "safetensors-pread": "safetensors load_file, pread",
+    "tensorizer": "tensorizer TensorDeserializer",
+    "runai": "Run:ai Model Streamer",
+    "fastsafetensors": "fastsafetensors (nogds, cpu)",
+}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KMG" else text) * scale)
+
+
+def checkpoint(target: int) -> dict[str, torch.Tensor]:
+    """A llama-like state dict of about ``target`` bytes: 16 h^2 per layer, 8 h^2 each for
+    embed and lm_head."""
+    h = max(64, int((target / (16 * LAYERS + 16)) ** 0.5) // 64 * 64)
+    sd: dict[str, torch.Tensor] = {}
+    k = 0
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nonlocal k
+        k += 1
+        if dtype.is_floating_point and dtype.itemsize == 1:  # fp8: fill the bytes
+            return torch.empty(shape, dtype=torch.uint8).fill_(k % 251).view(dtype)
+        return torch.empty(shape, dtype=dtype).fill_(k % 251)
+
+    sd["model.embed_tokens.weight"] = make((4 * h, h), torch.bfloat16)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        for n in ("q", "k", "v", "o"):
+            sd[f"{p}.self_attn.{n}_proj.weight"] = make((h, h), torch.bfloat16)
+        sd[f"{p}.mlp.gate_proj.weight"] = make((2 * h, h), torch.float8_e4m3fn)
+        sd[f"{p}.mlp.up_proj.weight"] = make((2 * h, h), torch.float8_e4m3fn)
+        sd[f"{p}.mlp.down_proj.weight"] = make((h, 2 * h), torch.float16)
+        sd[f"{p}.input_layernorm.weight"] = make((h,), torch.float32)
+        sd[f"{p}.post_attention_layernorm.weight"] = make((h,), torch.float32)
+    sd["model.norm.weight"] = make((h,), torch.float32)
+    sd["model.rotary_emb.inv_freq"] = make((h // 2,), torch.float32)
+    sd["model.position_ids"] = make((1, 4096), torch.int64)
+    sd["lm_head.weight"] = make((4 * h, h), torch.bfloat16)
+    return sd
+
+
+def warm(path: Path) -> None:
+    """Read the file once: the page cache holds it for every timed load."""
+    buf = bytearray(64 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        off = 0
+        while n := os.preadv(fd, [buf], off):
+            off += n
+    finally:
+        os.close(fd)
+
+
+def shm_mappings(shm_dir: str) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].strip().startswith(shm_dir + "/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+# -- children ---------------------------------------------------------------------------
+def peer_child(name: str, path: str, reps: int) -> dict[str, Any]:
+    """Time ``reps`` loads of one peer in this process; every tensor ends up owned by it."""
+    if name == "safetensors" or name == "safetensors-pread":
+        from safetensors.torch import load_file
+
+        if name == "safetensors":
+            def load() -> dict[str, torch.Tensor]:
+                return {k: v.clone() for k, v in load_file(path).items()}
+        else:
+            def load() -> dict[str, torch.Tensor]:
+                return load_file(path, backend="pread")
+    elif name == "tensorizer":
+        from tensorizer import TensorDeserializer
+
+        def load() -> dict[str, torch.Tensor]:
+            d = TensorDeserializer(path, device="cpu")
+            out = dict(d.items())
+            d.close()
+            return out
+    elif name == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        def load() -> dict[str, torch.Tensor]:
+            with SafetensorsStreamer() as s:
+                s.stream_file(path)
+                return dict(s.get_tensors())
+    elif name == "fastsafetensors":
+        from fastsafetensors import fastsafe_open
+
+        def load() -> dict[str, torch.Tensor]:
+            with fastsafe_open(filenames=[path], nogds=True, device="cpu") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no __iter__)
+    else:
+        raise SystemExit(f"unknown peer {name}")
+    times: list[float] = []
+    tensors = nbytes = 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = load()
+        times.append(time.perf_counter() - t0)
+        tensors, nbytes = len(out), sum(t.nbytes for t in out.values())
+        del out
+        gc.collect()
+    return {"times": times, "tensors": tensors, "bytes": nbytes}
+
+
+def store_child(home: str, collection: str) -> dict[str, Any]:
+    import tensordb
+
+    res: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    db = tensordb.connect(home=home)
+    res["connect_ms"] = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    snap = db.snapshot(collection)
+    sd = snap.state_dict()
+    [t.reshape(-1)[0].item() for t in sd.values() if t.numel()]
+    res["materialize_ms"] = (time.perf_counter() - t0) * 1e3
+    maps = shm_mappings(str(db.config.shm_dir))
+    res["tensors"] = len(sd)
+    res["zero_copy"] = sum(any(lo <= t.data_ptr() < hi for lo, hi in maps)
+                           for t in sd.values() if t.numel())
+    snap.close()
+    db.close()
+    return res
+
+
+def run_child(args: list[str], timeout: float = 300) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                         check=False, timeout=timeout)
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"exit {out.returncode}: {tail[0][:200]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- parent -----------------------------------------------------------------------------
+def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
+    src = np.empty(nbytes, np.uint8)
+    src.fill(1)
+    dst = np.empty(nbytes, np.uint8)
+    dst.fill(0)
+    one, two = [], []
+    half = nbytes // 2
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            list(pool.map(lambda s: np.copyto(dst[s], src[s]),
+                          [slice(0, half), slice(half, None)]))
+            two.append(time.perf_counter() - t0)
+    return {"memcpy_1t_s": min(one), "memcpy_2t_s": min(two)}
+
+
+def summary(times: list[float], nbytes: int) -> dict[str, Any]:
+    best, med = min(times), statistics.median(times)
+    return {"best_s": best, "median_s": med, "best_gbps": nbytes / best / GB,
+            "median_gbps": nbytes / med / GB, "runs": len(times)}
+
+
+def bench_size(target: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    import tensordb
+    from engine_bindings import import_safetensors
+
+    sd = checkpoint(target)
+    nbytes = sum(t.nbytes for t in sd.values())
+    res: dict[str, Any] = {"target": target, "bytes": nbytes, "tensors": len(sd),
+                           "dtypes": sorted({str(t.dtype).removeprefix("torch.")
+                                             for t in sd.values()})}
+    path = work / "model.safetensors"
+    t0 = time.perf_counter()
+    save_file(sd, path, metadata={"format": "pt"})
+    res["generate_s"] = time.perf_counter() - t0
+    tensorizer_path: Path | None = None
+    if "tensorizer" in args.peers:
+        try:
+            from tensorizer import TensorSerializer
+
+            tensorizer_path = work / "model.tensors"
+            ser = TensorSerializer(str(tensorizer_path))
+            ser.write_state_dict(sd)
+            ser.close()
+        except Exception as exc:  # noqa: BLE001 (a peer that cannot run is reported)
+            res.setdefault("skipped", {})["tensorizer"] = f"serialize: {exc!r}"[:200]
+            tensorizer_path = None
+    del sd
+    gc.collect()
+    warm(path)
+    if tensorizer_path is not None:
+        warm(tensorizer_path)
+    res.update(measure_memcpy(nbytes, args.reps))
+
+    # tensordb, in this process
+    home = tempfile.mkdtemp(prefix="tensordb-bench-weights-", dir=args.tmp_dir)
+    db = tensordb.connect(home=home)
+    try:
+        runs: dict[str, list[float]] = {"prefaulted": [], "cold": []}
+        kept = None
+        for mode in ("cold", "prefaulted"):
+            for r in range(args.reps):
+                if mode == "prefaulted":
+                    db.prefault(nbytes + 64 * MiB)
+                t0 = time.perf_counter()
+                c = import_safetensors(db, f"{mode}{r}", path)
+                runs[mode].append(time.perf_counter() - t0)
+                assert c.nbytes == nbytes and c.tensors == res["tensors"]
+                if mode == "prefaulted" and r == args.reps - 1:
+                    kept = c.collection
+                else:
+                    db.drop(c.collection)
+                    db.gc()
+        res["tensordb"] = {m: summary(t, nbytes) for m, t in runs.items()}
+        children = [run_child(["--store-child", home, kept or ""])
+                    for _ in range(args.child_runs)]
+        res["child"] = {
+            "materialize_ms_median": statistics.median(c["materialize_ms"] for c in children),
+            "materialize_ms_min": min(c["materialize_ms"] for c in children),
+            "connect_ms_median": statistics.median(c["connect_ms"] for c in children),
+            "tensors": children[0]["tensors"],
+            "zero_copy": [c["zero_copy"] for c in children],
+        }
+    finally:
+        db.close()
+        shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+    # peers, each in its own process
+    res["peers"] = {}
+    for peer in args.peers:
+        file = tensorizer_path if peer == "tensorizer" else path
+        if file is None:
+            continue
+        try:
+            got = run_child(["--peer", peer, str(file), str(args.reps)])
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            res.setdefault("skipped", {})[peer] = str(exc)[:200]
+            continue
+        if got["bytes"] != nbytes:
+            res.setdefault("skipped", {})[peer] = f"loaded {got['bytes']} of {nbytes} bytes"
+            continue
+        res["peers"][peer] = summary(got["times"], nbytes)
+    path.unlink()
+    if tensorizer_path is not None:
+        tensorizer_path.unlink(missing_ok=True)
+    return res
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    args.peers = [p for p in args.peers.split(",") if p] if isinstance(args.peers, str) \
+        else args.peers
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()[0],
+                           "sizes": []}
+    work = Path(tempfile.mkdtemp(prefix="tensordb-bench-weights-files-", dir=args.tmp_dir))
+    try:
+        for text in args.sizes.split(","):
+            out["sizes"].append(bench_size(parse_size(text), args, work))
+            gc.collect()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for s in out["sizes"]:
+        tdb = s["tensordb"]["prefaulted"]["best_s"]
+        s["x_memcpy_1t"] = s["memcpy_1t_s"] / tdb
+        s["x_memcpy_2t"] = s["memcpy_2t_s"] / tdb
+        s["x_memcpy_1t_cold"] = s["memcpy_1t_s"] / s["tensordb"]["cold"]["best_s"]
+        if s["peers"]:
+            best_peer = min(s["peers"], key=lambda p: s["peers"][p]["best_s"])
+            s["best_peer"] = best_peer
+            s["x_best_peer"] = s["peers"][best_peer]["best_s"] / tdb
+    out["loadavg_after"] = os.getloadavg()[0]
+    return out
+
+
+def verdict(ok: bool) -> str:
+    return "[green]ok[/]" if ok else "[red]MISS[/]"
+
+
+def print_report(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=132)
+    for s in res["sizes"]:
+        n = s["bytes"]
+        con.print(f"[bold]import[/] of a {n / MiB:,.0f} MiB checkpoint, {s['tensors']} tensors "
+                  f"({', '.join(s['dtypes'])}), page cache warm; GB = 1e9 bytes; "
+                  f"{res['cpus']} CPUs")
+        t = Table()
+        for col in ("loader", "best ms", "median ms", "best GB/s", "x memcpy 1t",
+                    "tensordb speed-up", "goal"):
+            t.add_column(col, justify="left" if col == "loader" else "right",
+                         no_wrap=col == "loader")
+        mc1, mc2 = s["memcpy_1t_s"], s["memcpy_2t_s"]
+        t.add_row("memcpy, 1 thread", f"{mc1 * 1e3:.1f}", "", f"{n / mc1 / GB:.2f}", "1.00",
+                  "", "")
+        t.add_row("memcpy, 2 threads", f"{mc2 * 1e3:.1f}", "", f"{n / mc2 / GB:.2f}",
+                  f"{mc1 / mc2:.2f}", "", "")
+        tdb = s["tensordb"]["prefaulted"]
+        for mode, label in (("prefaulted", "tensordb import (prefaulted)"),
+                            ("cold", "tensordb import (cold)")):
+            m = s["tensordb"][mode]
+            goal = ""
+            if mode == "prefaulted":
+                goal = f">= {GOAL_MEMCPY} x memcpy {verdict(s['x_memcpy_1t'] >= GOAL_MEMCPY)}"
+            t.add_row(label, f"{m['best_s'] * 1e3:.1f}", f"{m['median_s'] * 1e3:.1f}",
+                      f"{m['best_gbps']:.2f}", f"{mc1 / m['best_s']:.2f}", "", goal)
+        for peer, m in s["peers"].items():
+            goal = ""
+            if peer == s.get("best_peer"):
+                goal = f"best peer: >= {GOAL_PEER} x {verdict(s['x_best_peer'] >= GOAL_PEER)}"
+            t.add_row(PEER_LABELS[peer], f"{m['best_s'] * 1e3:.1f}", f"{m['median_s'] * 1e3:.1f}",
+                      f"{m['best_gbps']:.2f}", f"{mc1 / m['best_s']:.2f}",
+                      f"{m['best_s'] / tdb['best_s']:.2f} x", goal)
+        ch = s["child"]
+        ok = ch["materialize_ms_median"] <= GOAL_CHILD_MS
+        t.add_row("2nd process: snapshot + state_dict", f"{ch['materialize_ms_min']:.2f}",
+                  f"{ch['materialize_ms_median']:.2f}", "", "", "",
+                  f"<= {GOAL_CHILD_MS:g} ms {verdict(ok)}")
+        con.print(t)
+        con.print(f"second process: {ch['tensors']} tensors, zero-copy (in the store's shm "
+                  f"mapping) per run: {ch['zero_copy']}; connect {ch['connect_ms_median']:.1f} ms"
+                  f" (not in the figure)")
+        for peer, why in s.get("skipped", {}).items():
+            con.print(f"[yellow]skipped {peer}[/]: {why}")
+    con.print(f"1-min load average before/after: {res['loadavg_before']:.2f} / "
+              f"{res['loadavg_after']:.2f} (other processes on the host skew the figures)")
+
+
+def plot(res: dict[str, Any], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install tensordb[bench])",
+              file=sys.stderr)
+        return False
+    sizes = res["sizes"]
+    rows = ["memcpy, 1 thread", "memcpy, 2 threads", "tensordb (prefaulted)", "tensordb (cold)"]
+    rows += [PEER_LABELS[p] for p in PEERS if any(p in s["peers"] for s in sizes)]
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.45 * len(rows) * len(sizes)))
+    height = 0.8 / len(sizes)
+    for j, s in enumerate(sizes):
+        n = s["bytes"]
+        vals = {"memcpy, 1 thread": n / s["memcpy_1t_s"] / GB,
+                "memcpy, 2 threads": n / s["memcpy_2t_s"] / GB,
+                "tensordb (prefaulted)": s["tensordb"]["prefaulted"]["best_gbps"],
+                "tensordb (cold)": s["tensordb"]["cold"]["best_gbps"]}
+        vals.update({PEER_LABELS[p]: m["best_gbps"] for p, m in s["peers"].items()})
+        ys = [i + j * height for i in range(len(rows))]
+        xs = [vals.get(r, 0.0) for r in rows]
+        bars = ax.barh(ys, xs, height=height, label=f"{n / MiB:,.0f} MiB")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    ax.set_yticks([i + height * (len(sizes) - 1) / 2 for i in range(len(rows))], rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (1e9 bytes/s), best of runs; page cache warm")
+    ax.set_title(f"safetensors checkpoint import, {sizes[0]['tensors']} tensors, "
+                 f"{res['cpus']} CPUs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="512M,2G", help="checkpoint sizes (512M,2G)")
+    p.add_argument("--reps", type=int, default=3, help="timed loads per loader (3)")
+    p.add_argument("--child-runs", type=int, default=3, help="second processes (3)")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"peers to run ({','.join(PEERS)})")
+    p.add_argument("--tmp-dir", default=None, help="where checkpoints and stores go")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--png", default=None, help="write a bar chart to this PNG")
+    p.add_argument("--peer", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--store-child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peer:
+        print(json.dumps(peer_child(args.peer[0], args.peer[1], int(args.peer[2]))))
+        return 0
+    if args.store_child:
+        print(json.dumps(store_child(*args.store_child)))
+        return 0
+    unknown = set(args.peers.split(",")) - set(PEERS) - {""}
+    if unknown:
+        p.error(f"unknown peers {sorted(unknown)}; known: {','.join(PEERS)}")
+    res = run(args)
+    if args.png and plot(res, args.png):
+        res["png"] = args.png
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_report(res)
+        if args.png:
+            print(f"chart: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

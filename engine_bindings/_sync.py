@@ -1,0 +1,380 @@
+"""Weight synchronization: apply new versions of a collection to a live torch module.
+
+A trainer commits version N+1; each engine process runs a ``WeightUpdater`` that follows
+the collection and switches its module to the new version:
+
+* ``mode="copy"``: the changed tensors are copied into the module's own parameters and
+  buffers (``param.data.copy_``), in buckets of about ``bucket_bytes``. The module keeps
+  its memory (any device, any dtype: ``copy_`` converts). Copy mode overwrites that
+  memory in place, so it is for modules that own their memory, and a forward pass that
+  runs during ``apply`` may see a mix of N and N+1: apply between forward passes.
+* ``mode="swap"``: the module's parameters are repointed (``param.data = t``) at the new
+  version's zero-copy tensors: no byte is copied. The updater holds the snapshot (a
+  lease) of the version in use and releases the one before. The module must be on the
+  CPU with the stored dtypes (host-tier views).
+
+Readers of the old version are never torn: the store's rows are immutable, a snapshot of
+N keeps N's bytes for as long as its tensors are held, and a swap gives the module N+1's
+tensors while whoever holds N's keeps them. Copy mode writes only memory the module owns
+(a module built on store views gets private copy-on-write pages, never the store's).
+
+Which tensors changed, cheaply and exactly: every stored tensor is an extent (a segment
+and an offset in it), rows are immutable, and a commit that leaves a tensor unchanged
+shares its extent with the version before. So two versions hold the same bytes for a
+name when ``Snapshot.extents()`` names the same extent in both. No byte is read or
+hashed. The updater trusts that the module still holds what it applied: after writing
+to the module's tensors yourself, call ``invalidate``.
+
+Uses the public tensordb API only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import tensordb
+from tensordb.errors import InvalidInput, NotFound, StoreClosed
+
+__all__ = ["UpdateReport", "WeightUpdater"]
+
+_MODES = ("copy", "swap")
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateReport:
+    """What one ``apply`` did.
+
+    ``changed``: the state_dict names whose bytes differ from the version the module had
+    (copied in copy mode, repointed in swap mode); ``unchanged``: how many were left as
+    they were; ``bytes_copied``: 0 in swap mode; ``seconds``: the whole apply.
+    """
+
+    version: int
+    changed: list[str]
+    unchanged: int
+    bytes_copied: int
+    seconds: float
+    previous: int | None = None
+
+
+# -- identity of extents --------------------------------------------------------------
+_Ident = tuple[str | None, int, str, str, tuple[int, ...]] | None
+
+
+def _identities(snap: tensordb.Snapshot) -> dict[str, _Ident]:
+    """name -> (segment, offset, checksum, dtype, shape) of each tensor of ``snap``."""
+    info = snap.info()
+    return {n: (sid, off, csum, info[n][0], info[n][1])
+            for n, (sid, off, csum) in snap.extents().items()}
+
+
+def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A byte copy between contiguous host tensors of one dtype: numpy's copy is a plain
+    memcpy that releases the GIL, about twice torch's ``copy_`` on a host."""
+    if dst.numel():
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(),
+                  src.reshape(-1).view(torch.uint8).numpy())
+
+
+# -- the updater ------------------------------------------------------------------------
+class WeightUpdater:
+    """Keeps ``module`` at the latest (or a chosen) version of ``collection``.
+
+    ``current``: the version the module holds now (for instance one loaded with
+    ``load_module``); the default, None, means unknown, and the first ``apply`` copies
+    (or repoints) every tensor. ``strict``: the module's state_dict names and the
+    collection's must match exactly; with False only the names in both are updated.
+
+    Thread-safe: ``apply`` calls are serialised; ``follow`` may run in a thread of its
+    own (``start``) while other threads read ``current_version``. Call from the process
+    that owns the module; the updater holds a Database of that process.
+    """
+
+    def __init__(self, db: tensordb.Database, collection: str, module: torch.nn.Module, *,
+                 bucket_bytes: int = 256 << 20, mode: str = "copy",
+                 current: int | None = None, strict: bool = True) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise InvalidInput(f"module must be a torch.nn.Module, not "
+                               f"{type(module).__name__}", collection=collection)
+        if mode not in _MODES:
+            raise InvalidInput(f"mode must be 'copy' or 'swap', not {mode!r}",
+                               collection=collection)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
+                or bucket_bytes <= 0:
+            raise InvalidInput(f"bucket_bytes must be a positive int, not {bucket_bytes!r}",
+                               collection=collection)
+        self.db = db
+        self.collection = collection
+        self.module = module
+        self.mode = mode
+        self.bucket_bytes = bucket_bytes
+        self.strict = strict
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._current: int | None = None
+        self._idents: dict[str, _Ident] = {}
+        self._snap: tensordb.Snapshot | None = None  # swap mode: the version in use
+        self.last_report: UpdateReport | None = None
+        if current is not None:
+            self._adopt(current)
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def current_version(self) -> int | None:
+        """The version the module holds (None before the first apply)."""
+        with self._lock:
+            return self._current
+
+    def _adopt(self, version: int) -> None:
+        """Record that the module already holds ``version`` (without touching it)."""
+        snap = self.db.snapshot(self.collection, version=version)
+        try:
+            self._idents = _identities(snap)
+        except BaseException:
+            snap.close()
+            raise
+        self._current = snap.version
+        if self.mode == "swap":
+            self._snap = snap
+        else:
+            snap.close()
+
+    def invalidate(self) -> None:
+        """Forget which version the module holds: the next ``apply`` updates every
+        tensor. Call it after changing the module's tensors yourself (copy mode)."""
+        with self._lock:
+            self._current = None
+            self._idents = {}
+
+    def close(self) -> None:
+        """Stop following and release the lease of the version in use. The module keeps
+        its tensors (a swapped module's stay valid: they hold their own mappings)."""
+        self.stop()
+        with self._lock:
+            snap, self._snap = self._snap, None
+        if snap is not None:
+            snap.close()
+
+    def __enter__(self) -> WeightUpdater:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checking ----------------------------------------------------------------------
+    def _plan(self, snap: tensordb.Snapshot, targets: dict[str, torch.Tensor]) -> list[str]:
+        """The names to update; raises InvalidInput (naming the tensor) before anything
+        is touched when the module and the version do not fit."""
+        info = snap.info()
+        names = [n for n in targets if n in info]
+        if self.strict:
+            missing = [n for n in targets if n not in info]
+            extra = [n for n in info if n not in targets]
+            if missing or extra:
+                bad = (missing or extra)[0]
+                raise InvalidInput(
+                    f"{self.collection} v{snap.version} does not match the module: missing "
+                    f"{missing[:10]}, unexpected {extra[:10]}", collection=self.collection,
+                    tensor=bad, version=snap.version)
+        for n in names:
+            dtype, shape, _ = info[n]
+            cur = targets[n]
+            if tuple(cur.shape) != tuple(shape):
+                raise InvalidInput(
+                    f"{self.collection}/{n}: v{snap.version} has shape {tuple(shape)}, the "
+                    f"module's tensor {tuple(cur.shape)}", collection=self.collection,
+                    tensor=n, version=snap.version)
+            if self.mode == "swap":
+                if cur.device.type != "cpu":
+                    raise InvalidInput(
+                        f"{self.collection}/{n}: swap mode repoints the module at host "
+                        f"tensors, but the module's is on {cur.device}; use mode='copy'",
+                        collection=self.collection, tensor=n, version=snap.version)
+                if str(cur.dtype).removeprefix("torch.") != dtype:
+                    raise InvalidInput(
+                        f"{self.collection}/{n}: swap mode cannot convert the stored "
+                        f"{dtype} to the module's {cur.dtype}; use mode='copy'",
+                        collection=self.collection, tensor=n, version=snap.version)
+        return names
+
+    # -- applying ----------------------------------------------------------------------
+    def apply(self, version: int | None = None) -> UpdateReport:
+        """Bring the module to ``version`` (default: the head) and say what changed.
+
+        Blocks for the copy (copy mode) or for mapping and repointing (swap mode).
+        NotFound for an unknown collection or version; InvalidInput, naming the tensor,
+        when the module does not fit the version, and then the module is untouched.
+        Applying the version the module already holds changes nothing.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            snap = self.db.snapshot(self.collection, version=version)
+            keep = False
+            try:
+                report, keep = self._apply(snap, t0)
+            finally:
+                if not keep:
+                    snap.close()
+            self.last_report = report
+            return report
+
+    def _apply(self, snap: tensordb.Snapshot, t0: float) -> tuple[UpdateReport, bool]:
+        previous = self._current
+        targets = self.module.state_dict(keep_vars=True)
+        if snap.version == previous:
+            return UpdateReport(snap.version, [], len(targets), 0,
+                                time.perf_counter() - t0, previous), False
+        names = self._plan(snap, targets)
+        stored = snap.state_dict()
+        idents = _identities(snap)
+        old = self._idents
+        changed = [n for n in names
+                   if idents[n] is None or old.get(n) is None or idents[n] != old[n]]
+        # tied parameters: one tensor under several names is updated once
+        seen: set[int] = set()
+        todo = []
+        for n in changed:
+            key = id(targets[n])
+            if key not in seen:
+                seen.add(key)
+                todo.append(n)
+        if self.mode == "copy":
+            try:
+                copied = self._copy(todo, targets, stored)
+            except BaseException:
+                self.invalidate()  # part copied: the module holds no one version now
+                raise
+        else:
+            copied = 0
+            with torch.no_grad():
+                for n in todo:
+                    targets[n].data = stored[n]
+        self._idents = {n: idents[n] for n in names}
+        self._current = snap.version
+        keep = False
+        if self.mode == "swap":
+            prev_snap, self._snap = self._snap, snap
+            keep = True
+            if prev_snap is not None:
+                prev_snap.close()
+        report = UpdateReport(snap.version, changed, len(targets) - len(changed), copied,
+                              time.perf_counter() - t0, previous)
+        return report, keep
+
+    def _copy(self, names: list[str], targets: dict[str, torch.Tensor],
+              stored: dict[str, torch.Tensor]) -> int:
+        """Copy in buckets of about ``bucket_bytes``; a bucket's device copies are
+        queued without waiting and synchronised once at the bucket's end."""
+        copied = 0
+        bucket: list[str] = []
+        size = 0
+
+        def flush() -> None:
+            devices = set()
+            with torch.no_grad():
+                for n in bucket:
+                    dst, src = targets[n].detach(), stored[n]
+                    if (dst.device.type == "cpu" and dst.dtype == src.dtype
+                            and dst.is_contiguous() and src.is_contiguous()):
+                        _memcpy(dst, src)
+                        continue
+                    dst.copy_(src, non_blocking=dst.device.type == "cuda")
+                    if dst.device.type == "cuda":
+                        devices.add(dst.device)
+            for d in devices:  # the source pages may be dropped once the bucket is done
+                torch.cuda.synchronize(d)
+
+        for n in names:
+            bucket.append(n)
+            size += stored[n].nbytes
+            copied += stored[n].nbytes
+            if size >= self.bucket_bytes:
+                flush()
+                bucket, size = [], 0
+        if bucket:
+            flush()
+        return copied
+
+    # -- following ----------------------------------------------------------------------
+    def follow(self, timeout: float | None = None, *, every: bool = False,
+               poll: float = 0.5,
+               on_update: Callable[[UpdateReport], None] | None = None) -> int:
+        """Apply new versions as they land, until ``stop`` or until ``timeout`` seconds
+        pass without one. Returns how many versions were applied.
+
+        Starts with the head if the module holds none yet. ``every=False`` (default)
+        applies only the latest when several landed meanwhile (the module never holds a
+        mix; it skips intermediate versions); ``every=True`` applies each in order.
+        ``poll``: how often ``stop`` is noticed (commits wake the follower at once).
+        """
+        try:
+            return self._follow(timeout, every, poll, on_update)
+        finally:
+            self._stop.clear()  # a stop() ends one follow, not the next
+
+    def _follow(self, timeout: float | None, every: bool, poll: float,
+                on_update: Callable[[UpdateReport], None] | None) -> int:
+        applied = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.current_version is None:
+            try:
+                report = self.apply()
+            except NotFound:
+                report = None  # nothing committed yet: wait for the first version
+            if report is not None:
+                applied += 1
+                if on_update is not None:
+                    on_update(report)
+                if deadline is not None:
+                    deadline = time.monotonic() + timeout  # type: ignore[operator]
+        while not self._stop.is_set():
+            wait = poll if deadline is None else min(poll, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                for c in self.db.watch(self.collection, after=self.current_version or 0,
+                                       timeout=wait, poll=wait):
+                    if self._stop.is_set():
+                        break
+                    if c.version <= (self.current_version or 0):
+                        continue  # an intermediate version a latest-only apply skipped
+                    report = self.apply(c.version if every else None)
+                    applied += 1
+                    if on_update is not None:
+                        on_update(report)
+                    if self._stop.is_set():
+                        break
+                    if deadline is not None:
+                        deadline = time.monotonic() + timeout  # type: ignore[operator]
+            except StoreClosed:
+                break
+        return applied
+
+    def start(self, *, every: bool = False,
+              on_update: Callable[[UpdateReport], None] | None = None) -> threading.Thread:
+        """Run ``follow`` in a daemon thread; ``stop`` ends it."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise InvalidInput("this updater is already following",
+                                   collection=self.collection)
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self.follow, kwargs={"every": every, "on_update": on_update},
+                name=f"tensordb-follow-{self.collection}", daemon=True)
+            self._thread.start()
+            return self._thread
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Ask ``follow`` to return (within ``poll`` seconds) and wait for its thread."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            self._thread = None
