@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Connection,
+    text,
     Engine,
     String,
     any_,
@@ -37,7 +38,17 @@ from storage_engine import holder_alive
 
 from ..errors import CommitConflict, InvalidInput, NotFound
 from ._engine import write_conn
-from ._schema import collections, commits, leases, nodes, pins, segments, tags, tensors
+from ._schema import (
+    UTCDateTime,
+    collections,
+    commits,
+    leases,
+    nodes,
+    pins,
+    segments,
+    tags,
+    tensors,
+)
 
 __all__ = ["Catalog", "CollectionInfo", "Commit", "TensorRow", "NewTensor", "GcPlan"]
 
@@ -172,6 +183,23 @@ def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTen
         for p in puts])
 
 
+# The read path as plain text statements: a reader process pays SQLAlchemy's statement
+# compilation on its first use of each Core construct (~4 ms for a snapshot's five),
+# which is most of a fresh process's first snapshot; text() compiles in microseconds.
+_SQL_INFO = text("SELECT id, name, head, retain_last FROM collections WHERE name = :name")
+_SQL_TAG = text("SELECT version FROM tags WHERE collection_id = :cid AND name = :tag")
+_SQL_HAS = text("SELECT version FROM commits WHERE collection_id = :cid AND version = :v")
+_SQL_LEASE = text(
+    "INSERT INTO leases (id, collection_id, version, holder, node, created_at, expires_at) "
+    "VALUES (:id, :cid, :v, :holder, :node, :created, :expires)"
+).bindparams(bindparam("created", type_=UTCDateTime()), bindparam("expires", type_=UTCDateTime()))
+_SQL_ROWS = ('SELECT name, dtype, shape, nbytes, checksum, segment_id, "offset", first_version '
+             "FROM tensors WHERE collection_id = :cid AND ")
+_SQL_HEAD_ROWS = text(_SQL_ROWS + "end_version IS NULL")
+_SQL_VERSION_ROWS = text(_SQL_ROWS + "first_version <= :v AND (end_version IS NULL OR end_version > :v)")
+_SQL_TIERS = text("SELECT id, tier FROM segments WHERE id IN :ids").bindparams(
+    bindparam("ids", expanding=True))
+
 _GC_LOCK_KEY = 0x7E75DA  # advisory lock between lease takers and version droppers (policies: ...D9)
 
 
@@ -186,6 +214,9 @@ class Catalog:
 
     # -- collections ---------------------------------------------------------------
     def _info(self, conn: Connection, name: str, *, lock: bool = False) -> CollectionInfo | None:
+        if not lock or conn.dialect.name == "sqlite":
+            row = conn.execute(_SQL_INFO, {"name": name}).first()
+            return CollectionInfo(*row) if row else None
         q = select(collections.c.id, collections.c.name, collections.c.head,
                    collections.c.retain_last).where(collections.c.name == name)
         if lock and conn.dialect.name != "sqlite":
@@ -228,8 +259,7 @@ class Catalog:
 
     # -- versions --------------------------------------------------------------------
     def _has_version(self, conn: Connection, cid: int, version: int) -> bool:
-        return conn.execute(select(commits.c.version).where(
-            commits.c.collection_id == cid, commits.c.version == version)).first() is not None
+        return conn.execute(_SQL_HAS, {"cid": cid, "v": version}).first() is not None
 
     def resolve(self, name: str, version: int | None = None, tag: str | None = None,
                 conn: Connection | None = None) -> tuple[CollectionInfo, int]:
@@ -243,8 +273,7 @@ class Catalog:
         if version is not None and tag is not None:
             raise InvalidInput("give a version or a tag, not both", collection=name)
         if tag is not None:
-            v = conn.execute(select(tags.c.version).where(
-                tags.c.collection_id == info.id, tags.c.name == tag)).scalar()
+            v = conn.execute(_SQL_TAG, {"cid": info.id, "tag": tag}).scalar()
             if v is None:
                 raise NotFound(f"no tag {tag!r} in collection {name!r}", collection=name)
             return info, int(v)
@@ -275,8 +304,7 @@ class Catalog:
         # a version spans few segments: look their tiers up once instead of joining
         # every row (a third of the manifest's cost at 1,000 rows)
         seg_ids = list({r[5] for r in raw if r[5] is not None})
-        tiers = dict(conn.execute(select(segments.c.id, segments.c.tier)
-                                  .where(_in(conn, segments.c.id, seg_ids))).all()) if seg_ids else {}
+        tiers = dict(conn.execute(_SQL_TIERS, {"ids": seg_ids}).all()) if seg_ids else {}
         rows = [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6],
                           tiers.get(r[5]), r[7]) for r in raw]
         rows.sort()
@@ -291,9 +319,12 @@ class Catalog:
         if conn is None:
             with self.engine.connect() as c:
                 return self.manifest(cid, version, names, c, head=head)
+        if names is None:  # a whole version: the reader's hot path
+            if head:
+                return self._rows(conn, conn.execute(_SQL_HEAD_ROWS, {"cid": cid}))
+            return self._rows(conn, conn.execute(_SQL_VERSION_ROWS, {"cid": cid, "v": version}))
         q = self._manifest_query(cid, None if head else version)
-        if names is not None:
-            q = q.where(_in(conn, tensors.c.name, names))
+        q = q.where(_in(conn, tensors.c.name, names))
         return self._rows(conn, conn.execute(q))
 
     def live(self, cid: int) -> dict[str, TensorRow]:
@@ -451,9 +482,9 @@ class Catalog:
             self._ephemeral(conn)
             self._gc_lock(conn, shared=True)
             info, v = self.resolve(name, version, tag, conn)
-            conn.execute(leases.insert().values(
-                id=lease_id, collection_id=info.id, version=v, holder=holder, node=self.node,
-                created_at=now, expires_at=now + timedelta(seconds=ttl)))
+            conn.execute(_SQL_LEASE, {
+                "id": lease_id, "cid": info.id, "v": v, "holder": holder, "node": self.node,
+                "created": now, "expires": now + timedelta(seconds=ttl)})
             # the live-rows shortcut needs one snapshot for both statements: SQLite's
             # write transaction is one; PostgreSQL's READ COMMITTED is not, and a commit
             # landing between them would hand out the next version's rows
