@@ -1,0 +1,368 @@
+"""SGLang weights from a tensordb collection: the initial load and in-place updates.
+
+Updates go through SGLang's tensor update path (``update_weights_from_tensor`` between
+``begin_weight_update`` and ``end_weight_update``), in one of two ways:
+
+* **pull** (the server was started with ``--custom-weight-loader
+  engine_bindings.sglang.tensordb_weight_loader``): the request carries only *which*
+  version to load; every tensor-parallel scheduler process opens the store itself and
+  feeds the version's zero-copy tensors to ``model.load_weights``, whose weight loaders
+  copy each rank's slice into place. No tensor crosses a process boundary.
+* **push** (a ``sglang.Engine`` started without that loader): this process packs the
+  version into buckets of about ``bucket_bytes`` in shared memory (one copy) and sends
+  them as SGLang's ``flattened_bucket`` payloads; each scheduler maps the bucket and
+  loads it. (An HTTP server, through SGLang's ``HttpServerEngineAdapter``, takes pull
+  requests only: the bucket handles do not travel over HTTP.)
+
+In the scheduler process itself (a ``ModelRunner`` or its ``WeightUpdater``) the
+zero-copy tensors are handed to the updater directly, bucket by bucket.
+
+The initial load: ``TensorDBModelLoader`` is a SGLang ``BaseModelLoader``; pass the
+class as ``load_format`` (SGLang's ``get_model_loader`` instantiates a class given
+there) with ``model_loader_extra_config`` naming the collection.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from sglang.srt.configs.device_config import DeviceConfig
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import (
+    BaseModelLoader,
+    DefaultModelLoader,
+    _get_quantization_config,
+    _initialize_model,
+    set_default_torch_dtype,
+)
+from torch import nn
+
+import tensordb
+from tensordb.errors import InvalidInput
+
+from .._engines import (
+    LoadSource,
+    LocationLike,
+    NameFilter,
+    StoreLocation,
+    Tally,
+    buckets,
+    check_ref,
+    named_tensors,
+    open_store,
+    select_names,
+    store_of,
+)
+
+__all__ = [
+    "PULL_LOADER",
+    "TensorDBModelLoader",
+    "tensordb_weight_loader",
+    "update_weights_from_tensordb",
+]
+
+logger = logging.getLogger(__name__)
+
+#: what ``--custom-weight-loader`` names for pull updates, and the ``load_format`` the
+#: update requests carry
+PULL_LOADER = "engine_bindings.sglang.tensordb_weight_loader"
+_REQUEST_PREFIX = "tensordb:"
+_MODES = ("auto", "pull", "push")
+_ALIGN = 16  # bucket entries start at offsets any dtype can be viewed at
+
+
+# -- the initial load ------------------------------------------------------------------
+class TensorDBModelLoader(BaseModelLoader):
+    """A SGLang model loader reading a version of a collection.
+
+    ``sglang.Engine(model_path=<folder with config.json and tokenizer>,
+    load_format=TensorDBModelLoader, model_loader_extra_config=json.dumps({"collection":
+    "llama", "home": "/var/lib/tensordb"}))``. The model is built by SGLang (config,
+    dtype, quantization); its ``load_weights`` gets the store's zero-copy tensors and
+    each tensor-parallel rank's weight loaders copy out its slice.
+    """
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        self.source = LoadSource.from_extra_config(load_config.model_loader_extra_config,
+                                                   what="TensorDBModelLoader")
+        self.last_load: dict[str, Any] | None = None
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: check that the version exists (NotFound otherwise)."""
+        with self.source.snapshot():
+            pass
+
+    def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig
+                   ) -> nn.Module:
+        target_device = torch.device(device_config.device)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        tally = Tally()
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(model_config, self.load_config, quant_config)
+            with self.source.snapshot() as snap:
+                version = snap.version
+                DefaultModelLoader.load_weights_and_postprocess(
+                    model, tally.wrap(named_tensors(snap)), target_device)
+        tally.stop()
+        self.last_load = {"collection": self.source.collection, "version": version,
+                          "tensors": tally.tensors, "bytes": tally.nbytes,
+                          "seconds": tally.seconds}
+        logger.info("loaded %s v%d from tensordb: %d tensors, %.1f MiB in %.2f s",
+                    self.source.collection, version, tally.tensors, tally.nbytes / 2**20,
+                    tally.seconds)
+        return model.eval()
+
+
+# -- pull: the loader that runs in each scheduler ---------------------------------------
+def _request_name(location: StoreLocation, collection: str, version: int,
+                  names: list[str] | None) -> str:
+    body = {"location": location.as_dict(), "collection": collection, "version": version}
+    if names is not None:
+        body["names"] = names
+    return _REQUEST_PREFIX + json.dumps(body, separators=(",", ":"))
+
+
+def tensordb_weight_loader(model: nn.Module,
+                           named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """SGLang custom weight loader (``--custom-weight-loader
+    engine_bindings.sglang.tensordb_weight_loader``), run in each scheduler process:
+    every entry whose name is a tensordb request loads that version of the collection
+    into ``model`` with ``model.load_weights``, from the store the request names, opened
+    once per process. Other entries are loaded as they are. Raises (the update fails)
+    when the store or the version cannot be read."""
+    plain: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named:
+        if not name.startswith(_REQUEST_PREFIX):
+            plain.append((name, tensor))
+            continue
+        req = json.loads(name[len(_REQUEST_PREFIX):])
+        db = open_store(StoreLocation.parse(req["location"]))
+        tally = Tally()
+        with db.snapshot(req["collection"], version=req["version"]) as snap:
+            model.load_weights(tally.wrap(named_tensors(snap, req.get("names"))))
+        tally.stop()
+        logger.info("updated weights from tensordb %s v%d: %d tensors, %.1f MiB in %.2f s",
+                    req["collection"], req["version"], tally.tensors, tally.nbytes / 2**20,
+                    tally.seconds)
+    if plain:
+        model.load_weights(plain)
+
+
+# -- the update helper -----------------------------------------------------------------
+def _flattened_payload(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """One bucket as SGLang's flattened_bucket payload: one uint8 tensor in shared memory
+    (so serializing it sends a handle, not the bytes) and each entry's place in it."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    offsets, total = [], 0
+    for _, t in bucket:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    flat = torch.empty(total, dtype=torch.uint8).share_memory_()
+    meta = []
+    for (name, t), start in zip(bucket, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            flat[start:start + n].view(t.dtype).view(t.shape).copy_(t)
+        meta.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=t.dtype,
+                                            start_idx=start, end_idx=start + n, numel=n))
+    return {"flattened_tensor": flat, "metadata": meta}
+
+
+def _check(result: Any, what: str, collection: str) -> None:
+    """SGLang answers (success, message) tuples, or dicts / objects with .success."""
+    if isinstance(result, tuple) and len(result) >= 1:
+        ok, msg = result[0], (result[1] if len(result) > 1 else "")
+    elif isinstance(result, dict):
+        ok, msg = result.get("success", True), result.get("message", "")
+    else:
+        ok, msg = getattr(result, "success", True), getattr(result, "message", "")
+    if not ok:
+        raise RuntimeError(f"SGLang {what} failed for {collection!r}: {msg}")
+
+
+@contextmanager
+def _session_end(end: Callable[[], object]) -> Iterator[None]:
+    """Close a weight-update session however the block ends; an error in the block wins
+    over an error in closing."""
+    try:
+        yield
+    except BaseException:
+        try:
+            end()
+        except Exception:
+            logger.exception("closing the SGLang weight-update session failed")
+        raise
+    end()
+
+
+def _serialize(obj: Any) -> bytes:
+    """``MultiprocessingSerializer.serialize`` with torch's own tensor reducer. SGLang
+    swaps in a CUDA-only one in processes that have loaded weights
+    (``monkey_patch_torch_reductions``); it fails on host tensors."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    original = getattr(reductions, "_reduce_tensor_original", None)
+    if original is not None:
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            if cls in pickler.dispatch_table:
+                pickler.dispatch_table[cls] = original
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def _send(engine: Any, payload: Any, load_format: str, flush_cache: bool,
+          weight_version: str | None, collection: str) -> None:
+    """One ``update_weights_from_tensor`` request, the same payload for every TP rank:
+    built as ``Engine.update_weights_from_tensor`` builds it, plus the weight version,
+    where the engine has SGLang's tokenizer manager; through that public method
+    otherwise."""
+    manager, loop = getattr(engine, "tokenizer_manager", None), getattr(engine, "loop", None)
+    if manager is None or loop is None:
+        if load_format == "flattened_bucket":
+            payload = [_serialize(payload)] * _tp_size(engine)
+        result = engine.update_weights_from_tensor(named_tensors=payload,
+                                                   load_format=load_format,
+                                                   flush_cache=flush_cache)
+    else:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[_serialize(payload)] * _tp_size(engine),
+            load_format=load_format, flush_cache=flush_cache, weight_version=weight_version)
+        result = loop.run_until_complete(manager.update_weights_from_tensor(req, None))
+    _check(result, "update_weights_from_tensor", collection)
+
+
+def _tp_size(engine: Any) -> int:
+    server_args = getattr(engine, "server_args", None)
+    return int(getattr(server_args, "tp_size", 1) or 1)
+
+
+def _pull_enabled(engine: Any) -> bool:
+    server_args = getattr(engine, "server_args", None)
+    return PULL_LOADER in (getattr(server_args, "custom_weight_loader", None) or [])
+
+
+def _updater_of(target: Any) -> Any | None:
+    """The SGLang WeightUpdater of an in-process target (a ModelRunner or the updater)."""
+    updater = getattr(target, "weight_updater", None)
+    if updater is not None:
+        return updater
+    if all(callable(getattr(target, m, None)) for m in
+           ("begin_weight_update", "end_weight_update", "update_weights_from_tensor")) \
+            and getattr(target, "get_model", None) is not None:
+        return target
+    return None
+
+
+def update_weights_from_tensordb(target: Any, db_or_location: tensordb.Database | LocationLike,
+                                 collection: str, version: int | None = None, *,
+                                 tag: str | None = None, names: NameFilter = None,
+                                 mode: str = "auto", bucket_bytes: int = 512 << 20,
+                                 flush_cache: bool = True, weight_version: str | None = None
+                                 ) -> dict[str, Any]:
+    """Load ``version`` (or ``tag``; the head by default) of ``collection`` into a
+    running SGLang model, in place, through SGLang's tensor update path.
+
+    ``target``: a ``sglang.Engine`` (or anything with its ``begin_weight_update`` /
+    ``update_weights_from_tensor`` / ``end_weight_update`` methods), or, inside the
+    scheduler process, a ``ModelRunner`` or its ``WeightUpdater``. ``db_or_location``:
+    an open ``tensordb.Database`` or where the store is (a catalog URL, a home
+    directory, a mapping of ``connect`` arguments). ``names``: only these tensors.
+    ``mode`` (Engine only): "pull" has each scheduler read the store itself (the server
+    must run with ``--custom-weight-loader`` ``PULL_LOADER``, and reach the same
+    store); "push" sends the tensors in ``flattened_bucket`` payloads of about
+    ``bucket_bytes``; "auto" pulls when the server allows it. ``flush_cache``: drop
+    the radix cache, computed with the old weights, after the last bucket.
+    ``weight_version``: the label SGLang reports for the new weights (default
+    ``"<collection>@<version>"``; Engine only).
+
+    The version is resolved here, once: every scheduler loads the same immutable
+    version whatever is committed meanwhile. Returns ``collection``, ``version``,
+    ``tensors``, ``bytes``, ``buckets`` (requests sent), ``mode`` and ``seconds``.
+    Raises NotFound before touching the model when the version does not exist, and
+    RuntimeError when SGLang reports a failed step (the model may then hold a mix of
+    versions: load a version again).
+    """
+    check_ref(collection, version, tag)
+    if mode not in _MODES:
+        raise InvalidInput(f"mode must be one of {list(_MODES)}, not {mode!r}",
+                           collection=collection)
+    db = store_of(db_or_location)
+    updater = _updater_of(target)
+    engine = None
+    if updater is None:
+        if not all(callable(getattr(target, m, None)) for m in
+                   ("begin_weight_update", "update_weights_from_tensor", "end_weight_update")):
+            raise InvalidInput(f"target must be a sglang Engine, ModelRunner or "
+                               f"WeightUpdater, not {type(target).__name__}",
+                               collection=collection)
+        engine = target
+    if mode == "pull" and engine is None:
+        raise InvalidInput("mode='pull' needs a sglang Engine; in the scheduler process the "
+                           "tensors are handed over directly", collection=collection)
+    if mode == "pull" and not _pull_enabled(engine):
+        raise InvalidInput(f"mode='pull' needs the server started with "
+                           f"--custom-weight-loader {PULL_LOADER}", collection=collection)
+    use = ("pull" if engine is not None and _pull_enabled(engine) else "push") \
+        if mode == "auto" else mode
+    tally = Tally()
+    sent = 0
+    with db.snapshot(collection, version=version, tag=tag) as snap:
+        got = snap.version
+        pairs = named_tensors(snap, names)
+        if updater is not None:
+            updater.begin_weight_update()
+            with _session_end(lambda: updater.end_weight_update(run_post_load=sent == 0)):
+                for bucket in buckets(tally.wrap(pairs), bucket_bytes):
+                    _check(updater.update_weights_from_tensor(named_tensors=bucket,
+                                                              load_format=None),
+                           "update_weights_from_tensor", collection)
+                    sent += 1
+        else:
+            assert engine is not None
+            label = weight_version if weight_version is not None else f"{collection}@{got}"
+            _check(engine.begin_weight_update(), "begin_weight_update", collection)
+            with _session_end(lambda: _check(engine.end_weight_update(), "end_weight_update",
+                                             collection)):
+                if use == "pull":
+                    info = snap.info()
+                    chosen = select_names(snap, names)
+                    tally.tensors = len(chosen)
+                    tally.nbytes = sum(info[n][2] for n in chosen)
+                    if names is None:
+                        chosen = None  # all: the request need not list them
+                    request = [(_request_name(StoreLocation.of(db), collection, got, chosen),
+                                torch.empty(0))]
+                    _send(engine, request, PULL_LOADER, flush_cache, label, collection)
+                    sent = 1
+                else:
+                    groups = list(buckets(tally.wrap(pairs), bucket_bytes))
+                    for i, bucket in enumerate(groups):
+                        last = i == len(groups) - 1
+                        _send(engine, _flattened_payload(bucket), "flattened_bucket",
+                              flush_cache and last, label if last else None, collection)
+                        sent += 1
+    tally.stop()
+    summary = {"collection": collection, "version": got, "tensors": tally.tensors,
+               "bytes": tally.nbytes, "buckets": sent,
+               "mode": "direct" if updater is not None else use, "seconds": tally.seconds}
+    logger.info("SGLang weights <- tensordb %s v%d (%s): %d tensors, %.1f MiB, %d requests, "
+                "%.2f s", collection, got, summary["mode"], tally.tensors,
+                tally.nbytes / 2**20, sent, tally.seconds)
+    return summary

@@ -1,0 +1,116 @@
+"""A vLLM model loader that materializes weights from a tensordb collection.
+
+``--load-format tensordb`` picks it once ``register()`` has run in the worker processes
+(importing ``engine_bindings.vllm`` runs it: through ``--worker-extension-cls
+engine_bindings.vllm.TensorDBWorkerExtension``, or a ``vllm.general_plugins`` entry point
+naming ``engine_bindings.vllm:register``). ``--model-loader-extra-config`` tells it what
+to read::
+
+    {"collection": "llama", "version": 3,            # or "tag": "ckpt-100"; default: head
+     "home": "/var/lib/tensordb",                    # or "url" (+ "node", "data_dir")
+     "verify": false}                                # checksum every tensor as it is read
+
+The model itself is built by vLLM (``BaseModelLoader.load_model``: config, dtype, device,
+quantization, post-processing); this loader only feeds ``model.load_weights`` the
+version's tensors under their checkpoint names (a collection made by
+``db.import_safetensors`` of a Hugging Face folder, or committed by a trainer with the
+same names). The tensors are the store's zero-copy views: each worker's weight loaders
+narrow them to the worker's tensor-parallel slice, so a rank touches only the pages of
+its own slices, and a pipeline stage never reads another stage's layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from tensordb.errors import InvalidInput
+
+from .._engines import LoadSource, Tally, named_tensors
+
+__all__ = ["LOAD_FORMAT", "LoadSource", "TensorDBModelLoader", "parallel_ranks", "register"]
+
+logger = logging.getLogger(__name__)
+
+#: the name of the load format: ``--load-format tensordb``
+LOAD_FORMAT = "tensordb"
+
+def parallel_ranks() -> dict[str, int]:
+    """This worker's tensor- and pipeline-parallel rank and size from vLLM's parallel
+    state; {} where it is not initialized (a model built outside an engine)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return {"tp_rank": ps.get_tensor_model_parallel_rank(),
+            "tp_size": ps.get_tp_group().world_size,
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "pp_size": ps.get_pp_group().world_size}
+
+
+class TensorDBModelLoader(BaseModelLoader):
+    """``--load-format tensordb``: weights from a version of a tensordb collection.
+
+    Runs in each vLLM worker process. ``load_weights`` may block while the store maps
+    the version (no byte is copied before the model's weight loaders copy their slice
+    into the parameters). ``get_all_weights`` lets vLLM's ``reload_weights`` re-read the
+    configured version (the head, when none is pinned) in place.
+    """
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        self.source = LoadSource.from_extra_config(load_config.model_loader_extra_config,
+                                                   what=f"load format {LOAD_FORMAT!r}")
+        self.last_load: dict[str, Any] | None = None
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: check that the version exists (NotFound otherwise)."""
+        with self.source.snapshot():
+            pass
+
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module
+                        ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The version's (name, tensor) pairs, zero-copy, under one snapshot lease."""
+        with self.source.snapshot() as snap:
+            yield from named_tensors(snap)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        tally = Tally()
+        with self.source.snapshot() as snap:
+            version = snap.version
+            loaded = model.load_weights(tally.wrap(named_tensors(snap)))
+        tally.stop()
+        self.last_load = {"collection": self.source.collection, "version": version,
+                          "tensors": tally.tensors, "bytes": tally.nbytes,
+                          "seconds": tally.seconds, **parallel_ranks()}
+        logger.info("loaded %s v%d from tensordb: %d tensors, %.1f MiB in %.2f s",
+                    self.source.collection, version, tally.tensors, tally.nbytes / 2**20,
+                    tally.seconds)
+        # as vLLM's default loader: an unquantized model that reports what it loaded
+        # must have every parameter from the checkpoint
+        if model_config.quantization is None and loaded is not None:
+            missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
+            if missing:
+                raise InvalidInput(
+                    f"{self.source.collection} v{version} leaves {len(missing)} parameters "
+                    f"of the model unset: {missing[:10]}", collection=self.source.collection,
+                    version=version)
+
+
+def register() -> None:
+    """Make ``--load-format tensordb`` resolve to ``TensorDBModelLoader`` in this
+    process. Idempotent; usable as a ``vllm.general_plugins`` entry point."""
+    from vllm.model_executor import model_loader
+
+    registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
+    if registry is not None and registry.get(LOAD_FORMAT) is TensorDBModelLoader:
+        return
+    register_model_loader(LOAD_FORMAT)(TensorDBModelLoader)

@@ -1,0 +1,133 @@
+"""Helpers of the engine tests, importable without any engine (the tensor-parallel child
+processes import it too): whether an engine imports here, and a tiny Llama (its
+config.json, checkpoints in Hugging Face names, and the values an engine's fused,
+tensor-parallel parameters must hold after loading one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+# engine -> (label, modules the tests use: imported once, quietly, before any test runs,
+# since the engines warn on import about hardware they do not find)
+_ENGINES = {
+    "vllm": ("vLLM 0.33", ["engine_bindings.vllm", "vllm.v1.worker.gpu_worker",
+                           "vllm.v1.worker.cpu_worker"]),
+    "sglang": ("SGLang 0.5.23", ["engine_bindings.sglang", "sglang.srt.entrypoints.engine",
+                                 "sglang.srt.entrypoints.http_server_engine",
+                                 ("sglang.srt.model_executor.model_runner_components."
+                                  "load_model_utils")]),
+}
+_reasons: dict[str, str | None] = {}
+
+
+def why_not(engine: str) -> str | None:
+    """None when ``engine`` ("vllm" or "sglang") and its binding import here, else why
+    not."""
+    if engine not in _reasons:
+        label, modules = _ENGINES[engine]
+        hint = "run tests/engines from its venv (see tests/engines/conftest.py)"
+        if importlib.util.find_spec(engine) is None:
+            _reasons[engine] = f"{label} is not installed in this environment; {hint}"
+        else:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    for module in modules:
+                        importlib.import_module(module)
+                _reasons[engine] = None
+            except Exception as exc:  # noqa: BLE001 - any import failure: this venv cannot run them
+                _reasons[engine] = (f"{label} does not import here ({type(exc).__name__}: "
+                                    f"{exc}); {hint}")
+    return _reasons[engine]
+
+HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, LAYERS = 64, 128, 256, 4, 2, 2
+HEAD_DIM = HIDDEN // HEADS
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+    "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+    "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "torch_dtype": "float32", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def write_config(folder: str | os.PathLike[str]) -> Path:
+    """A model folder with only config.json (engines read the architecture from it; the
+    weights come from the store)."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return path
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    """A full checkpoint in Hugging Face names; every tensor depends on ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    sd = {"model.embed_tokens.weight": r(VOCAB, HIDDEN), "model.norm.weight": r(HIDDEN),
+          "lm_head.weight": r(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "self_attn.q_proj.weight": r(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": r(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": r(HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": r(INTER, HIDDEN),
+            p + "mlp.up_proj.weight": r(INTER, HIDDEN),
+            p + "mlp.down_proj.weight": r(HIDDEN, INTER),
+            p + "input_layernorm.weight": r(HIDDEN),
+            p + "post_attention_layernorm.weight": r(HIDDEN),
+        })
+    return sd
+
+
+def expected_params(sd: dict[str, torch.Tensor], rank: int = 0, world: int = 1
+                    ) -> dict[str, torch.Tensor]:
+    """What each parameter of vLLM's (and SGLang's) Llama holds on tensor-parallel
+    ``rank`` of ``world`` after loading ``sd``: q/k/v and gate/up fused, column-parallel
+    layers split by rows, row-parallel ones by columns, the vocabulary split by rows."""
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(world, 0)[rank]
+
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(world, 1)[rank]
+
+    out = {"model.embed_tokens.weight": rows(sd["model.embed_tokens.weight"]),
+           "lm_head.weight": rows(sd["lm_head.weight"]),
+           "model.norm.weight": sd["model.norm.weight"]}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [rows(sd[p + f"self_attn.{x}_proj.weight"]) for x in "qkv"])
+        out[p + "self_attn.o_proj.weight"] = cols(sd[p + "self_attn.o_proj.weight"])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [rows(sd[p + "mlp.gate_proj.weight"]), rows(sd[p + "mlp.up_proj.weight"])])
+        out[p + "mlp.down_proj.weight"] = cols(sd[p + "mlp.down_proj.weight"])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[p + f"{norm}.weight"] = sd[p + f"{norm}.weight"]
+    return out
+
+
+def mismatches(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose parameter differs from ``expected`` (or is missing on either side)."""
+    params = dict(model.named_parameters())
+    bad = sorted(set(params) ^ set(expected))
+    for name in sorted(set(params) & set(expected)):
+        got, want = params[name].detach(), expected[name]
+        if got.shape != want.shape or not torch.equal(got.cpu(), want):
+            bad.append(name)
+    return bad

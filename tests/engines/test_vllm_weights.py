@@ -1,0 +1,357 @@
+"""vLLM 0.33: the ``tensordb`` load format and the worker extension, against vLLM's real
+loader registry, model classes (a tiny Llama built on the CPU), weight loaders,
+in-place reload and worker classes. Only the worker object around the model is a
+stand-in: a vLLM worker needs a GPU (or vLLM's CPU kernels) to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import tensordb
+from tensordb.errors import InvalidInput, NotFound
+
+from .engine_support import checkpoint, expected_params, mismatches, write_config
+
+pytestmark = pytest.mark.engine("vllm")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _extra(db: tensordb.Database, **ref: Any) -> dict[str, Any]:
+    from engine_bindings._engines import StoreLocation
+
+    return {"collection": "llama", **ref, **StoreLocation.of(db).as_dict()}
+
+
+def _vllm_config(model_dir: Path, extra: dict[str, Any], tp: int = 1) -> Any:
+    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
+                                 dtype="float32", enforce_eager=True),
+        load_config=LoadConfig(load_format="tensordb", model_loader_extra_config=extra),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu(model_dir: Path) -> Iterator[None]:
+    """vLLM's distributed state for one CPU worker (gloo), as a worker sets it up."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.accelerator.is_available():
+            # BaseModelLoader.load_model empties the accelerator cache; a CPU-only torch
+            # has no accelerator and raises there
+            mp.setattr(torch.accelerator, "empty_cache", lambda: None)
+        with set_current_vllm_config(_vllm_config(model_dir, {"collection": "llama"})):
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            ensure_model_parallel_initialized(1, 1)
+        try:
+            yield
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+def _build(model_dir: Path, extra: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """vLLM's own get_model: our loader through vLLM's registry, then vLLM builds the
+    model and post-processes it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    vc = _vllm_config(model_dir, extra)
+    with set_current_vllm_config(vc):
+        return get_model(vllm_config=vc), vc
+
+
+# -- the load format ---------------------------------------------------------------------
+def test_load_format_resolves_through_vllm_registry(store: tensordb.Database) -> None:
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import BaseModelLoader, get_model_loader
+
+    from engine_bindings.vllm import LOAD_FORMAT, TensorDBModelLoader
+
+    loader = get_model_loader(LoadConfig(load_format="TensorDB",
+                                         model_loader_extra_config=_extra(store, version=2)))
+    assert LOAD_FORMAT == "tensordb"
+    assert isinstance(loader, TensorDBModelLoader) and isinstance(loader, BaseModelLoader)
+    assert (loader.source.collection, loader.source.version) == ("llama", 2)
+    assert loader.source.location.home == str(store.config.home)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({}, "'collection'"),
+    ({"collection": "llama", "bucket": 1}, "'bucket'"),
+    ({"collection": "llama", "version": 1, "tag": "t"}, "not both"),
+    ({"collection": "llama", "version": "3"}, "version"),
+    ({"collection": "llama", "verify": "yes"}, "verify"),
+    ({"collection": "llama", "home": 5}, "'home'"),
+], ids=["no-collection", "unknown-key", "version-and-tag", "version-str", "verify-str",
+        "home-int"])
+def test_bad_extra_config_is_a_value_error(extra: dict[str, Any], needle: str) -> None:
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    with pytest.raises(ValueError, match=needle) as err:
+        get_model_loader(LoadConfig(load_format="tensordb", model_loader_extra_config=extra))
+    assert isinstance(err.value, InvalidInput)
+
+
+def test_download_model_checks_the_version_exists(store: tensordb.Database,
+                                                  model_dir: Path) -> None:
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    store.commit("llama", checkpoint(1))
+    ok = get_model_loader(LoadConfig(load_format="tensordb",
+                                     model_loader_extra_config=_extra(store)))
+    ok.download_model(None)  # nothing to fetch
+    missing = get_model_loader(LoadConfig(load_format="tensordb",
+                                          model_loader_extra_config=_extra(store, version=9)))
+    with pytest.raises(NotFound, match="version 9"):
+        missing.download_model(None)
+
+
+def test_vllm_builds_a_real_llama_from_a_version(store: tensordb.Database, model_dir: Path,
+                                                 vllm_cpu: None) -> None:
+    store.commit("llama", checkpoint(1))
+    store.commit("llama", checkpoint(2))
+    store.tag("llama", "first", version=1)
+    for ref, seed in [({"version": 1}, 1), ({"tag": "first"}, 1), ({}, 2)]:
+        model, _ = _build(model_dir, _extra(store, **ref))
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert mismatches(model, expected_params(checkpoint(seed))) == [], ref
+
+
+def test_a_collection_missing_weights_fails_the_load(store: tensordb.Database,
+                                                     model_dir: Path, vllm_cpu: None) -> None:
+    partial = checkpoint(1)
+    del partial["lm_head.weight"]
+    store.commit("llama", partial)
+    with pytest.raises(InvalidInput, match="lm_head.weight"):
+        _build(model_dir, _extra(store))
+
+
+def test_vllm_reload_weights_rereads_the_head(store: tensordb.Database, model_dir: Path,
+                                              vllm_cpu: None) -> None:
+    """vLLM's in-place reload (what ``collective_rpc("reload_weights")`` runs) asks the
+    configured loader for its weights again: with no version pinned, the new head."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    store.commit("llama", checkpoint(2))
+    with set_current_vllm_config(vc):
+        reload_weights(vc, model, weights_iterator=None, weights_path=None,
+                       is_checkpoint_format=True)
+    assert mismatches(model, expected_params(checkpoint(2))) == []
+
+
+_TP_CHILD = """
+import json, os, sys
+import torch
+from engine_support import checkpoint, expected_params, mismatches
+rank, world, port, model_dir, extra = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                       sys.argv[4], json.loads(sys.argv[5]))
+if not torch.accelerator.is_available():
+    torch.accelerator.empty_cache = lambda: None
+from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import (ensure_model_parallel_initialized, init_distributed_environment,
+                              get_tensor_model_parallel_rank)
+from vllm.model_executor.model_loader import get_model
+import engine_bindings.vllm
+vc = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True,
+                                         dtype="float32", enforce_eager=True),
+                load_config=LoadConfig(load_format="tensordb", model_loader_extra_config=extra),
+                parallel_config=ParallelConfig(tensor_parallel_size=world))
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ensure_model_parallel_initialized(world, 1)
+    model = get_model(vllm_config=vc)
+    want = expected_params(checkpoint(1), get_tensor_model_parallel_rank(), world)
+    qkv = tuple(dict(model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].shape)
+    print("RESULT " + json.dumps({"rank": get_tensor_model_parallel_rank(),
+                                  "bad": mismatches(model, want), "qkv": qkv}))
+"""
+
+
+def test_tensor_parallel_ranks_load_their_own_slices(store: tensordb.Database,
+                                                     model_dir: Path) -> None:
+    """Two vLLM tensor-parallel workers (gloo, one process each) load the same version:
+    each rank's fused, split parameters hold exactly its slices."""
+    store.commit("llama", checkpoint(1))
+    port, world = _free_port(), 2
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
+           "VLLM_TARGET_DEVICE": "cpu", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, "-c", _TP_CHILD, str(rank), str(world), str(port),
+                               str(model_dir), json.dumps(_extra(store))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(world)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, err[-3000:]
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["bad"] == [], r
+        assert r["qkv"] == [(4 + 2 + 2) * 16 // 2, 64]  # half of q, k and v on each rank
+
+
+# -- the worker extension ----------------------------------------------------------------
+class _Worker:
+    """What the extension uses of a vLLM worker: ``model_runner`` and ``vllm_config``."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, reload: Any = None) -> None:
+        self.model_runner = SimpleNamespace(model=model)
+        if reload is not None:
+            self.model_runner.reload_weights = reload
+        self.vllm_config = vllm_config
+
+
+def _worker(model: torch.nn.Module, vllm_config: Any, reload: Any = None) -> Any:
+    from engine_bindings.vllm import TensorDBWorkerExtension
+
+    # mixed in as vLLM does it: the extension becomes a base of the worker class
+    cls = type("Worker", (_Worker,), {})
+    cls.__bases__ = cls.__bases__ + (TensorDBWorkerExtension,)
+    return cls(model, vllm_config, reload)
+
+
+def test_extension_updates_the_live_model_to_a_version(store: tensordb.Database,
+                                                       model_dir: Path,
+                                                       vllm_cpu: None) -> None:
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    v2 = checkpoint(2)
+    store.commit("llama", v2)
+    worker = _worker(model, vc)
+    assert worker.tensordb_weights_version() is None
+
+    # the store is the one the model was loaded from (--load-format tensordb)
+    summary = worker.update_weights_from_tensordb("llama", version=2)
+
+    assert mismatches(model, expected_params(v2)) == []
+    assert {k: summary[k] for k in ("collection", "version", "tensors", "bytes")} == {
+        "collection": "llama", "version": 2, "tensors": len(v2),
+        "bytes": sum(t.nbytes for t in v2.values())}
+    assert (summary["tp_rank"], summary["tp_size"]) == (0, 1)
+    assert worker.tensordb_weights_version() == {"collection": "llama", "version": 2}
+
+    # back to 1 by tag, from a store named explicitly
+    store.tag("llama", "first", version=1)
+    worker.vllm_config = SimpleNamespace(load_config=SimpleNamespace(load_format="auto"))
+    summary = worker.update_weights_from_tensordb("llama", tag="first",
+                                                  location=str(store.config.home))
+    assert summary["version"] == 1
+    assert mismatches(model, expected_params(checkpoint(1))) == []
+
+
+def test_extension_loads_only_the_named_tensors(store: tensordb.Database, model_dir: Path,
+                                                vllm_cpu: None) -> None:
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    v2 = checkpoint(2)
+    store.commit("llama", v2)
+    summary = _worker(model, vc).update_weights_from_tensordb(
+        "llama", names={"lm_head.weight", "model.layers.1.self_attn.k_proj.weight"})
+    assert summary["tensors"] == 2
+    want = expected_params(checkpoint(1))
+    want["lm_head.weight"] = v2["lm_head.weight"]
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    want[qkv] = want[qkv].clone()
+    want[qkv][64:96] = v2["model.layers.1.self_attn.k_proj.weight"]  # k: after q's 64 rows
+    assert mismatches(model, want) == []
+
+
+def test_extension_through_vllm_reload_weights(store: tensordb.Database, model_dir: Path,
+                                               vllm_cpu: None) -> None:
+    """``via="reload_weights"``: vLLM's in-place reload (layerwise post-processing)
+    consumes the version's tensors."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    store.commit("llama", checkpoint(2))
+    store.commit("llama", checkpoint(3))
+
+    def reload(weights_iterator: Any, is_checkpoint_format: bool) -> None:
+        with set_current_vllm_config(vc):  # as GPUModelRunner.reload_weights does
+            reload_weights(vc, model, weights_iterator=weights_iterator, weights_path=None,
+                           is_checkpoint_format=is_checkpoint_format)
+
+    summary = _worker(model, vc, reload).update_weights_from_tensordb(
+        "llama", version=2, via="reload_weights")
+    assert summary["version"] == 2
+    assert mismatches(model, expected_params(checkpoint(2))) == []
+
+
+def test_extension_errors_leave_the_model_alone(store: tensordb.Database, model_dir: Path,
+                                                vllm_cpu: None) -> None:
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    worker = _worker(model, vc)
+    with pytest.raises(NotFound):
+        worker.update_weights_from_tensordb("llama", version=5)
+    with pytest.raises(NotFound):
+        worker.update_weights_from_tensordb("other")
+    with pytest.raises(InvalidInput, match="not both"):
+        worker.update_weights_from_tensordb("llama", version=1, tag="x")
+    with pytest.raises(InvalidInput, match="via"):
+        worker.update_weights_from_tensordb("llama", via="magic")
+    assert mismatches(model, expected_params(checkpoint(1))) == []
+
+
+@pytest.mark.parametrize("qualname", ["vllm.v1.worker.gpu_worker.Worker",
+                                      "vllm.v1.worker.cpu_worker.CPUWorker"])
+def test_extension_mixes_into_vllm_workers(qualname: str) -> None:
+    """What vLLM's WorkerWrapperBase.init_worker does with --worker-extension-cls: resolve
+    the name, refuse a clash with the worker's attributes, add it as a base class."""
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    ext = resolve_obj_by_qualname("engine_bindings.vllm.TensorDBWorkerExtension")
+    worker_cls = type("W", (resolve_obj_by_qualname(qualname),), {})
+    clashes = [a for a in dir(ext) if not a.startswith("__") and hasattr(worker_cls, a)]
+    assert clashes == []
+    worker_cls.__bases__ = worker_cls.__bases__ + (ext,)
+    assert callable(worker_cls.update_weights_from_tensordb)
+    # importing the extension registered the load format in the worker's process
+    with pytest.raises(InvalidInput, match="'collection'"):
+        get_model_loader(LoadConfig(load_format="tensordb"))
