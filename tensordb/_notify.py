@@ -14,6 +14,7 @@ or duplicated datagram costs latency, never correctness.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 import os
 import select
 import socket
@@ -25,24 +26,30 @@ __all__ = ["Notifier", "SocketNotifier", "PgNotifier", "Subscription", "PG_CHANN
 PG_CHANNEL = "tensordb_commit"
 
 
-class Subscription:
-    """An open subscription; ``wait`` returns the collections notified, or None."""
+class Subscription(ABC):
+    """An open subscription."""
 
+    @abstractmethod
     def wait(self, timeout: float | None) -> set[str] | None:
-        raise NotImplementedError  # pragma: no cover - the two kinds below implement it
+        """Block up to ``timeout`` s; the collections notified meanwhile, None if none."""
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError  # pragma: no cover
+        """End the subscription."""
 
 
-class Notifier:
-    def publish(self, collection: str, version: int) -> None:
-        """Tell watchers ``collection`` moved (after the commit is durable)."""
+class Notifier(ABC):
+    """One way commits reach watchers."""
 
+    def publish(self, collection: str, version: int) -> None:  # noqa: B027 - optional hook
+        """Tell watchers ``collection`` moved, after the commit is durable (a no-op where
+        the commit itself notifies)."""
+
+    @abstractmethod
     def subscribe(self) -> Subscription:
-        raise NotImplementedError  # pragma: no cover
+        """Start receiving notifications; subscribe before reading the state to watch."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release the notifier's resources."""
 
 
