@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,23 +33,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 import tensordb
 from tensordb.catalog import NewTensor
+from _common import PgUnavailable, remove_store, summary, temp_pg_database
 
 GOALS_MS = {"sqlite": 20.0, "postgresql": 50.0}
-
-
-def pctl(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def summary(xs_s: list[float]) -> dict[str, float]:
-    ms = [x * 1e3 for x in xs_s]
-    return {"median_ms": statistics.median(ms), "p90_ms": pctl(ms, 0.9),
-            "min_ms": min(ms), "n": len(ms)}
 
 
 def fake_rows(n: int, sid: str, tag: int) -> list[NewTensor]:
@@ -136,42 +125,29 @@ def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
                            "journal_mode": journal, "catalog": str(Path(tmp) / "catalog.db")}
         return res
     finally:
-        db.close()
-        shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+        remove_store(db)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def postgres_part(args: argparse.Namespace) -> dict[str, object]:
-    admin_url = f"postgresql+psycopg://{args.pg}/postgres"
-    dbname = f"tensordb_bench_{uuid.uuid4().hex[:12]}"
     try:
-        admin = create_engine(admin_url, isolation_level="AUTOCOMMIT",
-                              connect_args={"connect_timeout": 3})
-        with admin.connect() as conn:
-            version = conn.execute(text("SHOW server_version")).scalar()
-            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the server skips
-        return {"skipped": f"PostgreSQL at {args.pg} does not answer: "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-    tmp = tempfile.mkdtemp(prefix="tensordb-bench-cat-pg-", dir=args.tmp_dir)
-    db = None
-    try:
-        db = tensordb.connect(f"postgresql+psycopg://{args.pg}/{dbname}", data_dir=tmp, home=tmp)
-        with db._engine.connect() as conn:
-            sync = conn.execute(text("SHOW synchronous_commit")).scalar()
-            fsync = conn.execute(text("SHOW fsync")).scalar()
-        res = bench_backend(db, args.tensors, args.reps, args.full_reps)
-        res["settings"] = {"server_version": version, "synchronous_commit": sync,
-                           "fsync": fsync, "database": dbname}
-        return res
-    finally:
-        if db is not None:
-            db.close()
-            shutil.rmtree(db.config.shm_dir, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
-        admin.dispose()
+        with temp_pg_database(args.pg) as (url, version):
+            tmp = tempfile.mkdtemp(prefix="tensordb-bench-cat-pg-", dir=args.tmp_dir)
+            db = None
+            try:
+                db = tensordb.connect(url, data_dir=tmp, home=tmp)
+                with db.catalog.engine.connect() as conn:
+                    sync = conn.execute(text("SHOW synchronous_commit")).scalar()
+                    fsync = conn.execute(text("SHOW fsync")).scalar()
+                res = bench_backend(db, args.tensors, args.reps, args.full_reps)
+                res["settings"] = {"server_version": version, "synchronous_commit": sync,
+                                   "fsync": fsync, "database": url.rsplit("/", 1)[1]}
+                return res
+            finally:
+                remove_store(db)
+                shutil.rmtree(tmp, ignore_errors=True)
+    except PgUnavailable as exc:
+        return {"skipped": str(exc)}
 
 
 def print_table(results: dict[str, dict[str, object]], n: int) -> None:

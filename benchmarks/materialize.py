@@ -33,12 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
+import _common
 import tensordb
 
 GB = 1e9
@@ -121,21 +120,9 @@ def run_child(script: str, home: str, collection: str) -> dict[str, Any]:
 
 # -- parent -----------------------------------------------------------------------------
 def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
-    src = np.empty(nbytes, np.uint8)
-    src.fill(1)
-    dst = np.empty(nbytes, np.uint8)
-    dst.fill(0)  # pre-touched: no page faults in the timed copies
-    one, two = [], []
-    half = nbytes // 2
-    with ThreadPoolExecutor(2) as pool:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            np.copyto(dst, src)
-            one.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            list(pool.map(lambda s: np.copyto(dst[s], src[s]), [slice(0, half), slice(half, None)]))
-            two.append(time.perf_counter() - t0)
-    return {"memcpy_1t_gbps": nbytes / min(one) / GB, "memcpy_2t_gbps": nbytes / min(two) / GB}
+    best = _common.measure_memcpy(nbytes, reps)
+    return {"memcpy_1t_gbps": nbytes / best["memcpy_1t_s"] / GB,
+            "memcpy_2t_gbps": nbytes / best["memcpy_2t_s"] / GB}
 
 
 def timed_commits(db: tensordb.Database, prefix: str, tensors: dict[str, torch.Tensor],

@@ -36,7 +36,7 @@ from typing import Any
 
 from pathlib import Path
 
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import func, select, text
 
 # run as a script, this file's folder comes first on sys.path, and this file is named
 # like the package it measures: take the folder off so that "query" is the package
@@ -48,22 +48,14 @@ from query import _execute, _parser, _plan  # noqa: E402
 from tensordb.catalog import NewTensor  # noqa: E402
 from tensordb.catalog._schema import collections, tensors  # noqa: E402
 
+sys.path.append(str(_HERE))  # after the query package: now the shared helpers
+from _common import PgUnavailable, remove_store, summary, temp_pg_database  # noqa: E402
+
 GOAL_RATIO = 1.2
 CHUNK = 10_000
 DTYPES = (("float32", 4), ("bfloat16", 2), ("float16", 2), ("int64", 8))
 STATEMENT = ("SELECT dtype, count(*), sum(nbytes) FROM tensors WHERE collection = 'c3' "
              "AND nbytes > 1000 GROUP BY dtype")
-
-
-def pctl(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def summary(xs_s: list[float]) -> dict[str, float]:
-    ms = [x * 1e3 for x in xs_s]
-    return {"median_ms": statistics.median(ms), "p90_ms": pctl(ms, 0.9), "min_ms": min(ms),
-            "n": len(ms)}
 
 
 def fill(db: tensordb.Database, rows: int, n_collections: int) -> None:
@@ -157,37 +149,26 @@ def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
 
 
 def postgres_part(args: argparse.Namespace) -> dict[str, object]:
-    admin_url = f"postgresql+psycopg://{args.pg}/postgres"
-    dbname = f"tensordb_bench_{uuid.uuid4().hex[:12]}"
     try:
-        admin = create_engine(admin_url, isolation_level="AUTOCOMMIT",
-                              connect_args={"connect_timeout": 3})
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{dbname}"'))
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the server skips
-        return {"skipped": f"PostgreSQL at {args.pg} does not answer: "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-    tmp = tempfile.mkdtemp(prefix="tensordb-bench-query-pg-", dir=args.tmp_dir)
-    db = None
-    try:
-        db = tensordb.connect(f"postgresql+psycopg://{args.pg}/{dbname}", data_dir=tmp, home=tmp)
-        t0 = time.perf_counter()
-        fill(db, args.rows, args.collections)
-        with db.catalog.engine.connect() as conn:  # fresh statistics, as autovacuum would
-            conn.execute(text("ANALYZE"))
-            conn.commit()
-        fill_s = time.perf_counter() - t0
-        res = bench(db, args.reps)
-        res["fill_s"] = fill_s
-        return res
-    finally:
-        if db is not None:
-            db.close()
-            shutil.rmtree(db.config.shm_dir, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
-        admin.dispose()
+        with temp_pg_database(args.pg) as (url, _):
+            tmp = tempfile.mkdtemp(prefix="tensordb-bench-query-pg-", dir=args.tmp_dir)
+            db = None
+            try:
+                db = tensordb.connect(url, data_dir=tmp, home=tmp)
+                t0 = time.perf_counter()
+                fill(db, args.rows, args.collections)
+                with db.catalog.engine.connect() as conn:  # fresh statistics, as autovacuum would
+                    conn.execute(text("ANALYZE"))
+                    conn.commit()
+                fill_s = time.perf_counter() - t0
+                res = bench(db, args.reps)
+                res["fill_s"] = fill_s
+                return res
+            finally:
+                remove_store(db)
+                shutil.rmtree(tmp, ignore_errors=True)
+    except PgUnavailable as exc:
+        return {"skipped": str(exc)}
 
 
 def print_table(results: dict[str, dict[str, Any]], rows: int) -> None:

@@ -42,8 +42,9 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
 import torch
+
+import _common
 
 import tensordb
 from engine_bindings._sync import UpdateReport, WeightUpdater
@@ -152,14 +153,7 @@ def disk_subscriber(spec: Spec, conn: mp.connection.Connection) -> None:
 
 # -- publisher ------------------------------------------------------------------------------
 def measure_memcpy(nbytes: int, reps: int) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)  # pre-touched: no page faults in the timed copies
-    best = float("inf")
-    for _ in range(reps + 1):  # the first warms the caches and the TLB
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _common.measure_memcpy(nbytes, reps + 1)["memcpy_1t_s"]
 
 
 def run_store_mode(ctx: Any, db: tensordb.Database, home: str, spec: Spec,

@@ -42,12 +42,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+import _common
 
 GB = 1e9
 MiB = 1 << 20
@@ -203,23 +203,7 @@ def run_child(args: list[str], timeout: float = 300) -> dict[str, Any]:
 
 
 # -- parent -----------------------------------------------------------------------------
-def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
-    src = np.empty(nbytes, np.uint8)
-    src.fill(1)
-    dst = np.empty(nbytes, np.uint8)
-    dst.fill(0)
-    one, two = [], []
-    half = nbytes // 2
-    with ThreadPoolExecutor(2) as pool:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            np.copyto(dst, src)
-            one.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            list(pool.map(lambda s: np.copyto(dst[s], src[s]),
-                          [slice(0, half), slice(half, None)]))
-            two.append(time.perf_counter() - t0)
-    return {"memcpy_1t_s": min(one), "memcpy_2t_s": min(two)}
+measure_memcpy = _common.measure_memcpy
 
 
 def summary(times: list[float], nbytes: int) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""What every benchmark here shares: percentiles, the memcpy limit, a throwaway
+PostgreSQL database, and the store clean-up. Scripts import it as ``_common`` (they
+run as ``python benchmarks/NAME.py``, which puts this folder on the path)."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numpy as np
+
+import tensordb
+
+
+def pctl(xs: list[float], q: float) -> float:
+    """The q-quantile of ``xs`` (nearest rank)."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summary(xs_s: list[float]) -> dict[str, float]:
+    """Median, p90 and min of durations given in seconds, in milliseconds."""
+    ms = [x * 1e3 for x in xs_s]
+    return {"median_ms": statistics.median(ms), "p90_ms": pctl(ms, 0.9), "min_ms": min(ms),
+            "n": len(ms)}
+
+
+def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
+    """The physical limit: best time of a numpy copy of ``nbytes`` into a pre-touched
+    destination (no page faults), on one thread and split over two."""
+    src = np.empty(nbytes, np.uint8)
+    src.fill(1)
+    dst = np.empty(nbytes, np.uint8)
+    dst.fill(0)
+    one, two = [], []
+    half = nbytes // 2
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            list(pool.map(lambda s: np.copyto(dst[s], src[s]),
+                          [slice(0, half), slice(half, None)]))
+            two.append(time.perf_counter() - t0)
+    return {"memcpy_1t_s": min(one), "memcpy_2t_s": min(two)}
+
+
+class PgUnavailable(Exception):
+    """No PostgreSQL server answers; the message says why (the benchmark skips it)."""
+
+
+@contextmanager
+def temp_pg_database(server: str) -> Iterator[tuple[str, str]]:
+    """A fresh database on ``server`` (user@host:port), dropped afterwards: yields its
+    SQLAlchemy URL and the server version. Raises PgUnavailable if none answers."""
+    from sqlalchemy import create_engine, text
+
+    name = f"tensordb_bench_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(f"postgresql+psycopg://{server}/postgres",
+                              isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+        with admin.connect() as conn:
+            version = conn.execute(text("SHOW server_version")).scalar()
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the server skips
+        raise PgUnavailable(f"PostgreSQL at {server} does not answer: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    try:
+        yield f"postgresql+psycopg://{server}/{name}", str(version)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def remove_store(db: tensordb.Database | None) -> None:
+    """Close a benchmark's store and remove its shared-memory directory."""
+    if db is not None:
+        db.close()
+        shutil.rmtree(db.config.shm_dir, ignore_errors=True)
