@@ -32,7 +32,8 @@ from ._ast import (
 )
 from ._execute import execute
 from ._parser import parse, parse_script
-from ._policies import JOB_TABLE, PolicyRun, PolicyRunner, check_schedule
+from ._policies import JOB_TABLE, PolicyRun, PolicyRunner
+from ._schedule import check_schedule
 from ._tables import TABLES
 
 __all__ = [

@@ -98,7 +98,7 @@ def _tier(r: _Ref | None) -> str | A.Param | None:
 
 def _schedule(trigger: str, tok: Token) -> str:
     """The schedule of EVERY / CRON, checked by the rules the policy runner applies."""
-    from ._policies import check_schedule
+    from ._schedule import check_schedule
 
     text = " ".join(_unquote(tok).split())
     try:
