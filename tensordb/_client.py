@@ -1,4 +1,5 @@
-"""The client API of section 3 of DESIGN.md: Database, Transaction, Snapshot.
+"""The client API of section 3 of DESIGN.md: the Database (Transaction and Snapshot
+live in their own modules).
 
 A ``Database`` belongs to one process; open another in a child process (connections
 and pre-faulted buffers are not carried across fork).
@@ -6,12 +7,11 @@ and pre-faulted buffers are not carried across fork).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from datetime import timedelta
@@ -24,9 +24,11 @@ from sqlalchemy.exc import OperationalError
 
 import storage_engine as se
 
-from ._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
+from ._dtypes import dtype_name, torch_dtype
 from ._names import check_name
 from ._notify import Notifier, PgNotifier, SocketNotifier
+from ._snapshot import Snapshot, device_of
+from ._transaction import RawPut, Transaction, digest, source
 from .catalog import Catalog, Commit, NewTensor, TensorRow, ensure_schema, make_engine
 from .config import Config
 from .errors import (
@@ -77,56 +79,6 @@ class Corruption:
     reason: str
 
 
-def as_tensor(value: object, name: str) -> torch.Tensor:
-    """Normalise a user's tensor once: CPU, strided, detached, a supported dtype."""
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    if isinstance(value, np.ndarray):
-        t = numpy_to_torch(value, tensor=name)
-    elif isinstance(value, torch.Tensor):
-        t = value
-        if t.layout != torch.strided:
-            raise InvalidInput(f"tensor {name!r} has layout {t.layout}; store it dense",
-                               tensor=name)
-        if t.is_quantized:
-            raise InvalidInput(f"tensor {name!r} is quantized ({t.dtype}); unsupported",
-                               tensor=name)
-        if t.is_meta:
-            raise InvalidInput(f"tensor {name!r} is on the meta device and has no data",
-                               tensor=name)
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-    else:
-        raise InvalidInput(
-            f"tensor {name!r} must be a torch.Tensor or numpy.ndarray, not "
-            f"{type(value).__name__}", tensor=name)
-    dtype_name(t.dtype, tensor=name)
-    return t
-
-
-@dataclass(frozen=True, slots=True)
-class _RawPut:
-    """A tensor whose bytes a function writes straight into the extent at commit."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    fill: Callable[[np.ndarray], None]
-
-
-def _source(t: torch.Tensor | _RawPut) -> se.Source:
-    if isinstance(t, _RawPut):
-        return t.fill
-    if t.is_contiguous():
-        return t.reshape(-1).view(torch.uint8).numpy()
-
-    def fill(dst: np.ndarray, t: torch.Tensor = t) -> None:
-        torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
-
-    return fill
-
-
 @lru_cache(maxsize=4096)
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Contiguous strides of ``shape``, in elements."""
@@ -135,31 +87,6 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         out.append(acc)
         acc *= d
     return tuple(reversed(out))
-
-
-def _digest(t: torch.Tensor) -> str:
-    src = t if t.is_contiguous() else t.contiguous()
-    return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
-
-
-def _device(device: str | torch.device | None, collection: str) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}",
-                           collection=collection) from exc
-    if d.type not in ("cpu", "cuda"):
-        raise InvalidInput(f"device must be 'cpu' or a CUDA device, not {device!r}",
-                           collection=collection)
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidInput(f"device {device!r}: this torch build has no CUDA device",
-                               collection=collection)
-        if d.index is None:
-            d = torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 class Database:
@@ -281,7 +208,7 @@ class Database:
                                f"tensor", collection=collection, tensor=name)
         # a put equal to the head's tensor is not stored again: it keeps sharing the extent
         candidates = [n for n, t in puts.items()
-                      if not isinstance(t, _RawPut)
+                      if not isinstance(t, RawPut)
                       and (row := live.get(n)) is not None and row.nbytes == t.nbytes
                       and row.dtype == dtype_name(t.dtype) and row.shape == tuple(t.shape)]
         unchanged: list[str] = []
@@ -289,7 +216,7 @@ class Database:
             pool = se.io_pool()
             step = max(1, -(-len(candidates) // pool._max_workers))
             batches = [candidates[i : i + step] for i in range(0, len(candidates), step)]
-            digests = [d for batch in pool.map(lambda b: [_digest(puts[n]) for n in b], batches)
+            digests = [d for batch in pool.map(lambda b: [digest(puts[n]) for n in b], batches)
                        for d in batch]
             unchanged = [n for n, d in zip(candidates, digests) if d == live[n].checksum]
         skip = set(unchanged)
@@ -308,7 +235,7 @@ class Database:
         try:
             checksums: dict[str, str] = {}
             if writer is not None:
-                sums = se.fill_segment(writer, [_source(t) for _, t in stored], offsets, sizes)
+                sums = se.fill_segment(writer, [source(t) for _, t in stored], offsets, sizes)
                 writer.finish()
                 checksums = {n: s for (n, _), s in zip(stored, sums)}
             where = dict(zip((n for n, _ in stored), offsets))
@@ -413,7 +340,7 @@ class Database:
         check_name("collection", collection)
         if tag is not None:
             check_name("tag", tag, collection=collection)
-        return Snapshot(self, collection, version, tag, verify, _device(device, collection))
+        return Snapshot(self, collection, version, tag, verify, device_of(device, collection))
 
     # -- metadata ----------------------------------------------------------------------
     def history(self, collection: str) -> list[Commit]:
@@ -702,226 +629,3 @@ class Database:
         from query import execute
 
         return execute(self, text, params)
-
-
-class Transaction:
-    """Puts and deletes on one collection, published as one commit when the block ends.
-
-    Tensors are read when the block ends, not when ``put`` is called. An exception in
-    the block publishes nothing and leaves ``result`` None.
-    """
-
-    def __init__(self, db: Database, collection: str, *, message: str | None,
-                 tier: str | None, metadata: Mapping[str, str] | None) -> None:
-        self._db = db
-        self.collection = check_name("collection", collection)
-        if message is not None and not isinstance(message, str):
-            raise InvalidInput(f"message must be a str, not {type(message).__name__}",
-                               collection=collection)
-        self._tier = tier or db.config.default_tier
-        db.tier(self._tier)
-        if metadata is not None:
-            if not isinstance(metadata, Mapping) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-                raise InvalidInput("metadata must map str to str", collection=collection)
-            json.dumps(dict(metadata))
-        self._meta = dict(metadata) if metadata else None
-        self.message = message
-        self._puts: dict[str, torch.Tensor] = {}
-        self._deletes: set[str] = set()
-        self._base: int | None = None
-        self._done = False
-        self.result: Commit | None = None
-
-    def __enter__(self) -> Transaction:
-        self._db._check_open()
-        info = self._db.catalog.info(self.collection)
-        self._base = info.head if info else 0
-        return self
-
-    def _check(self) -> None:
-        if self._done:
-            raise InvalidInput(f"the transaction on {self.collection!r} has already ended",
-                               collection=self.collection)
-        if self._base is None:
-            raise InvalidInput("use the transaction in a with block", collection=self.collection)
-
-    def put(self, name: str, tensor: torch.Tensor | np.ndarray) -> None:
-        self._check()
-        check_name("tensor", name, collection=self.collection)
-        try:
-            t = as_tensor(tensor, name)
-        except InvalidInput as exc:
-            exc.collection = self.collection
-            raise
-        self._puts[name] = t
-        self._deletes.discard(name)
-
-    def put_raw(self, name: str, dtype: torch.dtype | str, shape: Iterable[int],
-                fill: Callable[[np.ndarray], None]) -> None:
-        """Put a tensor whose bytes ``fill(dst)`` writes into ``dst`` (a uint8 array of
-        exactly the tensor's size, in the store) when the block ends: copy-once loaders
-        read files straight into the extent (``os.preadv`` releases the GIL). ``fill``
-        may run on a pool thread, beside the fills of other tensors."""
-        self._check()
-        check_name("tensor", name, collection=self.collection)
-        dt = torch_dtype(dtype) if isinstance(dtype, str) and dtype in DTYPES else dtype
-        if not isinstance(dt, torch.dtype):
-            raise InvalidInput(f"unsupported dtype {dtype!r} for tensor {name!r}",
-                               collection=self.collection, tensor=name)
-        dtype_name(dt, tensor=name)
-        try:
-            dims = tuple(int(d) for d in shape)
-        except (TypeError, ValueError):
-            raise InvalidInput(f"shape of {name!r} must be a sequence of integers, not "
-                               f"{shape!r}", collection=self.collection, tensor=name) from None
-        if any(d < 0 for d in dims):
-            raise InvalidInput(f"shape of {name!r} has a negative dimension: {dims}",
-                               collection=self.collection, tensor=name)
-        if not callable(fill):
-            raise InvalidInput(f"fill for {name!r} must be callable", collection=self.collection,
-                               tensor=name)
-        numel = 1
-        for d in dims:
-            numel *= d
-        self._puts[name] = _RawPut(dt, dims, numel * dt.itemsize, fill)  # type: ignore[assignment]
-        self._deletes.discard(name)
-
-    def put_many(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
-        """Put every (name, tensor); all are checked before any is taken."""
-        self._check()
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-        staged: dict[str, torch.Tensor] = {}
-        for item in items:
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise InvalidInput("put_many takes a mapping or (name, tensor) pairs",
-                                   collection=self.collection)
-            name, value = item
-            check_name("tensor", name, collection=self.collection)
-            try:
-                staged[name] = as_tensor(value, name)
-            except InvalidInput as exc:
-                exc.collection = self.collection
-                raise
-        for name, t in staged.items():
-            self._puts[name] = t
-            self._deletes.discard(name)
-
-    def delete(self, name: str) -> None:
-        self._check()
-        check_name("tensor", name, collection=self.collection)
-        self._puts.pop(name, None)
-        self._deletes.add(name)
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        self._done = True
-        if exc_type is not None:
-            return None
-        self._db._check_open()
-        assert self._base is not None
-        self.result = self._db._publish(self.collection, self._base, self._puts,
-                                        self._deletes, self.message, self._tier, self._meta)
-        self._puts = {}
-        return None
-
-
-class Snapshot:
-    """One version of a collection, leased until ``close`` so gc keeps it.
-
-    Tensors are zero-copy views, created when first asked for; they stay valid after
-    the snapshot is closed.
-    """
-
-    def __init__(self, db: Database, collection: str, version: int | None, tag: str | None,
-                 verify: bool, device: torch.device | None = None) -> None:
-        self._db = db
-        self.device = device
-        self.collection = collection
-        self._verify = verify
-        self._lease, _, self.version, rows = db.catalog.open_snapshot(
-            collection, version, tag, se.current_holder(), db.config.lease_ttl)
-        self._rows = {r.name: r for r in rows}
-        self._cache: dict[str, torch.Tensor] = {}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._closed = False
-
-    def __enter__(self) -> Snapshot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """End the lease. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._maps = {}  # tensors handed out keep their own mapping alive
-            if not self._db._closed:
-                self._db.catalog.release_lease(self._lease)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._rows
-
-    def keys(self) -> list[str]:
-        return list(self._rows)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self._rows.values())
-
-    @property
-    def commit(self) -> Commit:
-        return self._db.catalog.commit_info(self.collection, self.version)
-
-    def _check(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"the snapshot of {self.collection!r} v{self.version} is closed",
-                              collection=self.collection, version=self.version)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        self._check()
-        t = self._cache.get(name)
-        if t is None:
-            row = self._rows.get(name)
-            if row is None:
-                raise NotFound(f"collection {self.collection!r} version {self.version} has no "
-                               f"tensor {name!r}", collection=self.collection, tensor=name,
-                               version=self.version)
-            t = self._cache[name] = self._place(self._db._materialize(
-                self.collection, [row], verify=self._verify, maps=self._maps)[name])
-        return t
-
-    def _place(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor on the snapshot's device: itself when it is there (zero-copy)."""
-        if self.device is None or t.device == self.device:
-            return t
-        return t.to(self.device)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the version, by name, zero-copy (copied once to ``device``
-        for rows stored elsewhere)."""
-        self._check()
-        missing = [r for n, r in self._rows.items() if n not in self._cache]
-        if missing:
-            got = self._db._materialize(self.collection, missing, verify=self._verify,
-                                        maps=self._maps)
-            self._cache.update((n, self._place(t)) for n, t in got.items())
-        return {n: self._cache[n] for n in self._rows}
-
-    def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
-        """name -> (dtype, shape, nbytes), without mapping anything."""
-        return {n: (r.dtype, r.shape, r.nbytes) for n, r in self._rows.items()}
-
-    def extents(self) -> dict[str, tuple[str | None, int, str]]:
-        """name -> (segment id, offset, checksum): where each tensor's bytes lie.
-
-        Rows are immutable and a commit shares unchanged tensors' extents, so a tensor
-        holds the same bytes in two versions exactly when its extent is the same (a
-        tensor of no bytes has no segment). Maps nothing."""
-        return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}

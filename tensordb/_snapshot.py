@@ -1,0 +1,141 @@
+"""Snapshots: one leased version of a collection, handed out as zero-copy tensors."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+import storage_engine as se
+
+from .catalog import Commit
+from .errors import InvalidInput, NotFound, StoreClosed
+
+if TYPE_CHECKING:
+    from ._client import Database
+
+__all__ = ["Snapshot", "device_of"]
+
+
+def device_of(device: str | torch.device | None, collection: str) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}",
+                           collection=collection) from exc
+    if d.type not in ("cpu", "cuda"):
+        raise InvalidInput(f"device must be 'cpu' or a CUDA device, not {device!r}",
+                           collection=collection)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInput(f"device {device!r}: this torch build has no CUDA device",
+                               collection=collection)
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+class Snapshot:
+    """One version of a collection, leased until ``close`` so gc keeps it.
+
+    Tensors are zero-copy views, created when first asked for; they stay valid after
+    the snapshot is closed.
+    """
+
+    def __init__(self, db: Database, collection: str, version: int | None, tag: str | None,
+                 verify: bool, device: torch.device | None = None) -> None:
+        self._db = db
+        self.device = device
+        self.collection = collection
+        self._verify = verify
+        self._lease, _, self.version, rows = db.catalog.open_snapshot(
+            collection, version, tag, se.current_holder(), db.config.lease_ttl)
+        self._rows = {r.name: r for r in rows}
+        self._cache: dict[str, torch.Tensor] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._closed = False
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the lease. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._maps = {}  # tensors handed out keep their own mapping alive
+            if not self._db._closed:
+                self._db.catalog.release_lease(self._lease)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
+
+    def keys(self) -> list[str]:
+        return list(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self._rows.values())
+
+    @property
+    def commit(self) -> Commit:
+        return self._db.catalog.commit_info(self.collection, self.version)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"the snapshot of {self.collection!r} v{self.version} is closed",
+                              collection=self.collection, version=self.version)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._check()
+        t = self._cache.get(name)
+        if t is None:
+            row = self._rows.get(name)
+            if row is None:
+                raise NotFound(f"collection {self.collection!r} version {self.version} has no "
+                               f"tensor {name!r}", collection=self.collection, tensor=name,
+                               version=self.version)
+            t = self._cache[name] = self._place(self._db._materialize(
+                self.collection, [row], verify=self._verify, maps=self._maps)[name])
+        return t
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor on the snapshot's device: itself when it is there (zero-copy)."""
+        if self.device is None or t.device == self.device:
+            return t
+        return t.to(self.device)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, by name, zero-copy (copied once to ``device``
+        for rows stored elsewhere)."""
+        self._check()
+        missing = [r for n, r in self._rows.items() if n not in self._cache]
+        if missing:
+            got = self._db._materialize(self.collection, missing, verify=self._verify,
+                                        maps=self._maps)
+            self._cache.update((n, self._place(t)) for n, t in got.items())
+        return {n: self._cache[n] for n in self._rows}
+
+    def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """name -> (dtype, shape, nbytes), without mapping anything."""
+        return {n: (r.dtype, r.shape, r.nbytes) for n, r in self._rows.items()}
+
+    def extents(self) -> dict[str, tuple[str | None, int, str]]:
+        """name -> (segment id, offset, checksum): where each tensor's bytes lie.
+
+        Rows are immutable and a commit shares unchanged tensors' extents, so a tensor
+        holds the same bytes in two versions exactly when its extent is the same (a
+        tensor of no bytes has no segment). Maps nothing."""
+        return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}

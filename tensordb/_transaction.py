@@ -1,0 +1,199 @@
+"""Transactions: puts and deletes on one collection, published as one commit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+import storage_engine as se
+
+from ._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
+from ._names import check_name
+from .catalog import Commit
+from .errors import InvalidInput
+
+if TYPE_CHECKING:
+    from ._client import Database
+
+__all__ = ["Transaction", "RawPut", "as_tensor", "source", "digest"]
+
+
+def as_tensor(value: object, name: str) -> torch.Tensor:
+    """Normalise a user's tensor once: CPU, strided, detached, a supported dtype."""
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        t = numpy_to_torch(value, tensor=name)
+    elif isinstance(value, torch.Tensor):
+        t = value
+        if t.layout != torch.strided:
+            raise InvalidInput(f"tensor {name!r} has layout {t.layout}; store it dense",
+                               tensor=name)
+        if t.is_quantized:
+            raise InvalidInput(f"tensor {name!r} is quantized ({t.dtype}); unsupported",
+                               tensor=name)
+        if t.is_meta:
+            raise InvalidInput(f"tensor {name!r} is on the meta device and has no data",
+                               tensor=name)
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+    else:
+        raise InvalidInput(
+            f"tensor {name!r} must be a torch.Tensor or numpy.ndarray, not "
+            f"{type(value).__name__}", tensor=name)
+    dtype_name(t.dtype, tensor=name)
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class RawPut:
+    """A tensor whose bytes a function writes straight into the extent at commit."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    fill: Callable[[np.ndarray], None]
+
+
+def source(t: torch.Tensor | RawPut) -> se.Source:
+    if isinstance(t, RawPut):
+        return t.fill
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+    def fill(dst: np.ndarray, t: torch.Tensor = t) -> None:
+        torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
+
+    return fill
+
+
+def digest(t: torch.Tensor) -> str:
+    src = t if t.is_contiguous() else t.contiguous()
+    return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
+
+
+class Transaction:
+    """Puts and deletes on one collection, published as one commit when the block ends.
+
+    Tensors are read when the block ends, not when ``put`` is called. An exception in
+    the block publishes nothing and leaves ``result`` None.
+    """
+
+    def __init__(self, db: Database, collection: str, *, message: str | None,
+                 tier: str | None, metadata: Mapping[str, str] | None) -> None:
+        self._db = db
+        self.collection = check_name("collection", collection)
+        if message is not None and not isinstance(message, str):
+            raise InvalidInput(f"message must be a str, not {type(message).__name__}",
+                               collection=collection)
+        self._tier = tier or db.config.default_tier
+        db.tier(self._tier)
+        if metadata is not None:
+            if not isinstance(metadata, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise InvalidInput("metadata must map str to str", collection=collection)
+            json.dumps(dict(metadata))
+        self._meta = dict(metadata) if metadata else None
+        self.message = message
+        self._puts: dict[str, torch.Tensor] = {}
+        self._deletes: set[str] = set()
+        self._base: int | None = None
+        self._done = False
+        self.result: Commit | None = None
+
+    def __enter__(self) -> Transaction:
+        self._db._check_open()
+        info = self._db.catalog.info(self.collection)
+        self._base = info.head if info else 0
+        return self
+
+    def _check(self) -> None:
+        if self._done:
+            raise InvalidInput(f"the transaction on {self.collection!r} has already ended",
+                               collection=self.collection)
+        if self._base is None:
+            raise InvalidInput("use the transaction in a with block", collection=self.collection)
+
+    def put(self, name: str, tensor: torch.Tensor | np.ndarray) -> None:
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        try:
+            t = as_tensor(tensor, name)
+        except InvalidInput as exc:
+            exc.collection = self.collection
+            raise
+        self._puts[name] = t
+        self._deletes.discard(name)
+
+    def put_raw(self, name: str, dtype: torch.dtype | str, shape: Iterable[int],
+                fill: Callable[[np.ndarray], None]) -> None:
+        """Put a tensor whose bytes ``fill(dst)`` writes into ``dst`` (a uint8 array of
+        exactly the tensor's size, in the store) when the block ends: copy-once loaders
+        read files straight into the extent (``os.preadv`` releases the GIL). ``fill``
+        may run on a pool thread, beside the fills of other tensors."""
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        dt = torch_dtype(dtype) if isinstance(dtype, str) and dtype in DTYPES else dtype
+        if not isinstance(dt, torch.dtype):
+            raise InvalidInput(f"unsupported dtype {dtype!r} for tensor {name!r}",
+                               collection=self.collection, tensor=name)
+        dtype_name(dt, tensor=name)
+        try:
+            dims = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"shape of {name!r} must be a sequence of integers, not "
+                               f"{shape!r}", collection=self.collection, tensor=name) from None
+        if any(d < 0 for d in dims):
+            raise InvalidInput(f"shape of {name!r} has a negative dimension: {dims}",
+                               collection=self.collection, tensor=name)
+        if not callable(fill):
+            raise InvalidInput(f"fill for {name!r} must be callable", collection=self.collection,
+                               tensor=name)
+        numel = 1
+        for d in dims:
+            numel *= d
+        self._puts[name] = RawPut(dt, dims, numel * dt.itemsize, fill)  # type: ignore[assignment]
+        self._deletes.discard(name)
+
+    def put_many(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Put every (name, tensor); all are checked before any is taken."""
+        self._check()
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        staged: dict[str, torch.Tensor] = {}
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise InvalidInput("put_many takes a mapping or (name, tensor) pairs",
+                                   collection=self.collection)
+            name, value = item
+            check_name("tensor", name, collection=self.collection)
+            try:
+                staged[name] = as_tensor(value, name)
+            except InvalidInput as exc:
+                exc.collection = self.collection
+                raise
+        for name, t in staged.items():
+            self._puts[name] = t
+            self._deletes.discard(name)
+
+    def delete(self, name: str) -> None:
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        self._puts.pop(name, None)
+        self._deletes.add(name)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self._done = True
+        if exc_type is not None:
+            return None
+        self._db._check_open()
+        assert self._base is not None
+        self.result = self._db._publish(self.collection, self._base, self._puts,
+                                        self._deletes, self.message, self._tier, self._meta)
+        self._puts = {}
+        return None
