@@ -1,0 +1,354 @@
+"""A discrete-event simulator of N serving instances, driven by the routing policies.
+
+Each instance runs prefills one at a time from a FIFO queue and keeps a bounded LRU
+cache of KV blocks; decoding runs beside prefill (continuous batching) and only holds
+KV. With ``shared_store`` every block an instance computes is also published to a shared
+tier (the tensordb KV store), from which any instance can load a block it lacks.
+
+A request's time to first token is::
+
+    TTFT = wait (queue; a migration's transfer overlaps it)
+         + hit_per_block     * blocks in the instance's cache (or migrated there)
+         + kv_load_per_block * further blocks loaded from the shared store
+         + prefill_per_token * the remaining (uncached) prompt tokens
+
+Hits are taken when the prefill starts, against the cache as it is then. Blocks are
+grouped into chains (the shared system prompt; a session's own context): a request
+reads a prefix of each, and all blocks a request touches get the same recency, ties
+evicted tail first (vLLM's free-queue order). So an instance's LRU over blocks is kept
+exactly as one entry per chain with a count of its leading blocks, which is what makes
+thousands of sessions run in seconds.
+
+Events at the same instant run in this order: prefill ends, decode ends, transfers end,
+then arrivals; arrivals in the order given. Nothing is random: a run is a function of
+its inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensordb.errors import InvalidInput
+
+from ._policy import Chain, ClusterView, InstanceState, Request, RoutingPolicy, get_policy
+
+__all__ = ["BlockCache", "Costs", "RequestRecord", "SimResult", "saturation_rate",
+           "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Seconds per unit of work. The defaults are a small decoder on CPU: prefill
+    0.2 ms/token, so a 256-token block costs 51 ms to compute against 2 ms to load from
+    the store and 4 ms to move between instances."""
+
+    prefill_per_token: float = 2e-4
+    kv_load_per_block: float = 2e-3     # from the shared store into an instance
+    transfer_per_block: float = 4e-3    # from one instance to another (migration)
+    decode_per_token: float = 5e-3
+    block_tokens: int = 256
+    cache_capacity_blocks: int = 8192   # per instance
+    hit_per_block: float = 0.0          # a block already in the instance's cache
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1 or self.cache_capacity_blocks < 0:
+            raise InvalidInput(f"block_tokens must be >= 1 and cache_capacity_blocks >= 0, "
+                               f"got {self.block_tokens}, {self.cache_capacity_blocks}")
+        for name in ("prefill_per_token", "kv_load_per_block", "transfer_per_block",
+                     "decode_per_token", "hit_per_block"):
+            if getattr(self, name) < 0:
+                raise InvalidInput(f"cost {name} must be >= 0, got {getattr(self, name)}")
+
+
+class BlockCache:
+    """A bounded LRU of KV blocks kept as ``chain id -> leading blocks held``.
+
+    ``capacity`` None: unbounded (the shared store)."""
+
+    __slots__ = ("capacity", "used", "_chains")
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._chains: OrderedDict[Hashable, int] = OrderedDict()
+
+    def held(self, cid: Hashable) -> int:
+        return self._chains.get(cid, 0)
+
+    def match(self, chain: Chain) -> int:
+        """How many leading blocks of ``chain`` are held."""
+        n = 0
+        get = self._chains.get
+        for cid, count in chain:
+            have = get(cid, 0)
+            if have < count:
+                return n + have
+            n += count
+        return n
+
+    def touch(self, chain: Chain) -> None:
+        """Hold all of ``chain`` as most recently used, evicting the least recent
+        blocks beyond capacity (never ``chain``'s own, unless it alone is too big)."""
+        d = self._chains
+        for cid, count in chain:
+            have = d.get(cid)
+            if have is None:
+                d[cid] = count
+                self.used += count
+            else:
+                if count > have:
+                    d[cid] = count
+                    self.used += count - have
+                d.move_to_end(cid)
+        cap = self.capacity
+        if cap is None or self.used <= cap:
+            return
+        touched = {cid for cid, _ in chain}
+        while self.used > cap:
+            cid = next(iter(d))
+            if cid in touched:  # the request alone overflows: cut its own tail
+                cid = next(reversed(d))
+            n = d[cid]
+            excess = self.used - cap
+            if n <= excess:
+                del d[cid]
+                self.used -= n
+            else:
+                d[cid] = n - excess
+                self.used -= excess
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What happened to one request. Times in seconds; ``cached_tokens`` were in the
+    instance's cache or migrated there, ``loaded_tokens`` came from the shared store."""
+
+    session: Hashable
+    turn: int
+    arrival: float
+    instance: int
+    start: float
+    ttft: float
+    prompt_tokens: int
+    cached_tokens: int
+    loaded_tokens: int
+    migrated_blocks: int
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    records: list[RequestRecord] = field(default_factory=list)
+
+    def ttfts(self) -> np.ndarray:
+        return np.fromiter((r.ttft for r in self.records), dtype=np.float64,
+                           count=len(self.records))
+
+    def summary(self) -> dict[str, Any]:
+        """Median / p90 / p99 TTFT (s), hit rate ((cached + loaded) / prompt tokens),
+        local hit rate (cached / prompt), migrations and blocks migrated."""
+        t = self.ttfts()
+        prompt = sum(r.prompt_tokens for r in self.records) or 1
+        cached = sum(r.cached_tokens for r in self.records)
+        loaded = sum(r.loaded_tokens for r in self.records)
+        q = (np.percentile(t, [50, 90, 99]) if len(t) else np.zeros(3)).tolist()
+        return {
+            "policy": self.policy,
+            "requests": len(self.records),
+            "ttft_median": q[0], "ttft_p90": q[1], "ttft_p99": q[2],
+            "ttft_mean": float(t.mean()) if len(t) else 0.0,
+            "hit_rate": (cached + loaded) / prompt,
+            "local_hit_rate": cached / prompt,
+            "migrations": sum(1 for r in self.records if r.migrated_blocks),
+            "migrated_blocks": sum(r.migrated_blocks for r in self.records),
+        }
+
+
+class _Job:
+    __slots__ = ("req", "chain", "inst", "est", "ready", "cover", "moved", "index")
+
+    def __init__(self, req: Request, chain: Chain, inst: int, est: int, ready: float,
+                 cover: int, moved: int, index: int) -> None:
+        self.req = req
+        self.chain = chain
+        self.inst = inst
+        self.est = est        # tokens counted in the instance's queued_tokens
+        self.ready = ready    # when a migration's transfer has landed
+        self.cover = cover    # leading blocks present after that migration
+        self.moved = moved
+        self.index = index
+
+
+class _Instance:
+    __slots__ = ("cache", "queue", "busy", "queued", "running", "ewma", "ewma_t", "seen")
+
+    def __init__(self, capacity: int) -> None:
+        self.cache = BlockCache(capacity)
+        self.queue: deque[_Job] = deque()
+        self.busy = False
+        self.queued = 0
+        self.running = 0
+        self.ewma = 0.0
+        self.ewma_t = 0.0
+        self.seen: dict[Hashable, float] = {}
+
+    def advance(self, now: float, tau: float) -> None:
+        """Bring the EWMA of load up to ``now`` (load was constant since ewma_t)."""
+        dt = now - self.ewma_t
+        if dt > 0:
+            load = self.queued + self.running
+            self.ewma = load + (self.ewma - load) * math.exp(-dt / tau)
+            self.ewma_t = now
+
+
+_PREFILL_DONE, _DECODE_DONE, _START = 0, 1, 2
+
+
+def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instances: int = 4,
+             costs: Costs | None = None, shared_store: bool = True,
+             ewma_tau: float = 5.0) -> SimResult:
+    """Run ``requests`` (sorted by arrival) through ``instances`` instances routed by
+    ``policy`` (a name or an object; it is ``reset()`` first). Returns a record per
+    request, in arrival order. Pure computation: blocks only for the CPU it takes."""
+    costs = costs or Costs()
+    if instances < 1 or ewma_tau <= 0:
+        raise InvalidInput(f"instances must be >= 1 and ewma_tau > 0, got {instances}, "
+                           f"{ewma_tau}")
+    pol = get_policy(policy)
+    pol.reset()
+    reqs: Sequence[Request] = requests if isinstance(requests, Sequence) else list(requests)
+    bt = costs.block_tokens
+    insts = [_Instance(costs.cache_capacity_blocks) for _ in range(instances)]
+    store = BlockCache(None) if shared_store else None
+    records: list[RequestRecord | None] = [None] * len(reqs)
+    heap: list[tuple[float, int, int, _Job]] = []
+    seq = 0
+
+    def start(job: _Job, now: float) -> None:
+        nonlocal seq
+        inst = insts[job.inst]
+        req = job.req
+        cover = max(inst.cache.match(job.chain), job.cover)
+        loaded = max(0, store.match(job.chain) - cover) if store is not None else 0
+        uncached = req.input_tokens - (cover + loaded) * bt
+        service = (costs.hit_per_block * cover + costs.kv_load_per_block * loaded
+                   + costs.prefill_per_token * uncached)
+        end = now + service
+        records[job.index] = RequestRecord(
+            req.session, req.turn, req.arrival, job.inst, now, end - req.arrival,
+            req.input_tokens, cover * bt, loaded * bt, job.moved)
+        inst.cache.touch(job.chain)
+        seq += 1
+        heapq.heappush(heap, (end, _PREFILL_DONE, seq, job))
+
+    def try_start(i: int, now: float) -> None:
+        nonlocal seq
+        inst = insts[i]
+        if inst.busy or not inst.queue:
+            return
+        job = inst.queue.popleft()
+        inst.busy = True
+        if job.ready > now:
+            seq += 1
+            heapq.heappush(heap, (job.ready, _START, seq, job))
+        else:
+            start(job, now)
+
+    def handle(now: float, kind: int, job: _Job) -> None:
+        nonlocal seq
+        inst = insts[job.inst]
+        req = job.req
+        if kind == _START:
+            start(job, now)
+        elif kind == _PREFILL_DONE:
+            inst.advance(now, ewma_tau)
+            inst.queued -= job.est
+            inst.running += req.input_tokens + req.output_tokens
+            if store is not None:
+                store.touch(job.chain)
+            inst.busy = False
+            seq += 1
+            heapq.heappush(heap, (now + costs.decode_per_token * req.output_tokens,
+                                  _DECODE_DONE, seq, job))
+            try_start(job.inst, now)
+        else:  # decode done: the output's KV now extends the session's context
+            inst.advance(now, ewma_tau)
+            inst.running -= req.input_tokens + req.output_tokens
+            full = req.chain(bt, req.input_tokens + req.output_tokens)
+            inst.cache.touch(full)
+            if store is not None:
+                store.touch(full)
+
+    last_arrival = -math.inf
+    for index, req in enumerate(reqs):
+        now = req.arrival
+        if now < last_arrival:
+            raise InvalidInput(f"requests must be sorted by arrival: request {index} "
+                               f"(session {req.session!r}) arrives at {now} after one at "
+                               f"{last_arrival}")
+        last_arrival = now
+        while heap and heap[0][0] <= now:
+            t, kind, _, job = heapq.heappop(heap)
+            handle(t, kind, job)
+        chain = req.chain(bt)
+        states = []
+        matches = []
+        for i, inst in enumerate(insts):
+            inst.advance(now, ewma_tau)
+            m = inst.cache.match(chain)
+            matches.append(m)
+            states.append(InstanceState(i, m * bt, inst.queued, inst.running, inst.ewma,
+                                        inst.seen.get(req.session)))
+        dec = pol.route(req, ClusterView(tuple(states), now, bt))
+        target = dec.instance
+        if not 0 <= target < instances or (
+                dec.migrate_from is not None and not 0 <= dec.migrate_from < instances):
+            raise InvalidInput(f"policy {pol.name!r} chose instance {target} (migrating "
+                               f"from {dec.migrate_from}) of {instances}")
+        cover, moved, ready = matches[target], 0, now
+        if dec.migrate_from is not None:
+            moved = max(0, matches[dec.migrate_from] - cover)
+            if dec.blocks:
+                moved = min(moved, dec.blocks)
+            cover += moved
+            ready = now + moved * costs.transfer_per_block
+        est = req.input_tokens - cover * bt
+        inst = insts[target]
+        inst.queued += est
+        inst.seen[req.session] = now
+        inst.queue.append(_Job(req, chain, target, est, ready, cover, moved, index))
+        try_start(target, now)
+    while heap:
+        t, kind, _, job = heapq.heappop(heap)
+        handle(t, kind, job)
+    return SimResult(pol.name, [r for r in records if r is not None])
+
+
+def saturation_rate(requests: Sequence[Request], costs: Costs | None = None,
+                    instances: int = 4) -> float:
+    """Sessions per second at which ``instances`` are fully busy with the work no policy
+    can avoid: each turn's new tokens (beyond the previous turn's prompt and output, and
+    beyond the shared system prompt) prefilled, every reused block a hit in the
+    instance's own cache. Past this rate every policy's queues grow without bound; a
+    load sweep is expressed as fractions of it."""
+    costs = costs or Costs()
+    bt = costs.block_tokens
+    prev: dict[tuple[Hashable, int], int] = {}
+    work = 0.0
+    for r in requests:
+        key = (r.session, r.context)
+        reused = max(r.shared_prefix_tokens, min(r.input_tokens, prev.get(key, 0))) // bt
+        work += (costs.hit_per_block * reused
+                 + costs.prefill_per_token * (r.input_tokens - reused * bt))
+        prev[key] = r.input_tokens + r.output_tokens
+    sessions = len({r.session for r in requests})
+    if not work or not sessions:
+        raise InvalidInput("saturation_rate needs a workload with some work in it")
+    return instances / (work / sessions)
