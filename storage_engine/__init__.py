@@ -9,11 +9,22 @@ from ._checksum import ALGORITHM, checksum, copy_and_checksum
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, shm_root
 from ._gpu import GpuError, GpuTier, GpuView
+from ._kv import BlockStore
+from ._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull
 from ._io import ALIGN, Source, fill_segment, io_pool, pack
 from ._procs import boot_id, current_holder, holder_alive
 from ._tier import SegmentWriter, Tier
 
 __all__ = [
+    "BlockStore",
+    "BlockView",
+    "EvictionPolicy",
+    "KVCorrupt",
+    "KVStats",
+    "KVStoreFull",
+    "LRUPolicy",
+    "S3FIFOPolicy",
     "ALGORITHM",
     "ALIGN",
     "DiskTier",

@@ -6,6 +6,7 @@ import os
 
 from . import errors
 from ._client import Corruption, Database, EvictReport, GcReport, Snapshot, Transaction
+from ._kv import KVCache, KVNodeSummary
 from .catalog import Commit
 from .config import Config
 
@@ -16,6 +17,8 @@ __all__ = [
     "Database",
     "EvictReport",
     "GcReport",
+    "KVCache",
+    "KVNodeSummary",
     "Snapshot",
     "Transaction",
     "connect",

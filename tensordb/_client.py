@@ -25,6 +25,7 @@ from sqlalchemy.exc import OperationalError
 import storage_engine as se
 
 from ._dtypes import dtype_name, torch_dtype
+from ._kv import KVCache
 from ._names import check_name
 from ._notify import Notifier, PgNotifier, SocketNotifier
 from ._snapshot import Snapshot, device_of
@@ -128,6 +129,7 @@ class Database:
                 self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
         else:
             self._notifier = SocketNotifier(config.shm_dir)
+        self._kv_caches: list[KVCache] = []
         self._closed = False
 
     # -- plumbing ----------------------------------------------------------------------
@@ -168,6 +170,8 @@ class Database:
         if self._closed:
             return
         self._closed = True
+        for cache in self._kv_caches:
+            cache.close()
         for tier in self._tiers.values():
             tier.close()
         self._notifier.close()
@@ -619,6 +623,16 @@ class Database:
 
         return export_safetensors(self, collection, out_dir, version=version,
                                   progress=progress)
+
+    def kv(self, namespace: str, block_tokens: int = 256, **opts: Any) -> KVCache:
+        """The KV block store of ``namespace`` on this node (one model / KV layout):
+        blocks shared by every process of the host, in a pre-faulted shared-memory arena
+        with eviction (``policy="lru"|"s3fifo"``) and spill to disk. ``opts``:
+        ``capacity_bytes``, ``policy``, ``slab_bytes``, ``spill``, ``disk_capacity``."""
+        self._check_open()
+        cache = KVCache(self, namespace, block_tokens, **opts)
+        self._kv_caches.append(cache)
+        return cache
 
     def query(self, text: str, params: Mapping[str, object] | None = None
               ) -> pa.Table:

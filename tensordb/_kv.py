@@ -1,0 +1,405 @@
+"""KV cache blocks of one model/layout: ``db.kv(namespace, block_tokens=256)``.
+
+A namespace is a ``storage_engine.BlockStore`` of its own, under the store's shared
+memory (``<shm_dir>/kv/<namespace>``) spilling to its data directory
+(``<data_dir>/kv/<namespace>``). Every process of the host that opens the namespace
+shares its blocks: one writes, the others match and map them zero-copy.
+
+Blocks are not catalog rows (there are too many, too short-lived); the catalog only
+records each namespace per node (table ``kv_namespaces``) with its size as of the last
+``stats()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import numpy as np
+import torch
+import xxhash
+from sqlalchemy import insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from storage_engine._kv import BlockStore, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
+
+from ._dtypes import dtype_name, torch_dtype
+from ._names import check_name
+from .catalog._engine import write_conn
+from .catalog._schema import kv_namespaces
+from .errors import CorruptData, InvalidInput, NotFound, StoreClosed, StoreFull
+
+if TYPE_CHECKING:
+    from ._client import Database
+
+__all__ = ["KVCache", "KVNodeSummary", "DEFAULT_CAPACITY"]
+
+#: the arena size when neither the call, ``Config.kv_capacity`` nor
+#: $TENSORDB_KV_CAPACITY says: a quarter of the free shared memory, at most 4 GiB
+DEFAULT_CAPACITY = 4 << 30
+MAX_KEY = 255
+
+
+@dataclass(frozen=True, slots=True)
+class KVNodeSummary:
+    """What a node holds of a namespace and how loaded it is, for a router.
+
+    ``bloom`` is a Bloom filter of the held block keys (about 1 % false positives):
+    ``may_hold(key)`` tests one key, ``prefix_hits(keys)`` how many leading keys of a
+    request it probably holds. Counters are the node's, over every process.
+    """
+
+    namespace: str
+    node: str
+    block_tokens: int
+    blocks: int
+    nbytes: int
+    capacity: int
+    load: float  # host bytes / capacity
+    host_blocks: int
+    host_bytes: int
+    disk_blocks: int
+    disk_bytes: int
+    pinned: int
+    hits: int
+    misses: int
+    evictions: int
+    spills: int
+    corrupt: int
+    bloom: bytes
+    bloom_hashes: int
+
+    def may_hold(self, key: bytes) -> bool:
+        return bloom_may_hold(self.bloom, self.bloom_hashes, key)
+
+    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if not self.may_hold(k):
+                break
+            n += 1
+        return n
+
+
+@lru_cache(maxsize=1024)
+def _decode_meta(meta: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
+    name, _, shape = meta.decode().partition("|")
+    return torch_dtype(name), tuple(int(d) for d in shape.split(",") if d)
+
+
+def _dir_name(namespace: str) -> str:
+    q = quote(namespace, safe="")  # "a/b" must not nest under "a"
+    if len(q) > 200:
+        q = q[:150] + "-" + hashlib.blake2b(namespace.encode(), digest_size=16).hexdigest()
+    return q
+
+
+class KVCache:
+    """The KV blocks of one namespace (model and layout) on this node.
+
+    Open it with ``db.kv(namespace, block_tokens=...)``; one per process (a forked child
+    reopens its own store transparently). Methods are thread-safe; ``match`` never
+    blocks, the others hold the store's write lock for microseconds per block.
+    """
+
+    def __init__(self, db: Database, namespace: str, block_tokens: int = 256, *,
+                 capacity_bytes: int | None = None, policy: str = "lru",
+                 slab_bytes: int = 64 << 20, spill: bool = True,
+                 disk_capacity: int | None = None) -> None:
+        check_name("collection", namespace)
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
+                or block_tokens <= 0:
+            raise InvalidInput(f"block_tokens must be a positive int, not {block_tokens!r}",
+                               collection=namespace)
+        if policy not in ("lru", "s3fifo"):
+            raise InvalidInput(f"policy must be 'lru' or 's3fifo', not {policy!r}",
+                               collection=namespace)
+        for what, v in (("capacity_bytes", capacity_bytes), ("disk_capacity", disk_capacity)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise InvalidInput(f"{what} must be a positive int, not {v!r}",
+                                   collection=namespace)
+        self.db = db
+        self.namespace = namespace
+        self.block_tokens = block_tokens
+        self.node = db.config.node
+        self.shm_dir = Path(db.config.shm_dir) / "kv" / _dir_name(namespace)
+        self.disk_dir = Path(db.config.data_dir) / "kv" / _dir_name(namespace)
+        capacity = capacity_bytes or getattr(db.config, "kv_capacity", None) or \
+            _env_capacity() or _default_capacity(Path(db.config.shm_dir).parent)
+        self._seed = xxhash.xxh3_128_digest(
+            f"tensordb-kv\0{namespace}\0{block_tokens}".encode())
+        self._register()
+        self.store = _open_store(self.shm_dir, capacity_bytes=capacity, slab_bytes=slab_bytes,
+                                 policy=policy, disk_root=self.disk_dir if spill else None,
+                                 disk_capacity=disk_capacity)
+        self._closed = False
+
+    # -- catalog -------------------------------------------------------------------
+    def _register(self) -> None:
+        t = kv_namespaces
+        where = (t.c.name == self.namespace) & (t.c.node == self.node)
+        with self.db.catalog.engine.connect() as conn:
+            row = conn.execute(select(t.c.block_tokens).where(where)).first()
+        if row is not None:
+            if row[0] != self.block_tokens:
+                raise InvalidInput(
+                    f"KV namespace {self.namespace!r} holds blocks of {row[0]} tokens, not "
+                    f"{self.block_tokens}", collection=self.namespace)
+            return
+        try:
+            with write_conn(self.db.catalog.engine) as conn:
+                conn.execute(insert(t).values(
+                    name=self.namespace, node=self.node, block_tokens=self.block_tokens,
+                    blocks=0, nbytes=0, created_at=datetime.now(timezone.utc)))
+        except IntegrityError:  # another process registered it first
+            pass
+
+    # -- keys ----------------------------------------------------------------------
+    def keys(self, token_ids: Any, *, parent: bytes | None = None) -> list[bytes]:
+        """One 16-byte key per *full* block of ``token_ids``: xxh3-128 chained over the
+        previous key and the block's tokens (little-endian int64), seeded by the
+        namespace and block size, so a key names the whole prefix up to its block.
+        ``parent`` continues a chain from a key returned earlier. Stable across
+        processes, hosts and Python hash seeds."""
+        tokens = self._tokens(token_ids)
+        prev = self._seed if parent is None else self._check_keys([parent])[0]
+        out = []
+        bt = self.block_tokens
+        for lo in range(0, len(tokens) - bt + 1, bt):
+            h = xxhash.xxh3_128(prev)
+            h.update(tokens[lo:lo + bt].data)
+            prev = h.digest()
+            out.append(prev)
+        return out
+
+    def _tokens(self, token_ids: Any) -> np.ndarray:
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.is_floating_point() or token_ids.is_complex() \
+                    or token_ids.dtype == torch.bool:
+                raise InvalidInput(f"token ids must be integers, not {token_ids.dtype}",
+                                   collection=self.namespace)
+            token_ids = token_ids.detach().cpu().to(torch.int64).numpy()
+        try:
+            arr = np.asarray(token_ids)
+            if arr.dtype.kind not in "iu" and arr.size:
+                raise TypeError(f"dtype {arr.dtype}")
+            arr = arr.astype("<i8", copy=False)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidInput(f"token ids must be a 1-D sequence of ints: {exc}",
+                               collection=self.namespace) from exc
+        if arr.ndim != 1:
+            raise InvalidInput(f"token ids must be 1-D, not of shape {arr.shape}",
+                               collection=self.namespace)
+        return np.ascontiguousarray(arr)
+
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise InvalidInput("keys must be a sequence of keys, not one key",
+                               collection=self.namespace)
+        out = []
+        for k in keys:
+            if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_KEY:
+                raise InvalidInput(f"a KV key must be 1 to {MAX_KEY} bytes, not {k!r:.60}",
+                                   collection=self.namespace)
+            out.append(bytes(k))
+        return out
+
+    # -- blocks --------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> int:
+        """Store one tensor per key (any dtype and shape; GPU tensors are copied down).
+        First writer wins: a key already present is left as it is, without error.
+        Returns how many blocks this call stored. Raises StoreFull, storing none of the
+        batch, when the arena is full of pinned blocks and blocks being read."""
+        keys = self._check_keys(keys)
+        if isinstance(blocks, torch.Tensor) or len(blocks) != len(keys):
+            raise InvalidInput(f"put takes one tensor per key: {len(keys)} keys",
+                               collection=self.namespace)
+        bufs, metas = [], []
+        for i, b in enumerate(blocks):
+            if not isinstance(b, torch.Tensor) or b.layout != torch.strided or b.is_meta:
+                raise InvalidInput(f"block {i} must be a dense torch.Tensor, not "
+                                   f"{type(b).__name__}", collection=self.namespace)
+            if b.numel() == 0:
+                raise InvalidInput(f"block {i} is empty", collection=self.namespace)
+            name = dtype_name(b.dtype, tensor=f"block {i}")
+            t = b.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous()
+            bufs.append(t.reshape(-1).view(torch.uint8).numpy())
+            metas.append(f"{name}|{','.join(map(str, t.shape))}".encode())
+        try:
+            return sum(self._store().put(keys, bufs, metas))
+        except KVStoreFull as exc:
+            raise StoreFull(f"KV namespace {self.namespace!r}: {exc}",
+                            collection=self.namespace, node=self.node) from exc
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present (in memory or spilled to disk)."""
+        return self._store().match(self._check_keys(keys))
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether it is present (not only the leading run)."""
+        return self._store().contains(self._check_keys(keys))
+
+    def get(self, keys: Sequence[bytes], *, verify: bool = True) -> list[torch.Tensor]:
+        """Zero-copy tensors of the blocks, with the dtype and shape they were put with.
+        Each maps its block copy-on-write: writing to it changes only the reader's copy.
+        A block stays protected from eviction while its tensor is alive. Raises NotFound
+        naming the first absent key, CorruptData when a block fails its checksum (the
+        block is dropped from the store: a later ``match`` no longer counts it)."""
+        keys = self._check_keys(keys)
+        try:
+            views = self._store().get(keys, verify=verify)
+        except KVCorrupt as exc:
+            raise CorruptData(f"KV namespace {self.namespace!r}: {exc}",
+                              collection=self.namespace, node=self.node) from exc
+        out = []
+        for k, v in zip(keys, views):
+            if v is None:
+                raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
+                               collection=self.namespace, tensor=k.hex())
+            dtype, shape = _decode_meta(v.meta)
+            out.append(torch.frombuffer(v.data, dtype=dtype).view(shape))
+        return out
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], *,
+                 verify: bool = True) -> int:
+        """Copy each block into its tensor in ``outs`` (same number of bytes; CPU or
+        GPU, e.g. a slice of an engine's paged KV). Returns how many were copied;
+        raises NotFound for an absent key and CorruptData as ``get`` does."""
+        keys = self._check_keys(keys)
+        if isinstance(outs, torch.Tensor) or len(outs) != len(keys):
+            raise InvalidInput(f"get_into takes one output tensor per key: {len(keys)} keys",
+                               collection=self.namespace)
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                raise InvalidInput(f"output {i} must be a torch.Tensor",
+                                   collection=self.namespace)
+        direct = all(o.device.type == "cpu" and o.is_contiguous() for o in outs)
+        if not direct:  # GPU or strided outs: map, then let torch copy
+            for o, t in zip(outs, self.get(keys, verify=verify)):
+                if o.numel() * o.element_size() != t.numel() * t.element_size():
+                    raise InvalidInput(f"output of {o.numel() * o.element_size()} bytes for "
+                                       f"a block of {t.numel() * t.element_size()}",
+                                       collection=self.namespace)
+                o.copy_(t.view(-1).view(torch.uint8).view(o.dtype).view(o.shape))
+            return len(keys)
+        dsts = [o.detach().view(-1).view(torch.uint8).numpy() for o in outs]
+        try:
+            metas = self._store().get_into(keys, dsts, verify=verify)
+        except KVCorrupt as exc:
+            raise CorruptData(f"KV namespace {self.namespace!r}: {exc}",
+                              collection=self.namespace, node=self.node) from exc
+        except ValueError as exc:
+            raise InvalidInput(str(exc), collection=self.namespace) from exc
+        for k, m in zip(keys, metas):
+            if m is None:
+                raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
+                               collection=self.namespace, tensor=k.hex())
+        return len(keys)
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Protect blocks from eviction until ``unpin`` (counted; not tied to this
+        process). Returns how many of the keys were present."""
+        return self._store().pin(self._check_keys(keys))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._store().unpin(self._check_keys(keys))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks (pinned ones too); tensors already handed out stay valid.
+        Returns how many were present; idempotent."""
+        return self._store().delete(self._check_keys(keys))
+
+    def release(self) -> None:
+        """Let go now of the eviction protection of tensors this process dropped."""
+        self._store().release_pending()
+
+    def stats(self) -> KVNodeSummary:
+        """The node's summary for routing; also records blocks and bytes in the catalog."""
+        s: KVStats = self._store().stats()
+        t = kv_namespaces
+        with write_conn(self.db.catalog.engine) as conn:
+            conn.execute(update(t).where((t.c.name == self.namespace) & (t.c.node == self.node))
+                         .values(blocks=s.blocks, nbytes=s.nbytes))
+        return KVNodeSummary(
+            namespace=self.namespace, node=self.node, block_tokens=self.block_tokens,
+            blocks=s.blocks, nbytes=s.nbytes, capacity=s.capacity,
+            load=s.host_bytes / s.capacity, host_blocks=s.host_blocks,
+            host_bytes=s.host_bytes, disk_blocks=s.disk_blocks, disk_bytes=s.disk_bytes,
+            pinned=s.pinned, hits=s.hits, misses=s.misses, evictions=s.evictions,
+            spills=s.spills, corrupt=s.corrupt, bloom=s.bloom, bloom_hashes=s.bloom_hashes)
+
+    def _store(self) -> BlockStore:
+        if self._closed:
+            raise StoreClosed(f"KV namespace {self.namespace!r} was closed",
+                              collection=self.namespace)
+        return self.store
+
+    def close(self) -> None:
+        """Let go of the namespace's store (idempotent); its blocks stay for others."""
+        if not self._closed:
+            self._closed = True
+            _close_store(self.store)
+
+    def destroy(self) -> None:
+        """Close and remove the namespace's blocks from this node (memory and disk)."""
+        self.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# LMDB opens an environment once per process: KVCaches of one namespace in one process
+# share one BlockStore (the first one's settings win)
+_STORES: dict[tuple[int, Path], list[Any]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _open_store(root: Path, **kw: Any) -> BlockStore:
+    with _STORES_LOCK:
+        entry = _STORES.get((os.getpid(), root))
+        if entry is None:
+            entry = _STORES[(os.getpid(), root)] = [BlockStore(root, **kw), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _close_store(store: BlockStore) -> None:
+    with _STORES_LOCK:
+        entry = _STORES.get((os.getpid(), store.root))
+        if entry is None or entry[0] is not store:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _STORES[(os.getpid(), store.root)]
+            store.close()
+
+
+def _env_capacity() -> int | None:
+    v = os.environ.get("TENSORDB_KV_CAPACITY")
+    return int(v) if v else None
+
+
+def _default_capacity(shm: Path) -> int:
+    try:
+        st = os.statvfs(shm)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return DEFAULT_CAPACITY
+    return max(64 << 20, min(DEFAULT_CAPACITY, free // 4))
