@@ -5,6 +5,7 @@ run as ``python benchmarks/NAME.py``, which puts this folder on the path)."""
 from __future__ import annotations
 
 import shutil
+import tempfile
 import statistics
 import time
 import uuid
@@ -84,3 +85,19 @@ def remove_store(db: tensordb.Database | None) -> None:
     if db is not None:
         db.close()
         shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+
+
+@contextmanager
+def temp_pg_store(server: str, prefix: str, tmp_dir: str | None = None
+                  ) -> Iterator[tuple[tensordb.Database, str]]:
+    """A store on a throwaway PostgreSQL database (see temp_pg_database), its data in a
+    temporary directory; yields it and the server version, removes everything after."""
+    with temp_pg_database(server) as (url, version):
+        tmp = tempfile.mkdtemp(prefix=prefix, dir=tmp_dir)
+        db = None
+        try:
+            db = tensordb.connect(url, data_dir=tmp, home=tmp)
+            yield db, version
+        finally:
+            remove_store(db)
+            shutil.rmtree(tmp, ignore_errors=True)

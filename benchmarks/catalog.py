@@ -37,7 +37,7 @@ from sqlalchemy import text
 
 import tensordb
 from tensordb.catalog import NewTensor
-from _common import PgUnavailable, remove_store, summary, temp_pg_database
+from _common import PgUnavailable, remove_store, summary, temp_pg_store
 
 GOALS_MS = {"sqlite": 20.0, "postgresql": 50.0}
 
@@ -131,21 +131,15 @@ def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
 
 def postgres_part(args: argparse.Namespace) -> dict[str, object]:
     try:
-        with temp_pg_database(args.pg) as (url, version):
-            tmp = tempfile.mkdtemp(prefix="tensordb-bench-cat-pg-", dir=args.tmp_dir)
-            db = None
-            try:
-                db = tensordb.connect(url, data_dir=tmp, home=tmp)
-                with db.catalog.engine.connect() as conn:
-                    sync = conn.execute(text("SHOW synchronous_commit")).scalar()
-                    fsync = conn.execute(text("SHOW fsync")).scalar()
-                res = bench_backend(db, args.tensors, args.reps, args.full_reps)
-                res["settings"] = {"server_version": version, "synchronous_commit": sync,
-                                   "fsync": fsync, "database": url.rsplit("/", 1)[1]}
-                return res
-            finally:
-                remove_store(db)
-                shutil.rmtree(tmp, ignore_errors=True)
+        with temp_pg_store(args.pg, "tensordb-bench-cat-pg-", args.tmp_dir) as (db, version):
+            with db.catalog.engine.connect() as conn:
+                sync = conn.execute(text("SHOW synchronous_commit")).scalar()
+                fsync = conn.execute(text("SHOW fsync")).scalar()
+            res = bench_backend(db, args.tensors, args.reps, args.full_reps)
+            res["settings"] = {"server_version": version, "synchronous_commit": sync,
+                               "fsync": fsync,
+                               "database": db.catalog.engine.url.database}
+            return res
     except PgUnavailable as exc:
         return {"skipped": str(exc)}
 

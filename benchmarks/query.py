@@ -49,7 +49,7 @@ from tensordb.catalog import NewTensor  # noqa: E402
 from tensordb.catalog._schema import collections, tensors  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the query package: now the shared helpers
-from _common import PgUnavailable, remove_store, summary, temp_pg_database  # noqa: E402
+from _common import PgUnavailable, summary, temp_pg_store  # noqa: E402
 
 GOAL_RATIO = 1.2
 CHUNK = 10_000
@@ -150,23 +150,16 @@ def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
 
 def postgres_part(args: argparse.Namespace) -> dict[str, object]:
     try:
-        with temp_pg_database(args.pg) as (url, _):
-            tmp = tempfile.mkdtemp(prefix="tensordb-bench-query-pg-", dir=args.tmp_dir)
-            db = None
-            try:
-                db = tensordb.connect(url, data_dir=tmp, home=tmp)
-                t0 = time.perf_counter()
-                fill(db, args.rows, args.collections)
-                with db.catalog.engine.connect() as conn:  # fresh statistics, as autovacuum would
-                    conn.execute(text("ANALYZE"))
-                    conn.commit()
-                fill_s = time.perf_counter() - t0
-                res = bench(db, args.reps)
-                res["fill_s"] = fill_s
-                return res
-            finally:
-                remove_store(db)
-                shutil.rmtree(tmp, ignore_errors=True)
+        with temp_pg_store(args.pg, "tensordb-bench-query-pg-", args.tmp_dir) as (db, _):
+            t0 = time.perf_counter()
+            fill(db, args.rows, args.collections)
+            with db.catalog.engine.connect() as conn:  # fresh statistics, as autovacuum would
+                conn.execute(text("ANALYZE"))
+                conn.commit()
+            fill_s = time.perf_counter() - t0
+            res = bench(db, args.reps)
+            res["fill_s"] = fill_s
+            return res
     except PgUnavailable as exc:
         return {"skipped": str(exc)}
 

@@ -7,6 +7,8 @@ the length of one transaction, which lease holders are alive.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import errno
 import mmap
 import os
@@ -37,7 +39,7 @@ from ._procs import holder_alive
 __all__: list[str] = []  # a mixin of BlockStore, nothing public
 
 
-class _Arena:
+class _Arena(ABC):
     root: Path
     disk_root: Path | None
     disk_capacity: int | None
@@ -54,11 +56,13 @@ class _Arena:
     _created: list[Path]
     _doomed: list[Path]
 
+    @abstractmethod
     def _counter(self, txn: Any, name: str, delta: int) -> int:
-        raise NotImplementedError
+        """Add ``delta`` to a named counter in ``txn``; the new value (BlockStore)."""
 
+    @abstractmethod
     def _write(self) -> Any:
-        raise NotImplementedError
+        """A write transaction on the index (BlockStore)."""
 
     def _slab_path(self, slab: int) -> Path:
         return self.root / "slabs" / f"{slab:08x}.slab"
