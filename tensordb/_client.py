@@ -30,7 +30,15 @@ from ._names import check_name
 from ._notify import Notifier, PgNotifier, SocketNotifier
 from ._snapshot import Snapshot, device_of
 from ._transaction import RawPut, Transaction, digest, source
-from .catalog import Catalog, Commit, NewTensor, TensorRow, ensure_schema, make_engine
+from .catalog import (
+    Catalog,
+    Commit,
+    NewTensor,
+    NodeDirectory,
+    TensorRow,
+    ensure_schema,
+    make_engine,
+)
 from .config import Config
 from .errors import (
     CorruptData,
@@ -130,6 +138,11 @@ class Database:
         else:
             self._notifier = SocketNotifier(config.shm_dir)
         self._kv_caches: list[KVCache] = []
+        self._nodes: NodeDirectory | None = None
+        self._flight: Any = None  # the node-to-node transport, made on first use
+        self._kv_pulls: dict[tuple[str, int], KVCache] = {}
+        #: what the last replicate() did (a transport.CascadeReport), for inspection
+        self.last_replication: Any = None
         self._closed = False
 
     # -- plumbing ----------------------------------------------------------------------
@@ -172,6 +185,8 @@ class Database:
         self._closed = True
         for cache in self._kv_caches:
             cache.close()
+        if self._flight is not None:
+            self._flight.close()
         for tier in self._tiers.values():
             tier.close()
         self._notifier.close()
@@ -279,8 +294,62 @@ class Database:
                     f"the bytes of {collection}/{tensor} (segment {segment_id}) are "
                     f"missing from the {tier} tier", collection=collection,
                     tensor=tensor) from exc
-            raise NotFound(f"{collection}/{tensor} was removed while being read",
-                           collection=collection, tensor=tensor) from exc
+            # not written here: another node's segment, held here as a replica or
+            # pulled now (cluster mode)
+            return self._map_replica(segment_id, collection, tensor)
+
+    # -- cluster mode ------------------------------------------------------------------
+    def _directory(self) -> NodeDirectory:
+        if self._nodes is None:
+            self._nodes = NodeDirectory(self._engine)
+        return self._nodes
+
+    def _transport(self) -> Any:
+        """The node-to-node transport, imported and built on first use: an embedded
+        store never loads it."""
+        if self._flight is None:
+            from transport import FlightTransport
+
+            self._flight = FlightTransport(self.config.token, self.config.node_timeout)
+        return self._flight
+
+    def _pull(self, segment_ids: Iterable[str], prefer: str | None = None) -> dict[str, str]:
+        """Pull segments other nodes hold into this node's tiers (verified, then
+        registered as replicas); segment id -> local tier."""
+        from transport import pull_segment
+
+        tiers = {n: self._tiers[n] for n in ("host", "disk")}
+        return {s: pull_segment(self._directory(), self._transport(), self.config.node, tiers,
+                                s, prefer=prefer) for s in segment_ids}
+
+    def _map_replica(self, segment_id: str, collection: str, tensor: str
+                     ) -> mmap.mmap | se.GpuView:
+        directory = self._directory()
+        for attempt in (1, 2):
+            holders = directory.holders(segment_id)
+            if not holders:
+                raise NotFound(f"{collection}/{tensor} was removed while being read",
+                               collection=collection, tensor=tensor)
+            here = holders.get(self.config.node)
+            if here is None:
+                try:
+                    here = self._pull([segment_id])[segment_id]
+                except NodeUnavailable as exc:
+                    raise NodeUnavailable(f"cannot read {collection}/{tensor}: {exc}",
+                                          collection=collection, tensor=tensor,
+                                          node=exc.node) from exc
+                except NotFound as exc:
+                    raise NotFound(f"{collection}/{tensor} was removed while being read",
+                                   collection=collection, tensor=tensor) from exc
+            try:
+                return self._store(here).open(segment_id)  # type: ignore[return-value]
+            except se.SegmentMissing:
+                # a replica registered here whose file is gone (host memory lost in a
+                # reboot): forget it and pull again, once
+                directory.drop_replica(segment_id, self.config.node)
+        raise CorruptData(f"the replica of {collection}/{tensor} (segment {segment_id}) "
+                          f"vanished twice while being read", collection=collection,
+                          tensor=tensor)
 
     def _materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
                      maps: dict[str, mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
@@ -529,28 +598,92 @@ class Database:
 
     def replicate(self, collection: str, *, version: int | None = None,
                   to: Iterable[str]) -> list[str]:
-        """Make ``to`` nodes hold a version. Returns the nodes that hold it.
+        """Make the ``to`` nodes hold a version (default: the head); returns them.
 
-        The embedded store is one node: it holds every version already, and any other
-        node name is unknown. Registered remote nodes need the node-to-node transport
-        of cluster mode, which this store does not run: NodeUnavailable."""
+        Blocks until every target holds it. Other nodes pull over their node servers
+        as a cascade (each node that has the version serves it onward: ceil(log2(N+1))
+        rounds for N targets); this node pulls in-process. A target that is unknown
+        raises NotFound, one that is down NodeUnavailable, before anything moves; a
+        target whose pull fails raises NodeUnavailable after the others are done. The
+        embedded store is one node and holds every version already."""
         self._check_open()
         check_name("collection", collection)
         targets = [to] if isinstance(to, str) else list(to)
         if not targets:
             raise InvalidInput("replicate needs at least one target node", collection=collection)
-        self.catalog.resolve(collection, version, None)
-        known = self.catalog.node_names() | {self.config.node}
+        info, v = self.catalog.resolve(collection, version, None)
+        me = self.config.node
+        directory = self._directory()
+        known = directory.nodes()
         for node in targets:
-            if not isinstance(node, str) or node not in known:
+            if not isinstance(node, str) or (node not in known and node != me):
                 raise NotFound(f"no node {node!r} in the catalog", collection=collection,
                                node=str(node))
-        remote = [n for n in targets if n != self.config.node]
-        if remote:
-            raise NodeUnavailable(f"node {remote[0]!r} is registered, but this store runs no "
-                                  f"node-to-node transport (cluster mode)", collection=collection,
-                                  node=remote[0])
+        targets = list(dict.fromkeys(targets))
+        live = directory.live()
+        for node in targets:
+            if node != me and node not in live:
+                raise NodeUnavailable(f"node {node!r} is down or not serving (no heartbeat "
+                                      f"within {directory.lapse:g} s)", collection=collection,
+                                      node=node)
+        segs = [sid for sid, _ in directory.version_segments(info.id, v)]
+        held = directory.held_by(segs)
+        if all(t in held[s] for s in segs for t in targets):
+            return targets
+        from transport import cascade
+
+        def pull_here(missing: Iterable[str], source: str | None) -> None:
+            self._pull(missing, source)
+
+        report = cascade(directory, self._transport(), me, segs, targets, pull_here)
+        self.last_replication = report
+        if report.failed:
+            node, why = next(iter(report.failed.items()))
+            raise NodeUnavailable(f"replicating {collection} v{v} to {node!r} failed: {why}",
+                                  collection=collection, version=v, node=node)
         return targets
+
+    def pull_kv(self, namespace: str, keys: Iterable[bytes], *, block_tokens: int = 256,
+                nodes: Iterable[str] | None = None) -> int:
+        """Fetch the KV blocks of ``keys`` this node lacks from other live nodes (those
+        that hold ``namespace``, or ``nodes``), verify their checksums and put them in
+        this node's namespace. Returns how many blocks arrived. Blocks no node holds
+        are skipped (a cache miss is not an error)."""
+        self._check_open()
+        wanted = list(keys)
+        if not all(isinstance(k, bytes) and k for k in wanted):
+            raise InvalidInput("keys must be non-empty bytes (from kv.keys)", collection=namespace)
+        cache = self._kv_pulls.get((namespace, block_tokens))
+        if cache is None:
+            cache = self._kv_pulls[(namespace, block_tokens)] = self.kv(namespace, block_tokens)
+        missing = [k for k, held in zip(wanted, cache.contains(wanted)) if not held]
+        directory = self._directory()
+        live = directory.live()
+        sources = (list(nodes) if nodes is not None
+                   else [n for n in directory.kv_nodes(namespace) if n != self.config.node])
+        got = 0
+        for node in sources:
+            if not missing:
+                break
+            if node not in live:
+                continue
+            blocks = self._transport().read_kv(node, live[node].address or "", namespace,
+                                               block_tokens, missing)
+            tensors, names = [], []
+            for key, dtype, shape, data, digest_ in blocks:
+                if se.checksum(data) != digest_:
+                    raise CorruptData(f"KV block {key.hex()} of {namespace!r} from node "
+                                      f"{node!r} fails its checksum; not kept",
+                                      collection=namespace, node=node)
+                tensors.append(torch.from_numpy(data.copy()).view(getattr(torch, dtype))
+                               .reshape(shape))
+                names.append(key)
+            if names:
+                cache.put(names, tensors)
+                got += len(names)
+                arrived = set(names)
+                missing = [k for k in missing if k not in arrived]
+        return got
 
     # -- maintenance -------------------------------------------------------------------
     def gc(self) -> GcReport:

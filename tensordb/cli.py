@@ -481,6 +481,51 @@ def db_upgrade_command(ctx: typer.Context) -> None:
         out.print(f"revision {before or 'none (empty catalog)'} -> {after}")
 
 
+@app.command("serve")
+def serve_command(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="The Flight port (0: any free port).")],
+    catalog: Annotated[str | None, typer.Option(
+        "--catalog", metavar="URL", help="The cluster's catalog (default: the global "
+        "--catalog).", show_default=False)] = None,
+    node: Annotated[str | None, typer.Option(
+        "--node", help="This host's node name (default: the global --node).",
+        show_default=False)] = None,
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="This node's disk tier (default: the global --data-dir).",
+        show_default=False)] = None,
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback "
+                                      "needs a token.")] = "127.0.0.1",
+    token: Annotated[str | None, typer.Option(
+        help="Token every request must carry (default: $TENSORDB_TOKEN).",
+        show_default=False)] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve Prometheus metrics on this HTTP port (0: any free port).",
+        show_default=False)] = None,
+    advertise: Annotated[str | None, typer.Option(
+        help="HOST[:PORT] other nodes reach this one at (default: the bound address).",
+        show_default=False)] = None,
+    heartbeat: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 1.0,
+) -> None:
+    """Run this host's node server: serve its store to other nodes over Arrow Flight.
+
+    Registers the node in the catalog with a heartbeat, and deregisters it on SIGTERM
+    or Ctrl-C. Prints one JSON line (node, address, metrics_port) once it answers.
+    """
+    from transport import ready_line, start_node
+
+    w = _where(ctx)
+    db = connect(catalog or w.catalog, home=w.home, node=node or w.node,
+                 data_dir=data_dir or w.data_dir)
+    try:
+        running = start_node(db, host=host, port=port, token=token, metrics_port=metrics_port,
+                             advertise=advertise, heartbeat=heartbeat)
+        running.wait(on_ready=lambda n: print(ready_line(n), flush=True))
+    finally:
+        db.close()
+    _console(stderr=True).print(f"node {escape(repr(db.config.node))} stopped")
+
+
 @app.command("demo")
 def demo_command() -> None:
     """A tour on a throwaway store: commit, read zero-copy, commit a change.

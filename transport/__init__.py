@@ -1,8 +1,43 @@
-"""Node server and client on Arrow Flight, and the same-host fast path.
+"""Node server and client on Arrow Flight: cluster mode.
 
-Empty for now: cluster mode builds on ``tensordb.catalog`` and ``storage_engine``.
+One ``NodeServer`` per host owns that host's store and serves its segments and KV
+blocks to other nodes; ``pull_segment`` brings a segment held elsewhere into a local
+tier (streamed, checksummed, then registered as a replica); ``cascade`` fans a version
+out to many nodes in O(log N) rounds. Every request carries the node's token when it
+has one. The client facade (``tensordb.Database``) imports this package only when a
+read or a replication needs another node.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ._auth import TOKEN_ENV, is_loopback, require_token_for, resolve_token
+from ._cascade import CascadeReport, cascade
+from ._client import DEFAULT_TIMEOUT, FlightTransport, KVBlock, Transport
+from ._metrics import NodeMetrics
+from ._pull import ExtentHasher, pull_segment
+from ._registry import DEFAULT_HEARTBEAT, NodeRegistration
+from ._serve import RunningNode, ready_line, start_node
+from ._server import THROTTLE_ENV, NodeServer
+
+__all__ = [
+    "DEFAULT_HEARTBEAT",
+    "DEFAULT_TIMEOUT",
+    "THROTTLE_ENV",
+    "TOKEN_ENV",
+    "CascadeReport",
+    "ExtentHasher",
+    "FlightTransport",
+    "KVBlock",
+    "NodeMetrics",
+    "NodeRegistration",
+    "NodeServer",
+    "RunningNode",
+    "Transport",
+    "cascade",
+    "is_loopback",
+    "pull_segment",
+    "ready_line",
+    "require_token_for",
+    "resolve_token",
+    "start_node",
+]

@@ -40,12 +40,13 @@ __all__ = [
     "policies",
     "policy_runs",
     "kv_namespaces",
+    "segment_replicas",
     "UTCDateTime",
     "HEAD_REVISION",
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -222,4 +223,19 @@ kv_namespaces = Table(
     Column("blocks", BigInteger, nullable=False, server_default="0"),
     Column("nbytes", BigInteger, nullable=False, server_default="0"),
     Column("created_at", UTCDateTime, nullable=False),
+)
+
+# -- revision 0005 ------------------------------------------------------------------------
+
+#: copies of a segment on nodes other than the one that wrote it (cluster mode): a row
+#: is added once the copy's checksums are verified, and goes with its segment
+segment_replicas = Table(
+    "segment_replicas",
+    metadata,
+    Column("segment_id", String(32), ForeignKey("segments.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("node", String(255), primary_key=True),
+    Column("tier", String(16), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Index("ix_segment_replicas_node", "node"),
 )

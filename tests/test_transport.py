@@ -1,0 +1,357 @@
+"""Cluster mode with real processes and a real PostgreSQL: node servers on loopback
+ports sharing a catalog, remote reads, the replication cascade, token auth, failures.
+
+Four node servers (``tensordb serve``) start once for the module: a, b, c, and
+``slow``, whose streams are throttled so a test can kill it mid-transfer. The test
+process attaches clients to their stores, as a process on each host would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import text
+
+import tensordb
+from conftest import PG_BASE, _pg_admin, _pg_available
+from tensordb.catalog import NodeDirectory
+from tensordb.errors import InvalidInput, NodeUnavailable, NotFound, Unauthorized
+from transport import FlightTransport, THROTTLE_ENV, pull_segment
+
+pytestmark = pytest.mark.postgres
+
+TOKEN = "cluster-test-token"
+THROTTLE = 4 << 20  # bytes/s out of node "slow": an 8 MiB segment takes 2 s
+READY_S = 240.0  # a loaded 2-core machine takes tens of seconds to import torch
+
+
+@dataclass
+class Node:
+    name: str
+    home: Path
+    data: Path
+    proc: subprocess.Popen[str]
+    address: str = ""
+    metrics_port: int = 0
+
+    def connect(self, url: str, **kw: object) -> tensordb.Database:
+        return tensordb.connect(url, node=self.name, home=self.home, data_dir=self.data,
+                                token=TOKEN, node_timeout=2.0, **kw)
+
+
+@dataclass
+class Cluster:
+    url: str
+    nodes: dict[str, Node]
+    clients: dict[str, tensordb.Database]
+
+    def db(self, name: str) -> tensordb.Database:
+        if name not in self.clients:
+            self.clients[name] = self.nodes[name].connect(self.url)
+        return self.clients[name]
+
+
+def _spawn(url: str, name: str, root: Path, env: dict[str, str]) -> Node:
+    home = root / name
+    home.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "tensordb.cli", "--home", str(home), "serve",
+           "--catalog", url, "--node", name, "--data-dir", str(home / "data"), "--port", "0",
+           "--token", TOKEN, "--metrics-port", "0", "--heartbeat", "0.5"]
+    with open(home / "serve.log", "w") as log:  # read when a test fails
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    return Node(name, home, home / "data", proc)
+
+
+def _await_ready(node: Node, deadline: float) -> None:
+    assert node.proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([node.proc.stdout], [], [], 1.0)
+        if ready:
+            line = node.proc.stdout.readline()
+            if not line:
+                break
+            info = json.loads(line)
+            node.address, node.metrics_port = info["address"], info["metrics_port"]
+            return
+        if node.proc.poll() is not None:
+            break
+    raise RuntimeError(f"node {node.name} did not start (exit {node.proc.poll()})")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    reason = _pg_available()
+    if reason:
+        pytest.skip(reason)
+    name = f"tensordb_test_{uuid.uuid4().hex[:12]}"
+    admin = _pg_admin()
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"{PG_BASE}/{name}"
+    root = tmp_path_factory.mktemp("cluster")
+    base = {**os.environ, "TENSORDB_KV_CAPACITY": str(16 << 20)}
+    base.pop(THROTTLE_ENV, None)
+    tensordb.connect(url, node="setup", home=root / "setup").close()  # migrate once
+    nodes = {n: _spawn(url, n, root, base) for n in ("a", "b", "c")}
+    nodes["slow"] = _spawn(url, "slow", root, {**base, THROTTLE_ENV: str(THROTTLE)})
+    cl = Cluster(url, nodes, {})
+    try:
+        deadline = time.monotonic() + READY_S
+        for node in nodes.values():
+            _await_ready(node, deadline)
+        yield cl
+    finally:
+        for node in nodes.values():
+            if node.proc.poll() is None:
+                node.proc.kill()
+            node.proc.wait()
+            if node.proc.stdout is not None:
+                node.proc.stdout.close()
+        for db in cl.clients.values():
+            db.close()
+        for n in ("setup", *nodes):
+            cfg = tensordb.Config.resolve(url, home=root / n,
+                                          data_dir=root / n / "data" if n != "setup" else None)
+            shutil.rmtree(cfg.shm_dir, ignore_errors=True)
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _metrics(node: Node) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics",
+                                timeout=10) as r:
+        return r.read().decode()
+
+
+def _metric(body: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in body.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _part_files(db: tensordb.Database) -> list[str]:
+    return [p.name for t in ("host", "disk") for p in db.tier(t).root.glob("*.part-*")]
+
+
+# -- tests ---------------------------------------------------------------------------------
+def test_nodes_register_with_address_tiers_and_heartbeat(cluster: Cluster) -> None:
+    directory = NodeDirectory(cluster.db("a").catalog.engine)
+    live = directory.live()
+    assert {"a", "b", "c", "slow"} <= set(live)
+    for name in ("a", "b", "c", "slow"):
+        info = live[name]
+        assert info.address == cluster.nodes[name].address and info.state == "up"
+        assert set(info.tiers) == {"host", "disk"}
+    before = live["a"].heartbeat_at
+    deadline = time.monotonic() + 20  # beats every 0.5 s; a loaded host may stall a few
+    while directory.live()["a"].heartbeat_at == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    logs = (cluster.nodes["a"].home / "serve.log").read_text()
+    assert directory.live()["a"].heartbeat_at > before, logs  # type: ignore[operator]
+
+
+def test_commit_on_one_node_read_on_another(cluster: Cluster) -> None:
+    a, b = cluster.db("a"), cluster.db("b")
+    w = torch.randn(256, 64)
+    h = torch.arange(10, dtype=torch.bfloat16)
+    a.commit("remote", {"w": w, "h": h, "empty": torch.empty(0)})
+    assert torch.equal(b.get("remote", "w"), w)
+    with b.snapshot("remote", verify=True) as snap:
+        got = snap.state_dict()
+    assert torch.equal(got["h"], h) and got["empty"].numel() == 0
+    (seg,) = {r for r, _ in NodeDirectory(b.catalog.engine).version_segments(
+        b.catalog.require("remote").id, 1)}
+    assert ("b" in NodeDirectory(b.catalog.engine).holders(seg)
+            and (seg, "b", "host") in NodeDirectory(b.catalog.engine).replicas("b"))
+    assert _part_files(b) == []
+    body = _metrics(cluster.nodes["a"])
+    assert _metric(body, "tensordb_bytes_out_total", node="a", tier="host") >= w.nbytes
+    assert _metric(body, "tensordb_extents", node="a", tier="host") >= 1
+    assert "tensordb_transfer_seconds_bucket" in body and "tensordb_leases" in body
+    # served locally from then on: the bytes come from b's own tier
+    assert b.tier("host").open(seg) is not None
+
+
+def test_replicate_is_a_cascade(cluster: Cluster) -> None:
+    a, c = cluster.db("a"), cluster.db("c")
+    a.commit("fan", {"x": torch.arange(100_000, dtype=torch.int32)})
+    a.commit("fan", {"x": torch.arange(100_000, dtype=torch.int32), "y": torch.ones(7)})
+    assert a.replicate("fan", to=["b", "c"]) == ["b", "c"]
+    report = a.last_replication
+    assert len(report.rounds) == 2 and report.rounds[0] == [("a", "b")]
+    assert sorted(report.rounds[1]) == [("a", "c")] and not report.failed
+    directory = NodeDirectory(a.catalog.engine)
+    segs = [s for s, _ in directory.version_segments(a.catalog.require("fan").id, 2)]
+    assert len(segs) == 2 and all({"a", "b", "c"} <= set(directory.holders(s)) for s in segs)
+    b_pulled = _metric(_metrics(cluster.nodes["b"]), "tensordb_bytes_in_total", node="b")
+    assert b_pulled >= 100_000 * 4
+    assert torch.equal(c.get("fan", "y"), torch.ones(7))
+    # idempotent: holders are not sent the version again
+    a.last_replication = None
+    assert a.replicate("fan", to="c") == ["c"] and a.last_replication is None
+
+
+def test_replicate_bad_input_changes_nothing(cluster: Cluster) -> None:
+    a = cluster.db("a")
+    a.commit("strict", {"x": torch.ones(4)})
+    directory = NodeDirectory(a.catalog.engine)
+    directory.register("ghost", "127.0.0.1:9", ["host"], None)
+    directory.deregister("ghost")
+    before = directory.replicas()
+    for call, err in [
+        (lambda: a.replicate("strict", to=[]), InvalidInput),
+        (lambda: a.replicate("strict", to=["nowhere"]), NotFound),
+        (lambda: a.replicate("strict", version=9, to=["b"]), NotFound),
+        (lambda: a.replicate("strict", to=["b", "ghost"]), NodeUnavailable),
+        (lambda: a.pull_kv("ns", ["not-bytes"]), InvalidInput),  # type: ignore[list-item]
+    ]:
+        with pytest.raises(err):
+            call()
+    assert directory.replicas() == before
+
+
+def test_request_without_token_is_refused(cluster: Cluster) -> None:
+    addr = cluster.nodes["a"].address
+    for token in (None, "wrong-token"):
+        with pytest.raises(Unauthorized) as info:
+            FlightTransport(token, timeout=5).ping("a", addr)
+        assert info.value.node == "a"
+    assert FlightTransport(TOKEN, timeout=5).ping("a", addr)["node"] == "a"
+
+
+def test_dead_address_fails_fast(cluster: Cluster) -> None:
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    for address, limit in ((closed, 3.0), ("10.255.255.1:7000", 3.0)):
+        t0 = time.monotonic()
+        with pytest.raises(NodeUnavailable):
+            FlightTransport(TOKEN, timeout=1.0).ping("gone", address)
+        assert time.monotonic() - t0 < limit
+    # a node registered live whose server is gone: replicate fails within the timeout
+    a = cluster.db("a")
+    a.commit("dead-target", {"x": torch.ones(3)})
+    NodeDirectory(a.catalog.engine).register("zombie", closed, ["host"], None)
+    t0 = time.monotonic()
+    with pytest.raises(NodeUnavailable) as info:
+        a.replicate("dead-target", to=["zombie"])
+    assert info.value.node == "zombie" and time.monotonic() - t0 < 5.0
+    NodeDirectory(a.catalog.engine).deregister("zombie")
+
+
+def test_lapsed_heartbeat_marks_node_down(cluster: Cluster) -> None:
+    directory = NodeDirectory(cluster.db("a").catalog.engine, lapse=0.2)
+    directory.register("brief", "127.0.0.1:9", ["host"], None)
+    assert "brief" in directory.live()
+    time.sleep(0.4)
+    assert "brief" not in directory.live()
+    assert "brief" in directory.mark_lapsed()
+    assert directory.node("brief").state == "down"
+
+
+def test_kv_blocks_by_key_from_another_node(cluster: Cluster) -> None:
+    a, b = cluster.db("a"), cluster.db("b")
+    kv_a = a.kv("qwen-test", block_tokens=4)
+    keys = kv_a.keys(list(range(12)))
+    blocks = [torch.full((2, 4, 8), float(i), dtype=torch.float16) for i in range(3)]
+    kv_a.put(keys[:2], blocks[:2])
+    assert b.pull_kv("qwen-test", keys, block_tokens=4, nodes=["a"]) == 2
+    got = b.kv("qwen-test", block_tokens=4).get(keys[:2])
+    assert all(torch.equal(g, x) for g, x in zip(got, blocks[:2]))
+    assert b.pull_kv("qwen-test", keys[:2], block_tokens=4) == 0  # held already
+
+
+def test_gc_keeps_registered_replicas_and_drops_them_with_their_segment(cluster: Cluster
+                                                                       ) -> None:
+    a, b = cluster.db("a"), cluster.db("b")
+    a.commit("short-lived", {"x": torch.ones(1000)})
+    b.get("short-lived", "x")
+    directory = NodeDirectory(a.catalog.engine)
+    (seg,) = [s for s, _ in directory.version_segments(a.catalog.require("short-lived").id, 1)]
+    path = b.tier("host").path(seg)
+    b.gc()
+    assert path.exists()  # registered here: kept
+    a.drop("short-lived")
+    a.gc()
+    assert directory.holders(seg) == {}  # the replica row went with its segment
+    b.gc()
+    assert not path.exists()
+
+
+def test_holder_killed_mid_transfer(cluster: Cluster) -> None:
+    """Two pulls stream from the throttled node when it is killed: the one with another
+    holder finishes from there, the other raises NodeUnavailable; neither leaves a
+    half replica registered or a partial file."""
+    slow, b, c = cluster.db("slow"), cluster.db("b"), cluster.db("c")
+    only = torch.randn(2 << 20)  # 8 MiB each
+    shared = torch.randn(2 << 20)
+    slow.commit("only-slow", {"x": only})
+    slow.commit("shared", {"x": shared})
+    directory = NodeDirectory(b.catalog.engine)
+    (seg_only,) = [s for s, _ in directory.version_segments(b.catalog.require("only-slow").id, 1)]
+    (seg_shared,) = [s for s, _ in directory.version_segments(b.catalog.require("shared").id, 1)]
+    c._pull([seg_shared])  # c holds it too (a throttled 2 s)
+    tiers = {n: b.tier(n) for n in ("host", "disk")}
+    results: dict[str, object] = {}
+
+    def read_only() -> None:
+        try:
+            results["only"] = b.get("only-slow", "x")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results["only"] = exc
+
+    def read_shared() -> None:
+        try:
+            results["shared"] = pull_segment(directory, FlightTransport(TOKEN, 2.0), "b",
+                                             tiers, seg_shared, prefer="slow")
+        except Exception as exc:  # noqa: BLE001
+            results["shared"] = exc
+
+    threads = [threading.Thread(target=read_only), threading.Thread(target=read_shared)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(_part_files(b)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # both streams are now well under way, nowhere near done
+    assert len(_part_files(b)) == 2
+    os.kill(cluster.nodes["slow"].proc.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert isinstance(results["only"], NodeUnavailable), results["only"]
+    assert results["shared"] == "host"
+    assert torch.equal(b.get("shared", "x"), shared)
+    assert "b" not in directory.holders(seg_only)
+    assert not b.tier("host").path(seg_only).exists() and _part_files(b) == []
+
+
+def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
+    node = cluster.nodes["c"]
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(60) == 0
+    info = NodeDirectory(cluster.db("a").catalog.engine).node("c")
+    assert info.state == "down"
+    a = cluster.db("a")
+    a.commit("after-c", {"x": torch.ones(2)})
+    with pytest.raises(NodeUnavailable):
+        a.replicate("after-c", to=["c"])

@@ -1,0 +1,99 @@
+"""Prometheus metrics of a node server, on an HTTP port of their own.
+
+Counters (bytes in and out per tier, requests per kind and outcome) and a histogram of
+transfer latency are updated by the server as it works; the store's gauges (extents
+and bytes per tier, leases) are read from the tiers and the catalog at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+import storage_engine as se
+
+__all__ = ["NodeMetrics"]
+
+_log = logging.getLogger("tensordb.transport")
+_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _StoreCollector(Collector):
+    """Gauges read at scrape time: a scrape never sees a stale count."""
+
+    def __init__(self, node: str, tiers: Mapping[str, se.Tier],
+                 leases: Callable[[], int]) -> None:
+        self._node = node
+        self._tiers = tiers
+        self._leases = leases
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        extents = GaugeMetricFamily("tensordb_extents", "Segments (extent files) held per tier",
+                                    labels=["node", "tier"])
+        used = GaugeMetricFamily("tensordb_tier_bytes", "Bytes held per tier",
+                                 labels=["node", "tier"])
+        for name, tier in list(self._tiers.items()):
+            try:
+                extents.add_metric([self._node, name], sum(1 for _ in tier.segments()))
+                used.add_metric([self._node, name], tier.used_bytes())
+            except OSError as exc:  # a tier directory removed under us: skip it
+                _log.warning("metrics: tier %s unreadable: %s", name, exc)
+        yield extents
+        yield used
+        leases = GaugeMetricFamily("tensordb_leases", "Snapshot leases held in the catalog",
+                                   labels=["node"])
+        try:
+            leases.add_metric([self._node], self._leases())
+        except Exception as exc:  # noqa: BLE001 - the catalog down must not break scrapes
+            _log.warning("metrics: catalog unreadable: %s", exc)
+        yield leases
+
+
+class NodeMetrics:
+    """The metrics of one node server, in a registry of their own (not the global one,
+    so two servers in one process, as in tests, do not collide)."""
+
+    def __init__(self, node: str, tiers: Mapping[str, se.Tier] | None = None,
+                 leases: Callable[[], int] | None = None) -> None:
+        self.node = node
+        self.registry = CollectorRegistry()
+        self.bytes_out = Counter("tensordb_bytes_out", "Bytes sent to other nodes, per tier",
+                                 ["node", "tier"], registry=self.registry)
+        self.bytes_in = Counter("tensordb_bytes_in", "Bytes pulled from other nodes, per tier",
+                                ["node", "tier"], registry=self.registry)
+        self.requests = Counter("tensordb_requests", "Requests served, per kind and outcome",
+                                ["node", "kind", "outcome"], registry=self.registry)
+        self.transfer_seconds = Histogram(
+            "tensordb_transfer_seconds", "Latency of one segment transfer, per direction",
+            ["node", "direction"], buckets=_BUCKETS, registry=self.registry)
+        if tiers is not None:
+            self.registry.register(_StoreCollector(node, tiers, leases or (lambda: 0)))
+        self._http: Any = None
+
+    def sent(self, tier: str, nbytes: int, seconds: float) -> None:
+        self.bytes_out.labels(self.node, tier).inc(nbytes)
+        self.transfer_seconds.labels(self.node, "out").observe(seconds)
+
+    def pulled(self, tier: str, nbytes: int, seconds: float) -> None:
+        self.bytes_in.labels(self.node, tier).inc(nbytes)
+        self.transfer_seconds.labels(self.node, "in").observe(seconds)
+
+    def request(self, kind: str, outcome: str) -> None:
+        self.requests.labels(self.node, kind, outcome).inc()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics over HTTP on a daemon thread; returns the bound port."""
+        server, _thread = start_http_server(port, host, self.registry)
+        self._http = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._http is not None:
+            server, self._http = self._http, None
+            server.shutdown()
+            server.server_close()

@@ -1,0 +1,196 @@
+"""Pulling a segment from the nodes that hold it into a local tier, verified.
+
+The bytes stream straight into a new local segment file under a temporary name and are
+hashed there, extent by extent, as they arrive. Only when every extent matches its
+catalog checksum is the file renamed to the segment's name and the replica recorded,
+in one SQL transaction that confirms the segment still exists. A transfer cut by a
+holder's death resumes from the same byte at the next holder; if none is left, the
+partial file is deleted and nothing is registered (a puller killed outright leaves an
+unlocked temporary file that the tier's orphan reclaim deletes).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+import storage_engine as se
+from tensordb.catalog import NodeDirectory, SegmentInfo
+from tensordb.errors import CorruptData, NodeUnavailable, NotFound, StoreFull
+
+from ._client import Transport
+
+__all__ = ["ExtentHasher", "pull_segment", "replica_tier", "PullStats"]
+
+#: bytes pulled into a tier: (tier, nbytes, seconds)
+PullStats = Callable[[str, int, float], None]
+
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _segment_lock(segment_id: str) -> threading.Lock:
+    """One pull per segment at a time in a process: a second reader waits for the first."""
+    with _locks_guard:
+        lock = _locks.get(segment_id)
+        if lock is None:
+            lock = _locks[segment_id] = threading.Lock()
+        return lock
+
+
+class ExtentHasher:
+    """Checks a segment's extents against their checksums while its bytes arrive in
+    order, hashing each chunk where it was written (still in cache)."""
+
+    def __init__(self, extents: Sequence[tuple[int, int, str]]) -> None:
+        self._extents = [e for e in extents if e[1] > 0]
+        self._i = 0
+        self._h = xxhash.xxh3_64()
+        self.bad: list[tuple[int, str, str]] = []  # (offset, expected, found)
+
+    def feed(self, pos: int, buf: np.ndarray) -> None:
+        """Account for bytes ``[pos, pos + len(buf))``; calls must come in order."""
+        end = pos + len(buf)
+        while self._i < len(self._extents):
+            off, n, want = self._extents[self._i]
+            if off >= end:
+                return
+            lo, hi = max(off, pos), min(off + n, end)
+            if hi > lo:
+                self._h.update(buf[lo - pos : hi - pos])
+            if off + n > end:
+                return
+            got = self._h.hexdigest()
+            if got != want:
+                self.bad.append((off, want, got))
+            self._h = xxhash.xxh3_64()
+            self._i += 1
+
+    @property
+    def complete(self) -> bool:
+        return self._i == len(self._extents)
+
+
+def replica_tier(source_tier: str, tiers: Mapping[str, se.Tier]) -> str:
+    """Where a pulled copy goes: the holder's tier when this node has it as files,
+    else host memory (a GPU segment arrives in host memory)."""
+    tier = tiers.get(source_tier)
+    return source_tier if isinstance(tier, se.FileTier) else "host"
+
+
+def _create(tiers: Mapping[str, se.Tier], first: str, part_id: str, nbytes: int,
+            segment_id: str) -> tuple[se.FileTier, se.SegmentWriter]:
+    order = [first] + [t for t in ("host", "disk") if t != first]
+    last: Exception | None = None
+    for name in order:
+        tier = tiers.get(name)
+        if not isinstance(tier, se.FileTier):
+            continue
+        try:
+            return tier, tier.create(part_id, nbytes)
+        except se.TierFull as exc:
+            last = exc
+    raise StoreFull(f"no tier of this node has room for segment {segment_id} "
+                    f"({nbytes} bytes): {last}")
+
+
+def pull_segment(directory: NodeDirectory, transport: Transport, me: str,
+                 tiers: Mapping[str, se.Tier], segment_id: str, *,
+                 prefer: str | None = None, on_pulled: PullStats | None = None) -> str:
+    """Make node ``me`` hold ``segment_id``; returns the local tier that holds it.
+
+    Blocks for the transfer. Idempotent: a segment held already is not fetched again.
+    Raises NotFound if the segment is gone, NodeUnavailable if no live holder can send
+    it whole, CorruptData if every holder's bytes fail their checksums, StoreFull if no
+    local tier has room. On any failure nothing is registered and no file is left.
+    """
+    with _segment_lock(segment_id):
+        holders = directory.holders(segment_id)
+        if not holders:
+            raise NotFound(f"segment {segment_id} is not in the catalog (dropped and "
+                           f"collected)")
+        if me in holders:
+            return holders[me]
+        info = directory.segment(segment_id)
+        if info is None:
+            raise NotFound(f"segment {segment_id} was dropped while being pulled")
+        live = directory.live()
+        candidates = [n for n in holders if n in live and n != me]
+        random.shuffle(candidates)  # spread readers over the holders
+        if prefer in candidates:
+            candidates.remove(prefer)
+            candidates.insert(0, prefer)
+        if not candidates:
+            down = sorted(holders)
+            raise NodeUnavailable(f"no live node holds segment {segment_id} (held by "
+                                  f"{', '.join(down)}: down or not serving)", node=down[0])
+        return _transfer(directory, transport, me, tiers, info, candidates,
+                         {n: live[n].address or "" for n in candidates},
+                         holders[candidates[0]], on_pulled)
+
+
+def _transfer(directory: NodeDirectory, transport: Transport, me: str,
+              tiers: Mapping[str, se.Tier], info: SegmentInfo, candidates: list[str],
+              addresses: dict[str, str], source_tier: str, on_pulled: PullStats | None) -> str:
+    t0 = time.perf_counter()
+    tier, writer = _create(tiers, replica_tier(source_tier, tiers),
+                           f"{info.id}.part-{uuid.uuid4().hex[:12]}", info.nbytes, info.id)
+    final = tier.path(info.id)
+    renamed = False
+    try:
+        dst = writer.buffer
+        pos = 0
+        hasher = ExtentHasher(info.extents)
+
+        def sink(view: memoryview) -> None:
+            nonlocal pos
+            n = len(view)
+            if pos + n > info.nbytes:
+                raise CorruptData(f"a holder sent more than the {info.nbytes} bytes of "
+                                  f"segment {info.id}")
+            out = dst[pos : pos + n]
+            np.copyto(out, np.frombuffer(view, np.uint8))
+            hasher.feed(pos, out)
+            pos += n
+
+        failures: list[str] = []
+        for node in candidates:
+            if pos == info.nbytes:
+                break
+            try:
+                transport.read_segment(node, addresses[node], info.id, pos, info.nbytes - pos,
+                                       sink)
+            except (NodeUnavailable, NotFound) as exc:
+                failures.append(str(exc))  # dead, or dropped its copy: the next one resumes
+        if pos < info.nbytes:
+            raise NodeUnavailable(
+                f"no holder could send segment {info.id} whole ({pos} of {info.nbytes} bytes "
+                f"arrived): {'; '.join(failures)}", node=candidates[-1])
+        if hasher.bad or not hasher.complete:
+            off, want, got = hasher.bad[0] if hasher.bad else (-1, "", "")
+            raise CorruptData(f"segment {info.id} arrived damaged: the extent at offset "
+                              f"{off} hashes to {got}, the catalog says {want}; not kept")
+        writer.finish()
+        os.rename(tier.path(writer.segment_id), final)  # complete and verified: visible
+        renamed = True
+        if not directory.add_replica(info.id, me, tier.name):
+            raise NotFound(f"segment {info.id} was dropped while being pulled")
+    except BaseException:
+        writer.abort()
+        if renamed:
+            try:
+                os.unlink(final)
+            except FileNotFoundError:
+                pass
+        raise
+    writer.release()
+    if on_pulled is not None:
+        on_pulled(tier.name, info.nbytes, time.perf_counter() - t0)
+    return tier.name
