@@ -38,6 +38,7 @@ from storage_engine import holder_alive
 
 from ..errors import CommitConflict, InvalidInput, NotFound
 from ._engine import write_conn
+from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._schema import (
     UTCDateTime,
     collections,
@@ -209,6 +210,8 @@ class Catalog:
     def __init__(self, engine: Engine, node: str, *, lease_engine: Engine | None = None) -> None:
         self.engine = engine
         self.node = node
+        #: how long a call keeps retrying a lost catalog connection (``_retry``)
+        self.retry_seconds = RETRY_SECONDS
         # leases die with their holders: they need no fsync (SQLite: a NORMAL-sync engine)
         self.lease_engine = lease_engine or engine
 
@@ -224,6 +227,7 @@ class Catalog:
         row = conn.execute(q).first()
         return CollectionInfo(*row) if row else None
 
+    @retrying
     def info(self, name: str) -> CollectionInfo | None:
         with self.engine.connect() as conn:
             return self._info(conn, name)
@@ -234,10 +238,12 @@ class Catalog:
             raise NotFound(f"no collection {name!r}", collection=name)
         return info
 
+    @retrying
     def collection_names(self) -> list[str]:
         with self.engine.connect() as conn:
             return list(conn.execute(select(collections.c.name).order_by(collections.c.name)).scalars())
 
+    @retrying
     def set_retention(self, name: str, keep_last: int | None) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise InvalidInput(f"keep_last must be a positive integer or None, not {keep_last!r}",
@@ -261,6 +267,7 @@ class Catalog:
     def _has_version(self, conn: Connection, cid: int, version: int) -> bool:
         return conn.execute(_SQL_HAS, {"cid": cid, "v": version}).first() is not None
 
+    @retrying
     def resolve(self, name: str, version: int | None = None, tag: str | None = None,
                 conn: Connection | None = None) -> tuple[CollectionInfo, int]:
         """The collection and the version a (version | tag | head) reference names."""
@@ -310,6 +317,7 @@ class Catalog:
         rows.sort()
         return rows
 
+    @retrying
     def manifest(self, cid: int, version: int, names: Sequence[str] | None = None,
                  conn: Connection | None = None, *, head: bool = False) -> list[TensorRow]:
         """The tensors of one version (or those of ``names``), ordered by name.
@@ -327,6 +335,7 @@ class Catalog:
         q = q.where(_in(conn, tensors.c.name, names))
         return self._rows(conn, conn.execute(q))
 
+    @retrying
     def live(self, cid: int) -> dict[str, TensorRow]:
         """The head's rows by name."""
         with self.engine.connect() as conn:
@@ -341,9 +350,36 @@ class Catalog:
         commit still lands unless a name it touches (put, unchanged put or delete) was
         written or deleted after ``base``: then CommitConflict. ``segment`` is (id, tier,
         nbytes) of the bytes already written for ``puts``.
+
+        A lost catalog connection is retried (``_retry``); the commit carries an id of
+        its own, and a retry whose first attempt did land returns that commit instead of
+        making a second one.
         """
+        unchanged, deletes = list(unchanged), list(deletes)
+        txn_id = uuid.uuid4().hex
+        attempts = 0
+
+        def once() -> Commit:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                landed = self._commit_by_txn(name, txn_id)
+                if landed is not None:
+                    return landed
+            return self._commit(name, base, puts, unchanged, deletes, segment, message,
+                                meta, txn_id)
+
+        return retry_call(self.retry_seconds, once)
+
+    def _commit_by_txn(self, name: str, txn_id: str) -> Commit | None:
+        with self.engine.connect() as conn:
+            v = conn.execute(select(commits.c.version).where(commits.c.txn_id == txn_id)).scalar()
+        return None if v is None else self.commit_info(name, v)
+
+    def _commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: list[str],
+                deletes: list[str], segment: tuple[str, str, int] | None,
+                message: str | None, meta: dict[str, str] | None, txn_id: str) -> Commit:
         touched = {p.name for p in puts} | set(unchanged) | set(deletes)
-        deletes = list(deletes)
         now = _now()
         with write_conn(self.engine) as conn:
             info = self._info(conn, name, lock=True)
@@ -406,13 +442,14 @@ class Catalog:
                 collection_id=info.id, version=version, parent=result.parent, message=message,
                 created_at=now, n_tensors=result.tensors, nbytes=result.nbytes,
                 n_written=result.written, written_nbytes=written_bytes,
-                meta=json.dumps(meta) if meta else None))
+                meta=json.dumps(meta) if meta else None, txn_id=txn_id))
             conn.execute(update(collections).where(collections.c.id == info.id)
                          .values(head=version))
             if conn.dialect.name == "postgresql":  # delivered to watchers if this commits
                 conn.execute(select(func.pg_notify("tensordb_commit", f"{name}\n{version}")))
         return result
 
+    @retrying
     def history(self, name: str) -> list[Commit]:
         info = self.require(name)
         c = commits.c
@@ -434,6 +471,7 @@ class Catalog:
         return [c for c in reversed(self.history(name)) if c.version > after]
 
     # -- tags --------------------------------------------------------------------------
+    @retrying
     def tag(self, name: str, tag: str, version: int | None) -> int:
         with write_conn(self.engine) as conn:
             info, v = self.resolve(name, version, None, conn)
@@ -442,6 +480,7 @@ class Catalog:
                                               created_at=_now()))
             return v
 
+    @retrying
     def untag(self, name: str, tag: str) -> None:
         with write_conn(self.engine) as conn:
             info = self._info(conn, name)
@@ -451,6 +490,7 @@ class Catalog:
                                                tags.c.name == tag)).rowcount == 0:
                 raise NotFound(f"no tag {tag!r} in collection {name!r}", collection=name)
 
+    @retrying
     def tags(self, name: str) -> dict[str, int]:
         info = self.require(name)
         with self.engine.connect() as conn:
@@ -477,10 +517,24 @@ class Catalog:
         """Resolve a version, lease it and read its manifest in one transaction, so gc
         cannot slip between the look-up and the lease."""
         lease_id = uuid.uuid4().hex
+        attempts = 0
+
+        def once() -> tuple[str, CollectionInfo, int, list[TensorRow]]:
+            nonlocal attempts
+            attempts += 1
+            return self._open_snapshot(lease_id, attempts > 1, name, version, tag, holder, ttl)
+
+        return retry_call(self.retry_seconds, once)
+
+    def _open_snapshot(self, lease_id: str, retry: bool, name: str, version: int | None,
+                       tag: str | None, holder: str, ttl: float
+                       ) -> tuple[str, CollectionInfo, int, list[TensorRow]]:
         now = _now()
         with write_conn(self.lease_engine) as conn:
             self._ephemeral(conn)
             self._gc_lock(conn, shared=True)
+            if retry:  # an attempt whose answer was lost may have taken the lease
+                conn.execute(delete(leases).where(leases.c.id == lease_id))
             info, v = self.resolve(name, version, tag, conn)
             conn.execute(_SQL_LEASE, {
                 "id": lease_id, "cid": info.id, "v": v, "holder": holder, "node": self.node,
@@ -492,11 +546,13 @@ class Catalog:
                                  head=(v == info.head and conn.dialect.name == "sqlite"))
         return lease_id, info, v, rows
 
+    @retrying
     def release_lease(self, lease_id: str) -> None:
         with write_conn(self.lease_engine) as conn:
             self._ephemeral(conn)
             conn.execute(delete(leases).where(leases.c.id == lease_id))
 
+    @retrying
     def lease_holders(self) -> list[tuple[str, str, int, str]]:
         with self.engine.connect() as conn:
             return [tuple(r) for r in conn.execute(  # type: ignore[misc]
@@ -518,6 +574,7 @@ class Catalog:
                 pins.c.collection_id == info.id, pins.c.version == v,
                 pins.c.tier == tier)).rowcount > 0
 
+    @retrying
     def pins(self) -> list[tuple[str, int, str]]:
         with self.engine.connect() as conn:
             return [(r[0], r[1], r[2]) for r in conn.execute(
@@ -525,6 +582,7 @@ class Catalog:
                 .join(collections, collections.c.id == pins.c.collection_id)
                 .order_by(collections.c.name, pins.c.version))]
 
+    @retrying
     def pinned_segments(self, tier: str) -> set[str]:
         """Segments that hold bytes of a version pinned in ``tier``."""
         t = tensors.c
@@ -536,6 +594,7 @@ class Catalog:
         with self.engine.connect() as conn:
             return set(conn.execute(q).scalars())
 
+    @retrying
     def version_segments(self, cid: int, version: int) -> list[tuple[str, str, int]]:
         """(segment id, tier, nbytes) of the segments one version's tensors live in."""
         t = tensors.c
@@ -554,6 +613,7 @@ class Catalog:
                 segments.c.id == segment_id, segments.c.tier == src,
                 segments.c.node == self.node).values(tier=dst)).rowcount == 1
 
+    @retrying
     def segment_tier(self, segment_id: str) -> str | None:
         with self.engine.connect() as conn:
             return conn.execute(select(segments.c.tier).where(
@@ -586,15 +646,18 @@ class Catalog:
                                                    commits.c.version.in_(drop)))
             return len(drop)
 
+    @retrying
     def node_names(self) -> set[str]:
         with self.engine.connect() as conn:
             return set(conn.execute(select(nodes.c.name)).scalars())
 
     # -- segments ----------------------------------------------------------------------
+    @retrying
     def segment_registered(self, segment_id: str) -> bool:
         with self.engine.connect() as conn:
             return conn.execute(select(segments.c.id).where(segments.c.id == segment_id)).first() is not None
 
+    @retrying
     def all_rows(self) -> list[tuple[str, int, TensorRow]]:
         """Every stored tensor row (collection name, first version, row) of this node."""
         t = tensors.c
@@ -675,6 +738,7 @@ class Catalog:
                     segments.c.id.in_([s[0] for s in dead_segments])))
         return GcPlan(dead_segments, dropped_versions, dropped_rows, len(expired))
 
+    @retrying
     def stats(self) -> dict[str, int]:
         with self.engine.connect() as conn:
             return {

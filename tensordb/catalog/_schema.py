@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0005"
+HEAD_REVISION = "0006"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -104,6 +104,9 @@ commits = Table(
     Column("written_nbytes", BigInteger, nullable=False),
     # JSON text the writer attached (e.g. safetensors __metadata__); added by 0002
     Column("meta", Text, nullable=True),
+    # the writer's id for this commit: a retry after a lost connection finds it (0006)
+    Column("txn_id", String(32), nullable=True),
+    Index("uq_commits_txn_id", "txn_id", unique=True),
 )
 
 tensors = Table(

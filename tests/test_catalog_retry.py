@@ -1,0 +1,159 @@
+"""A lost catalog connection costs a retry, never a lost or duplicated commit."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+import torch
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+import tensordb
+from tensordb.catalog import Catalog
+from tensordb.catalog._retry import is_transient
+from tensordb.errors import NodeUnavailable
+
+
+def _lost(msg: str = "server closed the connection unexpectedly") -> OperationalError:
+    return OperationalError("COMMIT", {}, Exception(msg), connection_invalidated=True)
+
+
+def _versions(db: tensordb.Database, name: str) -> list[tuple[int, str | None]]:
+    return [(c.version, c.message) for c in reversed(db.history(name))]
+
+
+def test_transient_errors_are_told_apart() -> None:
+    assert is_transient(_lost())
+    admin = psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+    assert is_transient(OperationalError("SELECT 1", {}, admin))
+    dup = psycopg.errors.UniqueViolation("duplicate key value")
+    assert not is_transient(IntegrityError("INSERT", {}, dup))
+    assert not is_transient(ValueError("not a database error"))
+
+
+def test_commit_whose_answer_was_lost_lands_once(db: tensordb.Database,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Catalog._commit
+    calls = []
+
+    def commit_then_lose_the_answer(self: Catalog, *args: Any) -> Any:
+        calls.append(args[0])
+        result = real(self, *args)
+        if len(calls) == 1:  # the COMMIT landed; the client never heard back
+            raise _lost()
+        return result
+
+    monkeypatch.setattr(Catalog, "_commit", commit_then_lose_the_answer)
+    c = db.commit("m", {"w": torch.full((4,), 1.0)}, message="step 1")
+    assert c.version == 1 and len(calls) == 1  # the retry found it: no second attempt
+    c2 = db.commit("m", {"w": torch.full((4,), 2.0)}, message="step 2")
+    assert c2.version == 2
+    assert _versions(db, "m") == [(1, "step 1"), (2, "step 2")]
+    assert db.get("m", "w", version=1).tolist() == [1.0] * 4
+    assert db.get("m", "w").tolist() == [2.0] * 4
+
+
+def test_commit_lost_before_it_landed_is_made_again(db: tensordb.Database,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Catalog._commit
+    calls = []
+
+    def lose_first(self: Catalog, *args: Any) -> Any:
+        calls.append(args[0])
+        if len(calls) == 1:  # the connection died before COMMIT: rolled back
+            raise _lost()
+        return real(self, *args)
+
+    monkeypatch.setattr(Catalog, "_commit", lose_first)
+    c = db.commit("m", {"w": torch.arange(3.0)}, message="only")
+    assert c.version == 1 and len(calls) == 2
+    assert _versions(db, "m") == [(1, "only")]
+    assert db.get("m", "w").tolist() == [0.0, 1.0, 2.0]
+
+
+def test_catalog_gone_for_good_is_node_unavailable(db: tensordb.Database,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    db.commit("m", {"w": torch.zeros(2)})
+    before = db.stats()
+
+    def always_lost(self: Catalog, *args: Any) -> Any:
+        raise _lost("connection refused")
+
+    monkeypatch.setattr(Catalog, "_commit", always_lost)
+    db.catalog.retry_seconds = 0.3
+    t0 = time.monotonic()
+    with pytest.raises(NodeUnavailable, match="catalog did not answer") as err:
+        db.commit("m", {"w": torch.ones(2)})
+    assert time.monotonic() - t0 < 5
+    assert err.value.node == "catalog"
+    monkeypatch.undo()
+    assert _versions(db, "m") == [(1, None)]
+    assert db.get("m", "w").tolist() == [0.0, 0.0]
+    db.gc()  # the aborted commit's bytes are not kept
+    assert db.stats()["segments"] == before["segments"]
+
+
+def test_other_errors_are_not_retried(db: tensordb.Database,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def integrity(self: Catalog, *args: Any) -> Any:
+        calls.append(1)
+        raise IntegrityError("INSERT", {}, Exception("duplicate key"))
+
+    monkeypatch.setattr(Catalog, "_commit", integrity)
+    with pytest.raises(IntegrityError):
+        db.commit("m", {"w": torch.zeros(2)})
+    assert calls == [1]
+
+
+@pytest.mark.postgres
+def test_terminated_backends_lose_and_duplicate_nothing(pg_url: str, tmp_path: Any,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    """A writer commits in a loop while another connection, every 0.1 to 0.3 s,
+    terminates the backends that are in the middle of a statement or a transaction
+    (pg_terminate_backend). The loop runs until at least 40 commits and 3 kills."""
+    db = tensordb.connect(pg_url, home=tmp_path / "s", data_dir=tmp_path / "s" / "data")
+    stop = threading.Event()
+    killed = [0]
+    rng = random.Random(7)
+    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+
+    def killer() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                rows = conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "AND state IN ('active', 'idle in transaction')").fetchall()
+                killed[0] += sum(1 for (ok,) in rows if ok)
+                time.sleep(rng.uniform(0.1, 0.3))
+
+    n = 40
+    caplog.set_level("WARNING", logger="tensordb.catalog")
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        results = []
+        while len(results) < n or (killed[0] < 3 and len(results) < 10 * n):
+            i = len(results)
+            results.append(db.commit("loop", {"w": torch.full((8,), float(i))},
+                                     message=f"step {i}"))
+        n = len(results)
+    finally:
+        stop.set()
+        thread.join(10)
+    try:
+        retries = [r for r in caplog.records if "catalog connection lost" in r.getMessage()]
+        assert killed[0] > 0 and retries, "no statement was cut: the test proved nothing"
+        assert [r.version for r in results] == list(range(1, n + 1))
+        assert _versions(db, "loop") == [(i + 1, f"step {i}") for i in range(n)]
+        for i in (0, n // 2, n - 1):
+            assert db.get("loop", "w", version=i + 1).tolist() == [float(i)] * 8
+    finally:
+        db.close()
