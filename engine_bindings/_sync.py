@@ -11,7 +11,8 @@ the collection and switches its module to the new version:
 * ``mode="swap"``: the module's parameters are repointed (``param.data = t``) at the new
   version's zero-copy tensors: no byte is copied. The updater holds the snapshot (a
   lease) of the version in use and releases the one before. The module must be on the
-  CPU with the stored dtypes (host-tier views).
+  CPU with the stored dtypes (host-tier views). The version before is released in the
+  background (``settle`` waits for that), off the apply path.
 
 Readers of the old version are never torn: the store's rows are immutable, a snapshot of
 N keeps N's bytes for as long as its tensors are held, and a swap gives the module N+1's
@@ -33,6 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +123,10 @@ class WeightUpdater:
         self._current: int | None = None
         self._idents: dict[str, _Ident] = {}
         self._snap: tensordb.Snapshot | None = None  # swap mode: the version in use
+        # swap mode retires the version before off the apply path: releasing its lease is
+        # a catalog write, and dropping its tensors unmaps pages the module had faulted
+        # in (about 10 ms per GiB of page tables), neither of which the new version needs
+        self._retirer: ThreadPoolExecutor | None = None
         self.last_report: UpdateReport | None = None
         if current is not None:
             self._adopt(current)
@@ -159,6 +165,9 @@ class WeightUpdater:
         self.stop()
         with self._lock:
             snap, self._snap = self._snap, None
+            retirer, self._retirer = self._retirer, None
+        if retirer is not None:
+            retirer.shutdown(wait=True)  # every retired version's lease is released
         if snap is not None:
             snap.close()
 
@@ -263,10 +272,26 @@ class WeightUpdater:
             prev_snap, self._snap = self._snap, snap
             keep = True
             if prev_snap is not None:
-                prev_snap.close()
+                self._retire(prev_snap)
         report = UpdateReport(snap.version, changed, len(targets) - len(changed), copied,
                               time.perf_counter() - t0, previous)
         return report, keep
+
+    def settle(self) -> None:
+        """Wait until the versions a swap left behind are released (their leases
+        ended, their mappings dropped). ``apply`` does not wait for that; ``close`` does."""
+        with self._lock:
+            retirer = self._retirer
+        if retirer is not None:
+            retirer.submit(lambda: None).result()
+
+    def _retire(self, snap: tensordb.Snapshot) -> None:
+        """Close ``snap`` and drop its tensors in the background (serially, in order)."""
+        if self._retirer is None:
+            self._retirer = ThreadPoolExecutor(1, thread_name_prefix="tensordb-retire")
+        self._retirer.submit(snap.close)
+        # the executor's work item holds the last reference: the snapshot, its cached
+        # tensors and their mappings go when the close is done, in that thread
 
     def _copy(self, names: list[str], targets: dict[str, torch.Tensor],
               stored: dict[str, torch.Tensor]) -> int:

@@ -37,10 +37,17 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+_holder: tuple[int, str] | None = None
+
+
 def current_holder() -> str:
-    """The holder string of the calling process (recomputed after a fork)."""
+    """The holder string of the calling process (recomputed after a fork); read from
+    /proc once per process, as every lease taken asks for it."""
+    global _holder
     pid = os.getpid()
-    return f"{boot_id()}:{pid}:{_start_ticks(pid) or 0}"
+    if _holder is None or _holder[0] != pid:
+        _holder = (pid, f"{boot_id()}:{pid}:{_start_ticks(pid) or 0}")
+    return _holder[1]
 
 
 def holder_alive(holder: str) -> bool | None:

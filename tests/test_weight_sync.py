@@ -167,6 +167,7 @@ def test_swap_is_zero_copy_and_leases_the_version_in_use(sqlite_db: tensordb.Dat
     db.gc()
     assert [c.version for c in db.history("w")] == [3, 2]  # 2 is leased by the updater
     updater.apply(3)
+    updater.settle()  # the version before is released in the background
     db.gc()
     assert [c.version for c in db.history("w")] == [3]  # the lease on 2 was released
     assert module_versions(module) == {3.0}
