@@ -57,7 +57,11 @@ def test_public_surface() -> None:
         "Decision", "InstanceState", "LeastLoad", "MigrateWhenImbalanced", "Request",
         "RequestRecord", "RoundRobin", "RoutingPolicy", "SimResult", "WorkloadConfig",
         "available_policies", "generate", "get_policy", "read_trace", "saturation_rate",
-        "simulate", "write_trace"])
+        "scaled_policy", "simulate", "write_trace",
+        # the real engine, loaded on first use
+        "Cluster", "Engine", "EngineConfig", "Job", "LocalCache", "ModelConfig",
+        "PromptTokens", "Served", "TinyDecoder", "calibrate", "fit_costs",
+        "measure_engine"])
     for name in router.__all__:
         assert getattr(router, name) is not None
 
@@ -446,5 +450,7 @@ def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
         (load, p) for load in ("0.30", "0.60")
         for p in ("round_robin", "least_load", "cache_aware", "migrate")]
     assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
-    assert bench.main(["--engine", "real"]) == 2
-    assert "KV block store" in capsys.readouterr().err
+    real = bench.parse_args(["--engine", "real", "--sessions", "5"])
+    assert (real.instances, real.sessions, real.block_tokens, real.load_sweep) == (
+        3, 5, 32, "0.3,0.6")
+    assert bench.policy("migrate", real).abs_gap == 1024  # scaled to a 256-token prompt

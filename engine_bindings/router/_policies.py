@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import Any
 
 from tensordb.errors import InvalidInput
 
-from ._policy import ClusterView, Decision, InstanceState, Request, RoutingPolicy
+from ._policy import ClusterView, Decision, InstanceState, Request, RoutingPolicy, get_policy
 
-__all__ = ["CacheAware", "LeastLoad", "MigrateWhenImbalanced", "RoundRobin"]
+__all__ = ["CacheAware", "LeastLoad", "MigrateWhenImbalanced", "RoundRobin", "scaled_policy"]
 
 
 def _imbalanced(high: float, low: float, abs_gap: float, rel_gap: float) -> bool:
@@ -159,3 +160,21 @@ class MigrateWhenImbalanced(RoutingPolicy):
         if best.prefix_hits >= holder.prefix_hits:
             return Decision(best.instance)
         return Decision(best.instance, migrate_from=holder.instance)
+
+
+def scaled_policy(name: str, system_prompt_tokens: int = 4096, gap_median: float = 8.2,
+                  **kw: Any) -> RoutingPolicy:
+    """Policy ``name`` with its thresholds scaled to a workload: the built-ins'
+    defaults are set for a 4,096-token system prompt (token gaps of a few requests'
+    worth of load) and 8.2 s between a session's turns (time horizons); a workload of
+    shorter prompts and turns needs them as much smaller. ``kw`` goes to the policy as
+    is. Pair it with an EWMA time constant scaled the same way: ``5 * gap_median /
+    8.2`` seconds."""
+    tokens, time_ = system_prompt_tokens / 4096, gap_median / 8.2
+    if name == "cache_aware":
+        kw.setdefault("balance_abs_threshold", 262_144 * tokens)
+    elif name == "migrate":
+        kw.setdefault("abs_gap", 16_384 * tokens)
+        kw.setdefault("recent_horizon", 60.0 * time_)
+        kw.setdefault("repeat_horizon", 120.0 * time_)
+    return get_policy(name, **kw)

@@ -8,9 +8,19 @@ tier (the tensordb KV store), from which any instance can load a block it lacks.
 A request's time to first token is::
 
     TTFT = wait (queue; a migration's transfer overlaps it)
+         + request_overhead
          + hit_per_block     * blocks in the instance's cache (or migrated there)
          + kv_load_per_block * further blocks loaded from the shared store
          + prefill_per_token * the remaining (uncached) prompt tokens
+         + prefill_per_token_ctx * the attention pairs of those tokens (each new token
+           with every token before it, cached or not)
+
+all but the wait stretched by ``busy / cpu_cores`` when ``cpu_cores`` is set and more
+instances than that are prefilling as this one starts (engines sharing a host's CPU;
+the stretch is fixed at the start, a first-order model of processor sharing).
+
+The defaults are a model whose prefill is linear in the tokens it computes; the costs
+measured from the real engine (``calibrate``) fill in all the terms.
 
 Hits are taken when the prefill starts, against the cache as it is then. Blocks are
 grouped into chains (the shared system prompt; a session's own context): a request
@@ -56,15 +66,35 @@ class Costs:
     block_tokens: int = 256
     cache_capacity_blocks: int = 8192   # per instance
     hit_per_block: float = 0.0          # a block already in the instance's cache
+    prefill_per_token_ctx: float = 0.0  # per (new token, token before it) pair: attention
+    request_overhead: float = 0.0       # per prefill, whatever its length
+    cpu_cores: float = 0.0              # instances share this many cores; 0: none shared
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.cache_capacity_blocks < 0:
             raise InvalidInput(f"block_tokens must be >= 1 and cache_capacity_blocks >= 0, "
                                f"got {self.block_tokens}, {self.cache_capacity_blocks}")
         for name in ("prefill_per_token", "kv_load_per_block", "transfer_per_block",
-                     "decode_per_token", "hit_per_block"):
-            if getattr(self, name) < 0:
-                raise InvalidInput(f"cost {name} must be >= 0, got {getattr(self, name)}")
+                     "decode_per_token", "hit_per_block", "prefill_per_token_ctx",
+                     "request_overhead", "cpu_cores"):
+            v = getattr(self, name)
+            if not v >= 0 or math.isinf(v):
+                raise InvalidInput(f"cost {name} must be a finite number >= 0, got {v}")
+
+    def prefill(self, cached_tokens: int, new_tokens: int) -> float:
+        """Seconds to compute ``new_tokens`` after ``cached_tokens`` whose KV is at hand
+        (no per-block load costs)."""
+        pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+        return (self.request_overhead + self.prefill_per_token * new_tokens
+                + self.prefill_per_token_ctx * pairs)
+
+    def service(self, prompt_tokens: int, hit_blocks: int, loaded_blocks: int) -> float:
+        """Seconds an instance is busy with a prefill of ``prompt_tokens`` whose first
+        ``hit_blocks`` blocks it holds and next ``loaded_blocks`` it loads from the
+        store."""
+        cached = (hit_blocks + loaded_blocks) * self.block_tokens
+        return (self.hit_per_block * hit_blocks + self.kv_load_per_block * loaded_blocks
+                + self.prefill(cached, prompt_tokens - cached))
 
 
 class BlockCache:
@@ -140,6 +170,9 @@ class RequestRecord:
     cached_tokens: int
     loaded_tokens: int
     migrated_blocks: int
+    queue: float = 0.0    # of ttft: waiting (for the instance, or a migration's transfer)
+    kv_load: float = 0.0  # of ttft: taking cached blocks and loading the store's
+    prefill: float = 0.0  # of ttft: computing the rest and the first token
 
 
 @dataclass(slots=True)
@@ -186,13 +219,14 @@ class _Job:
         self.index = index
 
 
-class _Instance:
-    __slots__ = ("cache", "queue", "busy", "queued", "running", "ewma", "ewma_t", "seen")
+class LoadTracker:
+    """The router's bookkeeping of one instance: queued and running tokens, their
+    EWMA, and when it last served each session (the simulator and the real router
+    keep the same)."""
 
-    def __init__(self, capacity: int) -> None:
-        self.cache = BlockCache(capacity)
-        self.queue: deque[_Job] = deque()
-        self.busy = False
+    __slots__ = ("queued", "running", "ewma", "ewma_t", "seen")
+
+    def __init__(self) -> None:
         self.queued = 0
         self.running = 0
         self.ewma = 0.0
@@ -207,16 +241,33 @@ class _Instance:
             self.ewma = load + (self.ewma - load) * math.exp(-dt / tau)
             self.ewma_t = now
 
+    def state(self, instance: int, prefix_hits: int, session: Hashable) -> InstanceState:
+        """What a policy sees of this instance for a request of ``session``."""
+        return InstanceState(instance, prefix_hits, self.queued, self.running, self.ewma,
+                             self.seen.get(session))
+
+
+class _Instance(LoadTracker):
+    __slots__ = ("cache", "queue", "busy")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.cache = BlockCache(capacity)
+        self.queue: deque[_Job] = deque()
+        self.busy = False
+
 
 _PREFILL_DONE, _DECODE_DONE, _START = 0, 1, 2
 
 
 def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instances: int = 4,
              costs: Costs | None = None, shared_store: bool = True,
-             ewma_tau: float = 5.0) -> SimResult:
+             ewma_tau: float = 5.0, cache_output: bool = True) -> SimResult:
     """Run ``requests`` (sorted by arrival) through ``instances`` instances routed by
     ``policy`` (a name or an object; it is ``reset()`` first). Returns a record per
-    request, in arrival order. Pure computation: blocks only for the CPU it takes."""
+    request, in arrival order. ``cache_output``: the KV of the tokens an instance
+    decodes joins its cache (an engine that stops at the first token, as the router's
+    real one does, has none). Pure computation: blocks only for the CPU it takes."""
     costs = costs or Costs()
     if instances < 1 or ewma_tau <= 0:
         raise InvalidInput(f"instances must be >= 1 and ewma_tau > 0, got {instances}, "
@@ -237,13 +288,15 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
         req = job.req
         cover = max(inst.cache.match(job.chain), job.cover)
         loaded = max(0, store.match(job.chain) - cover) if store is not None else 0
-        uncached = req.input_tokens - (cover + loaded) * bt
-        service = (costs.hit_per_block * cover + costs.kv_load_per_block * loaded
-                   + costs.prefill_per_token * uncached)
-        end = now + service
+        share = 1.0
+        if costs.cpu_cores:
+            share = max(1.0, sum(1 for x in insts if x.busy) / costs.cpu_cores)
+        kv = share * (costs.hit_per_block * cover + costs.kv_load_per_block * loaded)
+        end = now + share * costs.service(req.input_tokens, cover, loaded)
         records[job.index] = RequestRecord(
             req.session, req.turn, req.arrival, job.inst, now, end - req.arrival,
-            req.input_tokens, cover * bt, loaded * bt, job.moved)
+            req.input_tokens, cover * bt, loaded * bt, job.moved, queue=now - req.arrival,
+            kv_load=kv, prefill=end - now - kv)
         inst.cache.touch(job.chain)
         seq += 1
         heapq.heappush(heap, (end, _PREFILL_DONE, seq, job))
@@ -281,6 +334,8 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
         else:  # decode done: the output's KV now extends the session's context
             inst.advance(now, ewma_tau)
             inst.running -= req.input_tokens + req.output_tokens
+            if not cache_output:
+                return
             full = req.chain(bt, req.input_tokens + req.output_tokens)
             inst.cache.touch(full)
             if store is not None:
@@ -304,8 +359,7 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
             inst.advance(now, ewma_tau)
             m = inst.cache.match(chain)
             matches.append(m)
-            states.append(InstanceState(i, m * bt, inst.queued, inst.running, inst.ewma,
-                                        inst.seen.get(req.session)))
+            states.append(inst.state(i, m * bt, req.session))
         dec = pol.route(req, ClusterView(tuple(states), now, bt))
         target = dec.instance
         if not 0 <= target < instances or (
@@ -332,7 +386,7 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
 
 
 def saturation_rate(requests: Sequence[Request], costs: Costs | None = None,
-                    instances: int = 4) -> float:
+                    instances: int = 4, cache_output: bool = True) -> float:
     """Sessions per second at which ``instances`` are fully busy with the work no policy
     can avoid: each turn's new tokens (beyond the previous turn's prompt and output, and
     beyond the shared system prompt) prefilled, every reused block a hit in the
@@ -345,9 +399,8 @@ def saturation_rate(requests: Sequence[Request], costs: Costs | None = None,
     for r in requests:
         key = (r.session, r.context)
         reused = max(r.shared_prefix_tokens, min(r.input_tokens, prev.get(key, 0))) // bt
-        work += (costs.hit_per_block * reused
-                 + costs.prefill_per_token * (r.input_tokens - reused * bt))
-        prev[key] = r.input_tokens + r.output_tokens
+        work += costs.service(r.input_tokens, reused, 0)
+        prev[key] = r.input_tokens + (r.output_tokens if cache_output else 0)
     sessions = len({r.session for r in requests})
     if not work or not sessions:
         raise InvalidInput("saturation_rate needs a workload with some work in it")

@@ -54,6 +54,18 @@ class WorkloadConfig:
     output_sigma: float = 0.8
     seed: int = 0
 
+    @classmethod
+    def small(cls, **kw: object) -> WorkloadConfig:
+        """The same shape shrunk for engines that prefill on a CPU: 3-6 turns, a
+        256-token system prompt and token lengths a sixteenth of the defaults (``kw``
+        overrides any field)."""
+        base: dict[str, object] = {"sessions": 12, "gap_median": 0.5, "min_turns": 3,
+                                   "max_turns": 6, "system_prompt_tokens": 256,
+                                   "user_median": 128, "tool_median": 64,
+                                   "output_median": 16}
+        base.update(kw)
+        return cls(**base)  # type: ignore[arg-type]
+
     def __post_init__(self) -> None:
         if self.sessions < 0 or self.rate <= 0 or self.gap_median <= 0:
             raise InvalidInput(f"sessions must be >= 0, rate and gap_median > 0; got "

@@ -1,0 +1,176 @@
+"""Calibration: the simulator's cost model measured from the real engine.
+
+:func:`measure_engine` runs inside an engine instance (its process, threads and store)
+and times the pieces a request's TTFT is made of:
+
+* prefill: the model computing ``n`` tokens after ``p`` cached ones, over a grid of
+  ``(n, p)``; attention makes it grow with ``n * p`` as well as ``n``;
+* a local hit: taking a block from the instance's own cache;
+* a store load: ``match`` + ``get_into`` of a block from the shared tensordb KV store;
+* a transfer (migration): the source's ``publish`` plus the target's ``prefetch``.
+
+:func:`fit_costs` turns the measurements into :class:`Costs`: a least-squares fit, in
+relative error, of ``prefill = overhead + a n + b (n p + n (n + 1) / 2) + c p`` (the
+``c p`` term, stacking the cached blocks for attention, is charged to each cached block
+as part of its hit or load cost), the measured per-block costs, and the engine's cache
+capacity. :func:`calibrate` does both on a running :class:`Cluster`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tensordb.errors import InvalidInput
+
+from ._model import split_blocks
+from ._sim import Costs
+
+if TYPE_CHECKING:
+    from ._cluster import Cluster
+    from ._engine import Engine, EngineConfig
+
+__all__ = ["calibrate", "fit_costs", "measure_engine"]
+
+
+def _timed(fn: Any, reps: int) -> float:
+    """The median of ``reps`` timings of ``fn()`` after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def measure_engine(engine: Engine, *, new_tokens: Sequence[int] = (32, 128, 384),
+                   past_tokens: Sequence[int] = (0, 256, 1024), reps: int = 3,
+                   blocks: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Time ``engine``'s parts (see the module doc). Runs in the calling thread for a
+    few seconds; touches the engine's store only under keys of its own, removed
+    before it returns, and leaves the local cache as it was."""
+    if reps < 1 or blocks < 1 or not new_tokens or not past_tokens:
+        raise InvalidInput("calibration needs reps >= 1, blocks >= 1 and token grids")
+    cfg = engine.cfg
+    bt = cfg.block_tokens
+    rng = np.random.default_rng(seed)
+    model = engine.model
+    longest = max(past_tokens) // bt * bt
+    prefix = torch.from_numpy(rng.integers(0, cfg.model.vocab, longest + max(new_tokens)))
+    cached = split_blocks(model.prefill(prefix[:longest])[1], 0, bt) if longest else []
+    prefill = []
+    for p in past_tokens:
+        nb = p // bt
+        for n in new_tokens:
+            toks = prefix[nb * bt:nb * bt + n]
+            past = torch.stack(cached[:nb]) if nb else None
+            t = _timed(lambda: model.prefill(toks, past), reps)
+            prefill.append((n, nb * bt, t))
+    shape = cfg.model.block_shape(bt)
+    data = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
+            for i in range(blocks)]
+    keys = [os.urandom(16) for _ in range(blocks)]
+    out: dict[str, Any] = {"prefill": prefill, "block_nbytes": cfg.block_nbytes,
+                           "threads": torch.get_num_threads()}
+    # a local hit: the cache's lookup of a held run of blocks
+    from ._engine import LocalCache
+
+    local = LocalCache(blocks)
+    local.reserve(keys)
+    local.fill(keys, data)
+    # every cached block, local or loaded, is then stacked into the prefill's past
+    out["stack_per_block"] = _timed(lambda: torch.stack(data), reps) / blocks
+    out["hit_per_block"] = _timed(lambda: local.lookup(keys), reps) / blocks
+    kv = engine.kv
+    if kv is None:
+        return out
+    try:
+        t = time.perf_counter()
+        kv.put(keys, data)
+        out["save_per_block"] = (time.perf_counter() - t) / blocks
+
+        def load() -> None:
+            n = kv.match(keys)
+            kv.get_into(keys[:n], [torch.empty(shape) for _ in range(n)])
+
+        out["load_per_block"] = _timed(load, reps) / blocks
+        # a migration: the source publishes (the store lacks the blocks), the target
+        # prefetches them
+        saved = engine.cache
+        engine.cache = local
+        try:
+            def move() -> None:
+                kv.delete(keys)
+                engine.publish(keys)
+                engine.prefetch(-1, keys)
+
+            out["transfer_per_block"] = _timed(move, reps) / blocks
+        finally:
+            engine.cache = saved
+            engine._moved.pop(-1, None)
+    finally:
+        kv.delete(keys)
+    return out
+
+
+def fit_costs(measured: dict[str, Any], cfg: EngineConfig, cores: float = 0.0) -> Costs:
+    """The simulator's costs for an engine of ``cfg`` from :func:`measure_engine`'s
+    result (see the module doc for the model fitted); ``cores``: the CPU cores the
+    instances share, 0 when each has its own."""
+    rows = np.array(measured["prefill"], dtype=np.float64)
+    if len(rows) < 4:
+        raise InvalidInput(f"fitting the prefill cost takes at least 4 measurements, got "
+                           f"{len(rows)}")
+    n, p, t = rows[:, 0], rows[:, 1], rows[:, 2]
+    x = np.stack([np.ones_like(n), n, n * p + n * (n + 1) / 2], axis=1)
+    w = 1.0 / t  # relative error: short prefills matter as much as long ones
+    coef = np.linalg.lstsq(x * w[:, None], t * w, rcond=None)[0]
+    if (coef < 0).any():  # a negative term is noise: fit again without it
+        keep = coef >= 0
+        sub = np.linalg.lstsq(x[:, keep] * w[:, None], t * w, rcond=None)[0]
+        coef = np.zeros(3)
+        coef[keep] = np.maximum(sub, 0.0)
+    overhead, per_token, per_pair = (float(c) for c in coef)
+    stack = measured["stack_per_block"]
+    return Costs(
+        prefill_per_token=per_token, prefill_per_token_ctx=per_pair,
+        request_overhead=overhead,
+        hit_per_block=measured["hit_per_block"] + stack,
+        kv_load_per_block=measured.get("load_per_block", 0.0) + stack,
+        transfer_per_block=measured.get("transfer_per_block", 0.0),
+        decode_per_token=0.0, block_tokens=cfg.block_tokens,
+        cache_capacity_blocks=cfg.cache_blocks, cpu_cores=cores)
+
+
+def fit_error(measured: dict[str, Any], costs: Costs) -> float:
+    """The largest relative error of ``costs``' prefill time against the
+    measurements."""
+    return max(abs(costs.prefill(int(p), int(n)) - t) / t for n, p, t in measured["prefill"])
+
+
+def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
+    """Measure ``cluster``'s engines and fit the simulator's costs; returns ``(costs,
+    measurements)``. The grid is measured in instance 0 alone; then one point of it in
+    every instance at once: the ratio of the two is how many cores the instances
+    really have between them (``Costs.cpu_cores``; 0 when they do not slow each other
+    down)."""
+    m = cluster.calibrate(0, **spec)
+    n, p, alone = max(m["prefill"], key=lambda r: r[2])  # the longest: the least noisy
+    cores = 0.0
+    if cluster.n > 1:
+        probe = {**spec, "new_tokens": (n,), "past_tokens": (p,)}
+        together = statistics.mean(x["prefill"][0][2] for x in cluster.calibrate_all(**probe))
+        m["contended_prefill"] = together
+        # n instances each slowed by together / alone share n * alone / together cores
+        eff = cluster.n * alone / together
+        cores = 0.0 if eff >= cluster.n * 0.9 else max(1.0, eff)
+    costs = fit_costs(m, cluster.cfg, cores)
+    m["fit_max_rel_error"] = fit_error(m, costs)
+    return costs, m

@@ -1,0 +1,346 @@
+"""The router over real engine processes: a workload, a policy, N instances.
+
+:class:`Cluster` starts one process per instance (``_engine.instance_main``: the tiny
+model, a bounded local KV cache, the shared tensordb KV store) and :meth:`Cluster.run`
+feeds a workload to them through a routing policy with real wall-clock arrivals.
+
+What the policy sees is live, and the same as in the simulator:
+
+* ``prefix_hits``: from each instance's published summary of its local cache (the keys
+  it holds; an instance sends the change as each prefill starts);
+* ``queued_tokens``: prompt tokens routed to the instance whose prefill has not ended,
+  less what its cache covered when routed; ``running_tokens``: 0 (the engine stops at
+  the first token); ``load_ewma``: an EWMA of their sum with time constant ``ewma_tau``.
+
+A decision that migrates KV runs through the store: the request is queued on the
+target at once; the source publishes the blocks it holds (those the store lacks) and
+the target prefetches them into buffers of its own while the request waits, then
+adopts them when its prefill starts. Token ids are drawn per session from a seed
+(:class:`PromptTokens`), so a session's turns share their prefix and every session
+shares the system prompt, which is what makes the engine's KV keys hit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tensordb
+from tensordb.errors import InvalidInput, NodeUnavailable
+
+from ._engine import EngineConfig, Job, Served, clock, instance_main, open_kv
+from ._policy import ClusterView, Request, RoutingPolicy, get_policy
+from ._sim import LoadTracker, RequestRecord, SimResult
+
+__all__ = ["Cluster", "PromptTokens"]
+
+_RUN_MESSAGES = ("start", "done", "published", "prefetched")
+
+
+class PromptTokens:
+    """Deterministic token ids for requests: the first ``shared_prefix_tokens`` of every
+    prompt are one stream (the system prompt), the rest a stream per (session,
+    context); a turn's prompt is the stream's first ``input_tokens`` ids."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.seed = seed
+        self._streams: dict[tuple[Hashable, int] | None, np.ndarray] = {}
+
+    def _stream(self, key: tuple[Hashable, int] | None, n: int) -> np.ndarray:
+        s = self._streams.get(key)
+        if s is None or len(s) < n:
+            tag = 0 if key is None else 1 + zlib.crc32(repr(key).encode())
+            rng = np.random.default_rng([self.seed, tag])
+            # regenerated from the start when it must grow: the same seed, the same ids
+            s = rng.integers(0, self.vocab, max(n, 2 * len(s) if s is not None else n),
+                             dtype=np.int64)
+            self._streams[key] = s
+        return s[:n]
+
+    def __call__(self, req: Request) -> np.ndarray:
+        shared = self._stream(None, req.shared_prefix_tokens)
+        own = self._stream((req.session, req.context), req.input_tokens - len(shared))
+        return np.concatenate((shared, own))
+
+
+class _Inst(LoadTracker):
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[bytes] = set()  # the instance's published cache summary
+
+
+class Cluster:
+    """``instances`` engine processes sharing one tensordb store.
+
+    ``home`` (default: a temporary directory, removed on close) and ``url`` pick the
+    store, as ``tensordb.connect`` does. Processes start in ``start_method`` mode
+    (``forkserver`` or ``spawn``: a forked torch is not safe) and stay up across runs;
+    ``close`` (or the context manager) stops them and removes what the runs stored.
+    Not thread-safe: one run at a time."""
+
+    def __init__(self, instances: int, engine: EngineConfig | None = None, *,
+                 home: str | Path | None = None, url: str | None = None,
+                 start_method: str = "forkserver", timeout: float = 120.0) -> None:
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+            raise InvalidInput(f"instances must be a positive int, not {instances!r}")
+        if start_method not in ("forkserver", "spawn"):
+            raise InvalidInput(f"start_method must be 'forkserver' or 'spawn', not "
+                               f"{start_method!r}")
+        self.n = instances
+        self.cfg = engine or EngineConfig()
+        self.timeout = timeout
+        self._tmp = None if home is not None else Path(tempfile.mkdtemp(prefix="tensordb-router-"))
+        root = Path(home) if home is not None else self._tmp
+        assert root is not None
+        self.connect_kw: dict[str, Any] = {"url": url, "home": root, "data_dir": root / "data"}
+        self.db = tensordb.connect(**self.connect_kw)
+        self.kv = open_kv(self.db, self.cfg)
+        self._stored: list[bytes] = []
+        self._warm(min(self.cfg.store_bytes // 2, 64 << 20))
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":  # one import of torch for all instances
+            ctx.set_forkserver_preload(["torch", "tensordb", "engine_bindings.router._engine"])
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(instances)]
+        self._procs = [ctx.Process(target=instance_main, name=f"tensordb-instance-{i}",
+                                   args=(i, self.cfg, self.connect_kw, self._inboxes[i],
+                                         self._outbox), daemon=True)
+                       for i in range(instances)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._expect("ready", instances)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- messages ----------------------------------------------------------------------
+    def _get(self, stop: threading.Event | None = None) -> tuple[Any, ...] | None:
+        """The next message from the instances (None once ``stop`` is set); raises
+        NodeUnavailable when one died, failed or none answered within the timeout."""
+        deadline = clock() + self.timeout
+        while stop is None or not stop.is_set():
+            try:
+                msg = self._outbox.get(timeout=0.25)
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead or clock() > deadline:
+                    raise NodeUnavailable(f"router instances {dead or 'all'} "
+                                          f"{'died' if dead else 'did not answer'}") from None
+                continue
+            if msg[0] == "error":
+                raise NodeUnavailable(f"router instance {msg[1]} failed:\n{msg[2]}")
+            return msg
+        return None
+
+    def _expect(self, kind: str, count: int) -> list[tuple[Any, ...]]:
+        out = []
+        while len(out) < count:
+            msg = self._get()
+            assert msg is not None
+            if msg[0] == kind:
+                out.append(msg)
+            elif msg[0] not in _RUN_MESSAGES:  # those are late news of a run that failed
+                raise NodeUnavailable(f"router: expected {kind!r} from the instances, got "
+                                      f"{msg[0]!r}")
+        return out
+
+    def _warm(self, nbytes: int) -> None:
+        """Have the store's arena take its shared-memory pages now: the first blocks
+        into a fresh slab pay for faulting it in, which is set-up, not a request's
+        time."""
+        import torch
+
+        block = torch.zeros(self.cfg.model.block_shape(self.cfg.block_tokens))
+        keys = [b"warm-%d" % i for i in range(max(1, nbytes // self.cfg.block_nbytes))]
+        for lo in range(0, len(keys), 64):
+            self.kv.put(keys[lo:lo + 64], [block] * len(keys[lo:lo + 64]))
+        self.kv.delete(keys)
+
+    def _broadcast(self, *msg: Any) -> None:
+        for q in self._inboxes:
+            q.put(msg)
+
+    def reset(self) -> None:
+        """Every instance drops its local cache, and the store forgets the blocks of
+        the last run (its arena stays allocated, so a run does not pay for fresh
+        shared-memory pages)."""
+        self._broadcast("reset")
+        self._expect("reset", self.n)
+        if self._stored:
+            self.kv.delete(self._stored)
+            self._stored = []
+
+    def calibrate(self, instance: int = 0, **spec: Any) -> dict[str, Any]:
+        """Run ``_calibrate.measure_engine`` inside instance ``instance`` (its own
+        process, threads and store) and return the measurements."""
+        self._inboxes[instance].put(("calibrate", spec))
+        return self._expect("calibrated", 1)[0][2]
+
+    def calibrate_all(self, **spec: Any) -> list[dict[str, Any]]:
+        """As :meth:`calibrate`, in every instance at once (they share the CPU as in
+        a loaded run)."""
+        self._broadcast("calibrate", spec)
+        return [m[2] for m in sorted(self._expect("calibrated", self.n), key=lambda m: m[1])]
+
+    # -- a run ----------------------------------------------------------------------
+    def run(self, requests: Sequence[Request], policy: str | RoutingPolicy, *,
+            ewma_tau: float = 5.0, seed: int = 0) -> SimResult:
+        """Feed ``requests`` (sorted by arrival; arrivals in seconds from the start) to
+        the instances through ``policy`` in real time, on empty caches and an empty
+        store namespace; returns when every request has its first token. Records are
+        in arrival order, with the TTFT split into queueing, KV load and prefill."""
+        pol = get_policy(policy)
+        pol.reset()
+        if ewma_tau <= 0:
+            raise InvalidInput(f"ewma_tau must be > 0, got {ewma_tau}")
+        for i in range(1, len(requests)):
+            if requests[i].arrival < requests[i - 1].arrival:
+                raise InvalidInput(f"requests must be sorted by arrival: request {i} "
+                                   f"(session {requests[i].session!r}) comes too early")
+        bt = self.cfg.block_tokens
+        self.reset()
+        toks = PromptTokens(self.cfg.model.vocab, seed)
+        jobs = []
+        for r in requests:
+            t = toks(r)
+            jobs.append((t, tuple(self.kv.keys(t))))
+        self._stored = sorted({k for _, keys in jobs for k in keys})
+        insts = [_Inst() for _ in range(self.n)]
+        lock = threading.Lock()
+        served: dict[int, Served] = {}
+        est: dict[int, int] = {}
+        pending: dict[int, tuple[int, int, tuple[bytes, ...]]] = {}  # mid -> target
+        failure: list[BaseException] = []
+        done = threading.Event()
+        stop = threading.Event()
+        t0 = clock() + 0.05
+
+        def collect() -> None:
+            try:
+                while len(served) < len(requests):
+                    msg = self._get(stop)
+                    if msg is None:
+                        return
+                    with lock:
+                        kind, i = msg[0], msg[1]
+                        inst = insts[i]
+                        if kind == "start":
+                            inst.held.difference_update(msg[4])
+                            inst.held.update(msg[3])
+                        elif kind == "done":
+                            s: Served = msg[2]
+                            inst.advance(s.end - t0, ewma_tau)
+                            inst.queued -= est[s.rid]
+                            served[s.rid] = s
+                        elif kind == "published":
+                            target, rid, keys = pending.pop(msg[2])
+                            self._inboxes[target].put(("prefetch", rid, keys))
+            except BaseException as exc:  # handed to the arrival loop
+                failure.append(exc)
+            finally:
+                done.set()
+
+        collector = threading.Thread(target=collect, name="router-collect", daemon=True)
+        collector.start()
+        try:
+            for rid, req in enumerate(requests):
+                delay = t0 + req.arrival - clock()
+                if delay > 0 and done.wait(delay):
+                    break
+                tokens, keys = jobs[rid]
+                now = req.arrival
+                with lock:
+                    states = []
+                    for i, inst in enumerate(insts):
+                        inst.advance(now, ewma_tau)
+                        m = 0
+                        for k in keys:
+                            if k not in inst.held:
+                                break
+                            m += 1
+                        states.append(inst.state(i, m * bt, req.session))
+                    dec = pol.route(req, ClusterView(tuple(states), now, bt))
+                    tgt = dec.instance
+                    src = dec.migrate_from
+                    if not 0 <= tgt < self.n or (src is not None and not 0 <= src < self.n):
+                        raise InvalidInput(f"policy {pol.name!r} chose instance {tgt} "
+                                           f"(migrating from {src}) of {self.n}")
+                    cover = states[tgt].prefix_hits // bt
+                    n_move = 0
+                    if src is not None:
+                        n_move = max(0, states[src].prefix_hits // bt - cover)
+                        if dec.blocks:
+                            n_move = min(n_move, dec.blocks)
+                    move_keys = keys[cover:cover + n_move]
+                    est[rid] = req.input_tokens - (cover + n_move) * bt
+                    insts[tgt].queued += est[rid]
+                    insts[tgt].seen[req.session] = now
+                    if n_move:
+                        pending[rid] = (tgt, rid, move_keys)
+                self._inboxes[tgt].put(("job", Job(rid, tokens, keys, t0 + req.arrival,
+                                                   migrated=bool(n_move))))
+                if n_move:
+                    assert src is not None
+                    self._inboxes[src].put(("publish", rid, move_keys))
+        except BaseException:
+            stop.set()  # late news of this run is dropped by the next reset
+            with lock:  # no migrated request may wait for a prefetch that never comes
+                for target, rid, _ in pending.values():
+                    self._inboxes[target].put(("prefetch", rid, ()))
+            raise
+        finally:
+            collector.join()
+        if failure:
+            raise failure[0]
+        records = []
+        for rid, req in enumerate(requests):
+            s = served[rid]
+            arrival = t0 + req.arrival
+            records.append(RequestRecord(
+                req.session, req.turn, req.arrival, s.instance, s.start - t0,
+                s.end - arrival, req.input_tokens, (s.local_blocks + s.migrated_blocks) * bt,
+                s.loaded_blocks * bt, s.migrated_blocks,
+                queue=s.start - arrival, kv_load=s.kv_load, prefill=s.prefill))
+        return SimResult(pol.name, records)
+
+    def close(self) -> None:
+        """Stop the instances and remove the run's store namespaces (idempotent)."""
+        procs, self._procs = self._procs, []
+        for p, q in zip(procs, self._inboxes):
+            if p.is_alive():
+                q.put(("stop",))
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if getattr(self, "db", None) is not None:
+            try:
+                self.kv.destroy()
+            finally:
+                shm = self.db.config.shm_dir
+                self.db.close()
+                self.db = None  # type: ignore[assignment]
+                shutil.rmtree(shm, ignore_errors=True)
+                if self._tmp is not None:
+                    shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,256 @@
+"""The router's real engine: prefill over cached KV equals prefill from scratch, KV
+moves through the tensordb store between instances (in one process and across engine
+processes), the calibrated simulator against a hand-computed schedule, and bad input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tensordb
+from conftest import open_store, remove_store
+from engine_bindings.router import (
+    Cluster,
+    ClusterView,
+    Costs,
+    Decision,
+    EngineConfig,
+    ModelConfig,
+    PromptTokens,
+    Request,
+    RoutingPolicy,
+    TinyDecoder,
+    fit_costs,
+    simulate,
+)
+from engine_bindings.router._calibrate import fit_error
+from engine_bindings.router._engine import Engine, Job, LocalCache, open_kv
+from engine_bindings.router._model import split_blocks
+from tensordb.errors import InvalidInput
+
+SMALL = ModelConfig(layers=2, d_model=64, heads=2, ffn=128, vocab=512, max_tokens=2048)
+BT = 16
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyDecoder:
+    return TinyDecoder(SMALL)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[tensordb.Database]:
+    db = open_store(tmp_path / "store")
+    try:
+        yield db
+    finally:
+        remove_store(db)
+
+
+def tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, SMALL.vocab, n))
+
+
+def job(rid: int, toks: torch.Tensor, kv: object, migrated: bool = False) -> Job:
+    arr = toks.numpy()
+    return Job(rid, arr, tuple(kv.keys(arr)), 0.0, migrated)  # type: ignore[attr-defined]
+
+
+# -- the model: cached KV is really used ------------------------------------------------
+def test_prefill_over_cached_kv_equals_prefill_from_scratch(model: TinyDecoder) -> None:
+    toks = tokens(5 * BT + 7)
+    logits, kv = model.prefill(toks)
+    assert kv.shape == (2, 2, 2, len(toks), 32)
+    blocks = split_blocks(kv, 0, BT)
+    assert len(blocks) == 5 and blocks[0].shape == SMALL.block_shape(BT)
+    for cached in (1, 3, 5):
+        l2, kv2 = model.prefill(toks[cached * BT:], torch.stack(blocks[:cached]))
+        torch.testing.assert_close(l2, logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(kv2, kv[:, :, :, cached * BT:], atol=1e-5, rtol=1e-4)
+    # the cached KV is what the answer is made of: other KV gives other logits
+    wrong = [torch.randn_like(b) for b in blocks[:3]]
+    l3, _ = model.prefill(toks[3 * BT:], torch.stack(wrong))
+    assert (l3 - logits).abs().max() > 1e-3
+
+
+def test_same_config_same_weights_and_bad_input(model: TinyDecoder) -> None:
+    other = TinyDecoder(SMALL)
+    toks = tokens(20)
+    torch.testing.assert_close(other.prefill(toks)[0], model.prefill(toks)[0])
+    with pytest.raises(InvalidInput, match="token ids"):
+        model.prefill(torch.tensor([0, SMALL.vocab]))
+    with pytest.raises(InvalidInput, match="1-D"):
+        model.prefill(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(InvalidInput, match="does not fit"):
+        model.prefill(toks, torch.zeros(1, 3, 2, 2, BT, 32))
+    with pytest.raises(InvalidInput, match="max_tokens"):
+        model.prefill(tokens(SMALL.max_tokens + 1))
+    with pytest.raises(InvalidInput, match="block boundary"):
+        split_blocks(torch.zeros(2, 2, 2, 20, 32), 3, BT)
+    with pytest.raises(InvalidInput, match="heads"):
+        ModelConfig(d_model=64, heads=3)
+    with pytest.raises(InvalidInput, match="layers"):
+        ModelConfig(layers=0)
+    with pytest.raises(InvalidInput, match="cache_blocks"):
+        EngineConfig(cache_blocks=-1)
+    with pytest.raises(InvalidInput, match="block_tokens"):
+        EngineConfig(block_tokens=0)
+
+
+def test_local_cache_is_an_lru_evicting_a_prompts_tail_first() -> None:
+    c = LocalCache(4)
+    a = [b"a0", b"a1", b"a2"]
+    assert c.reserve(a) == (a[::-1], [])
+    assert c.lookup(a) == []  # reserved, not yet computed
+    c.fill(a, [torch.zeros(1)] * 3)
+    assert len(c.lookup(a)) == 3
+    added, evicted = c.reserve([b"b0", b"b1"])
+    assert sorted(added) == [b"b0", b"b1"] and evicted == [b"a2"]  # a's tail goes first
+    assert len(c.lookup(a)) == 2
+
+
+# -- one engine over the store ----------------------------------------------------------
+def test_engine_loads_what_another_saved(store: tensordb.Database, model: TinyDecoder
+                                         ) -> None:
+    cfg = EngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, namespace="eng",
+                       store_bytes=64 << 20)
+    kv = open_kv(store, cfg)
+    a, b = Engine(cfg, kv, 0, model), Engine(cfg, kv, 1, model)
+    toks = tokens(4 * BT + 5, seed=1)
+    first = a.serve(job(1, toks, kv))
+    assert (first.local_blocks, first.loaded_blocks, first.computed_tokens,
+            first.saved_blocks) == (0, 0, len(toks), 4)
+    assert kv.match(kv.keys(toks.numpy())) == 4
+    longer = torch.cat((toks, tokens(2 * BT, seed=2)))
+    again = b.serve(job(2, longer, kv))  # b holds nothing: it loads a's four blocks
+    assert (again.local_blocks, again.loaded_blocks, again.computed_tokens) == (
+        0, 4, len(longer) - 4 * BT)
+    assert again.first_token == int(model.prefill(longer)[0].argmax())
+    third = b.serve(job(3, longer, kv))  # now all six are in b's own cache
+    assert (third.local_blocks, third.loaded_blocks) == (6, 0)
+
+
+def test_migration_moves_exactly_the_blocks_and_the_target_hits(
+        store: tensordb.Database, model: TinyDecoder) -> None:
+    # the store only carries migrations: what is in it is what moved
+    cfg = EngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, namespace="mig",
+                       use_store=False, store_bytes=64 << 20)
+    kv = open_kv(store, cfg)
+    src, dst = Engine(cfg, kv, 0, model), Engine(cfg, kv, 1, model)
+    toks = tokens(6 * BT + 3, seed=3)
+    keys = kv.keys(toks.numpy())
+    src.serve(job(1, toks, kv))
+    assert kv.match(keys) == 0  # nothing published yet
+    assert src.publish(keys[:4]) == 4
+    assert kv.contains(keys) == [True] * 4 + [False] * 2
+    assert dst.prefetch(7, keys[:4]) == 4
+    served = dst.serve(job(7, toks, kv, migrated=True))
+    assert (served.local_blocks, served.migrated_blocks, served.loaded_blocks,
+            served.computed_tokens) == (0, 4, 0, len(toks) - 4 * BT)
+    assert served.first_token == int(model.prefill(toks)[0].argmax())
+    hit = dst.serve(job(8, toks, kv))
+    assert (hit.local_blocks, hit.migrated_blocks) == (6, 0)
+    assert src.publish(keys[:4]) == 0  # idempotent: the store has them
+
+
+# -- engine processes and the router --------------------------------------------------
+class _Pinned(RoutingPolicy):
+    """Turn 0 on instance 0; turn 1 on 1 with a migration from 0; then stay on 1."""
+
+    name = "test_pinned_migration"
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        if request.turn == 0:
+            return Decision(0)
+        if request.turn == 1:
+            return Decision(1, migrate_from=0)
+        return Decision(1)
+
+
+class _Bad(RoutingPolicy):
+    name = "test_bad_instance"
+
+    def route(self, request: Request, view: ClusterView) -> Decision:
+        return Decision(len(view.instances))
+
+
+def test_cluster_migrates_through_the_store_and_the_target_hits(tmp_path: Path) -> None:
+    cfg = EngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, use_store=False,
+                       store_bytes=64 << 20)
+    reqs = [Request("s", 0.0, 5 * BT + 4, turn=0), Request("s", 1.0, 7 * BT + 1, turn=1),
+            Request("s", 2.0, 8 * BT + 9, turn=2)]
+    with Cluster(2, cfg, home=tmp_path / "store", timeout=300) as cluster:
+        res = cluster.run(reqs, "test_pinned_migration")
+        r0, r1, r2 = res.records
+        assert [r.instance for r in res.records] == [0, 1, 1]
+        assert (r0.cached_tokens, r0.migrated_blocks) == (0, 0)
+        assert (r1.migrated_blocks, r1.cached_tokens, r1.loaded_tokens) == (5, 5 * BT, 0)
+        assert (r2.migrated_blocks, r2.cached_tokens) == (0, 7 * BT)  # the target hits
+        keys = cluster.kv.keys(PromptTokens(SMALL.vocab)(reqs[1]))
+        assert cluster.kv.contains(keys) == [True] * 5 + [False] * 2  # exactly those
+        assert all(r.ttft > 0 and r.queue >= 0 and r.prefill > 0 for r in res.records)
+        with pytest.raises(InvalidInput, match="chose instance 2"):
+            cluster.run(reqs[:1], "test_bad_instance")
+        with pytest.raises(InvalidInput, match="sorted by arrival"):
+            cluster.run(reqs[::-1], "round_robin")
+        # a failed run leaves no blocks behind: a new run starts on an empty store
+        res = cluster.run(reqs[:1], "round_robin")
+        assert res.records[0].cached_tokens == 0
+        assert cluster.kv.match(keys) == 0
+    with pytest.raises(InvalidInput, match="instances"):
+        Cluster(0, cfg)
+
+
+# -- calibration and the calibrated simulator -----------------------------------------
+def test_fit_recovers_the_cost_model() -> None:
+    overhead, a, b = 2e-3, 3e-4, 5e-7
+    grid = [(n, p, overhead + a * n + b * (n * p + n * (n + 1) / 2))
+            for n in (32, 128, 384) for p in (0, 256, 1024)]
+    cfg = EngineConfig(block_tokens=32, cache_blocks=100)
+    costs = fit_costs({"prefill": grid, "hit_per_block": 1e-6, "stack_per_block": 2e-6,
+                       "load_per_block": 5e-4, "transfer_per_block": 9e-4}, cfg, 1.5)
+    assert math.isclose(costs.request_overhead, overhead, rel_tol=1e-6)
+    assert math.isclose(costs.prefill_per_token, a, rel_tol=1e-6)
+    assert math.isclose(costs.prefill_per_token_ctx, b, rel_tol=1e-6)
+    assert math.isclose(costs.hit_per_block, 3e-6) and math.isclose(
+        costs.kv_load_per_block, 5.02e-4)
+    assert (costs.transfer_per_block, costs.cache_capacity_blocks, costs.block_tokens,
+            costs.cpu_cores, costs.decode_per_token) == (9e-4, 100, 32, 1.5, 0.0)
+    assert fit_error({"prefill": grid}, costs) < 1e-6
+    with pytest.raises(InvalidInput, match="at least 4"):
+        fit_costs({"prefill": grid[:3]}, cfg)
+
+
+def test_calibrated_simulator_hand_checked_schedule() -> None:
+    """Two instances sharing one core, blocks of 10 tokens; costs (ms): overhead 1,
+    per token 0.1, per attention pair 0.001, hit 0.5 and store load 2 per block.
+
+    t=0    a0 (25 tok) -> inst 0 alone: 1 + 2.5 + 0.001*325 = 3.825; ends 3.825
+    t=1    b0 (25 tok) -> inst 1, inst 0 busy: both prefilling on one core, so stretched
+           x2: 2 * 3.825 = 7.65; ends 8.65
+    t=10   a1 (35 tok) -> inst 0 (round robin), holds a's 2 blocks: hit 2 * 0.5 = 1;
+           15 new tokens after 20: 1 + 1.5 + 0.001 * (15*20 + 120) = 2.92; ttft 3.92
+    t=11   b1 (35 tok) -> inst 1, holds b's 2 blocks, inst 0 busy until 13.92: x2:
+           2 * 3.92 = 7.84
+    """
+    costs = Costs(prefill_per_token=1e-4, prefill_per_token_ctx=1e-6, request_overhead=1e-3,
+                  hit_per_block=5e-4, kv_load_per_block=2e-3, decode_per_token=0.0,
+                  block_tokens=10, cache_capacity_blocks=10, cpu_cores=1.0)
+    reqs = [Request("a", 0.0, 25), Request("b", 1e-3, 25), Request("a", 10e-3, 35, turn=1),
+            Request("b", 11e-3, 35, turn=1)]
+    res = simulate(reqs, "round_robin", instances=2, costs=costs, cache_output=False)
+    got = [(r.instance, round(r.ttft * 1e3, 6), r.cached_tokens) for r in res.records]
+    assert got == [(0, 3.825, 0), (1, 7.65, 0), (0, 3.92, 20), (1, 7.84, 20)]
+    assert math.isclose(res.records[2].kv_load, 1e-3)
+    # a1 on the other instance: a's two blocks come from the shared store, 2 ms each
+    res = simulate([reqs[0], reqs[2]], "round_robin", instances=2, costs=costs,
+                   cache_output=False)
+    r = res.records[1]
+    assert (r.instance, r.cached_tokens, r.loaded_tokens) == (1, 0, 20)
+    assert math.isclose(r.ttft, 4e-3 + 2.92e-3) and math.isclose(r.kv_load, 4e-3)
+    with pytest.raises(InvalidInput, match="cpu_cores"):
+        Costs(cpu_cores=-1.0)
