@@ -17,11 +17,20 @@ peak load (the top of the sweep), against the load-aware baseline ``least_load``
 the same shared store: the best policy's median TTFT at least 93.2% lower (the figure
 the TensorCast paper reports), its local hit rate at least 95%, its p99 no worse.
 
-``--engine real`` (engines prefilling for real with KV in tensordb) needs the KV block
-store, which is not there yet: it says so and exits 2.
+``--engine real`` runs engine processes instead (``engine_bindings.router.Cluster``: a
+small decoder prefilling for real on the CPU, a bounded local KV cache each, the shared
+tensordb KV store, migrations through it), at small scale: it first calibrates the
+simulator on those processes (prefill cost by tokens and context, block hit / load /
+transfer, how many cores the instances really share), then runs the same workload on
+the engines and in the calibrated simulator, and prints both side by side with the
+simulator's error on median and p90 TTFT (goal: within 20%) and the policies' order.
+Beside them: the block load rate against memcpy measured in the same run, and
+least_load, the baseline a user would pick.
 
 Run:  .venv/bin/python benchmarks/routing.py [--sessions 2000] [--gap-median 8.2]
           [--load-sweep 0.2,0.4,0.5,0.6,0.7] [--json] [--png routing.png]
+      .venv/bin/python benchmarks/routing.py --engine real [--instances 3]
+          [--sessions 12] [--load-sweep 0.3,0.6] [--no-store] [--png real.png]
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ from typing import Any
 
 from engine_bindings.router import (
     Costs,
+    RoutingPolicy,
     WorkloadConfig,
     generate,
     get_policy,
     read_trace,
     saturation_rate,
+    scaled_policy,
     simulate,
 )
 
@@ -51,23 +62,28 @@ BASELINE = "least_load"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--engine", choices=("sim", "real"), default="sim")
-    p.add_argument("--instances", type=int, default=4)
-    p.add_argument("--sessions", type=int, default=2000)
-    p.add_argument("--gap-median", type=float, default=8.2,
+    p.add_argument("--engine", choices=("sim", "real"), default="sim",
+                   help="sim: the simulator at paper scale; real: engine processes at "
+                        "small scale beside the simulator calibrated on them")
+    p.add_argument("--instances", type=int, default=None, help="[sim 4, real 3]")
+    p.add_argument("--sessions", type=int, default=None, help="[sim 2000, real 12]")
+    p.add_argument("--gap-median", type=float, default=None,
                    help="median seconds between a session's requests (paper: 8.2, 20.1, "
-                        "60.3)")
-    p.add_argument("--load-sweep", default="0.2,0.4,0.5,0.6,0.7",
-                   help="loads, as fractions of the saturation rate")
+                        "60.3) [sim 8.2, real 0.5]")
+    p.add_argument("--load-sweep", default=None,
+                   help="loads, as fractions of the saturation rate [sim "
+                        "0.2,0.4,0.5,0.6,0.7; real 0.3,0.6]")
     p.add_argument("--rate", type=float, default=None,
                    help="one session arrival rate (sessions/s) instead of the sweep")
     p.add_argument("--trace", default=None,
                    help="replay this JSONL trace (its own arrival times) instead")
-    p.add_argument("--system-prompt", type=int, default=4096,
-                   help="shared system-prompt tokens")
-    p.add_argument("--cache-blocks", type=int, default=8192,
-                   help="KV cache capacity per instance, in blocks")
-    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument("--system-prompt", type=int, default=None,
+                   help="shared system-prompt tokens [sim 4096, real 256]")
+    p.add_argument("--cache-blocks", type=int, default=None,
+                   help="KV cache capacity per instance, in blocks [sim 8192, real 64]")
+    p.add_argument("--block-tokens", type=int, default=None, help="[sim 256, real 32]")
+    p.add_argument("--d-model", type=int, default=128, help="real engine: model width")
+    p.add_argument("--layers", type=int, default=2, help="real engine: model depth")
     p.add_argument("--prefill-ms", type=float, default=0.2, help="prefill ms per token")
     p.add_argument("--kv-load-ms", type=float, default=2.0,
                    help="ms to load a block from the shared store")
@@ -79,7 +95,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--png", default=None, help="write a chart of TTFT against load here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for name, (sim, real) in ENGINE_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, real if a.engine == "real" else sim)
+    return a
+
+
+#: the defaults that differ between the engines: (sim, real)
+ENGINE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "instances": (4, 3), "sessions": (2000, 12), "gap_median": (8.2, 0.5),
+    "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.3,0.6"), "system_prompt": (4096, 256),
+    "cache_blocks": (8192, 64), "block_tokens": (256, 32),
+}
+
+
+def workload(a: argparse.Namespace) -> WorkloadConfig:
+    """The workload of the run; the real engine's is the paper's shape shrunk so that
+    a run of a policy takes seconds on a CPU (``WorkloadConfig.small``)."""
+    kw = {"sessions": a.sessions, "gap_median": a.gap_median,
+          "system_prompt_tokens": a.system_prompt, "seed": a.seed}
+    return WorkloadConfig.small(**kw) if a.engine == "real" else WorkloadConfig(**kw)
+
+
+def policy(name: str, a: argparse.Namespace) -> RoutingPolicy:
+    """Policy ``name`` with its thresholds scaled to the workload's system prompt and
+    turn gaps."""
+    return scaled_policy(name, a.system_prompt, a.gap_median)
+
+
+def ewma_tau(a: argparse.Namespace) -> float:
+    """The load EWMA's time constant, scaled with the turn gaps (5 s at 8.2 s)."""
+    return 5.0 * a.gap_median / 8.2
 
 
 def costs_of(a: argparse.Namespace) -> Costs:
@@ -93,8 +140,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     policies = [s.strip() for s in a.policies.split(",") if s.strip()]
     for name in policies:
         get_policy(name)  # fail early on a bad name
-    cfg = WorkloadConfig(sessions=a.sessions, gap_median=a.gap_median,
-                         system_prompt_tokens=a.system_prompt, seed=a.seed)
+    cfg = workload(a)
     if a.trace:
         points = [("trace", None)]
         sat = saturation_rate(read_trace(a.trace, a.system_prompt), costs, a.instances)
@@ -112,8 +158,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             reqs = generate(dataclasses.replace(cfg, rate=rate))
         for name in policies:
             t0 = time.perf_counter()
-            res = simulate(reqs, get_policy(name), instances=a.instances, costs=costs,
-                           shared_store=not a.no_store)
+            res = simulate(reqs, policy(name, a), instances=a.instances, costs=costs,
+                           shared_store=not a.no_store, ewma_tau=ewma_tau(a))
             s = res.summary()
             s.update(load=label, rate=rate, sim_seconds=time.perf_counter() - t0)
             rows.append(s)
@@ -148,7 +194,7 @@ def ms(x: float) -> str:
     return f"{x * 1e3:,.0f} ms" if x < 10 else f"{x:,.1f} s"
 
 
-def print_table(out: dict[str, Any]) -> None:
+def print_table(out: dict[str, Any]) -> None:  # the simulator's sweep
     c = out["config"]
     print(f"routing (simulator): {c['instances']} instances, {c['sessions']} sessions, gap "
           f"median {c['gap_median']} s, cache {c['cache_blocks']} blocks x "
@@ -179,53 +225,200 @@ def print_table(out: dict[str, Any]) -> None:
           f"{ok(g['p99_ok'])})")
 
 
-def write_png(out: dict[str, Any], path: str) -> None:
+def figure(titles: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """``(pyplot, figure, axes)``: one panel per title against load; pyplot None
+    (having said so) if matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("--png needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
+        return None, None, None
+    fig, axes = plt.subplots(1, len(titles), figsize=(5 * len(titles) + 0.5, 4.5))
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("load (fraction of saturation)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    return plt, fig, axes
+
+
+def save(plt: Any, fig: Any, title: str, path: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_png(out: dict[str, Any], path: str) -> None:
+    plt, fig, axes = figure(("median TTFT (s)", "p99 TTFT (s)", "local hit rate"))
+    if plt is None:
         return
     rows = out["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name in dict.fromkeys(r["policy"] for r in rows):
         mine = [r for r in rows if r["policy"] == name]
         x = [float(r["load"]) if r["load"] != "trace" else 1.0 for r in mine]
         axes[0].plot(x, [r["ttft_median"] for r in mine], marker="o", label=name)
         axes[1].plot(x, [r["ttft_p99"] for r in mine], marker="o", label=name)
         axes[2].plot(x, [r["local_hit_rate"] for r in mine], marker="o", label=name)
-    for ax, title in zip(axes, ("median TTFT (s)", "p99 TTFT (s)", "local hit rate")):
-        ax.set_xlabel("load (fraction of saturation)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
     axes[0].legend()
     c = out["config"]
-    fig.suptitle(f"{c['instances']} instances, {c['sessions']} sessions, gap median "
-                 f"{c['gap_median']} s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(plt, fig, f"{c['instances']} instances, {c['sessions']} sessions, gap median "
+         f"{c['gap_median']} s", path)
+
+
+GOAL_SIM_ERROR = 0.20
+
+
+def run_real(a: argparse.Namespace) -> dict[str, Any]:
+    """Start ``--instances`` engine processes, calibrate the simulator on them, then
+    run the small workload at each load through each policy on the engines and in the
+    calibrated simulator."""
+    from _common import measure_memcpy
+
+    from engine_bindings.router import Cluster, EngineConfig, ModelConfig, calibrate
+
+    policies = [s.strip() for s in a.policies.split(",") if s.strip()]
+    for name in policies:
+        get_policy(name)
+    cfg = workload(a)
+    heads = max(1, a.d_model // 32)
+    engine = EngineConfig(model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=heads,
+                                            ffn=3 * a.d_model, seed=a.seed),
+                          block_tokens=a.block_tokens, cache_blocks=a.cache_blocks,
+                          use_store=not a.no_store)
+    t0 = time.perf_counter()
+    with Cluster(a.instances, engine) as cluster:
+        started = time.perf_counter() - t0
+        costs, measured = calibrate(cluster)
+        calibrated = time.perf_counter() - t0 - started
+        sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
+        rows: list[dict[str, Any]] = []
+        for x in a.load_sweep.split(","):
+            load = float(x)
+            reqs = generate(dataclasses.replace(cfg, rate=load * sat))
+            for name in policies:
+                t = time.perf_counter()
+                real = cluster.run(reqs, policy(name, a), seed=a.seed,
+                                   ewma_tau=ewma_tau(a)).summary()
+                wall = time.perf_counter() - t
+                sim = simulate(reqs, policy(name, a), instances=a.instances, costs=costs,
+                               shared_store=not a.no_store, cache_output=False,
+                               ewma_tau=ewma_tau(a)).summary()
+                rows.append({"load": f"{load:.2f}", "rate": load * sat, "policy": name,
+                             "requests": real["requests"], "real": real, "sim": sim,
+                             "span_s": reqs[-1].arrival if reqs else 0.0, "run_s": wall,
+                             "err_median": sim["ttft_median"] / real["ttft_median"] - 1,
+                             "err_p90": sim["ttft_p90"] / real["ttft_p90"] - 1})
+    mem = measure_memcpy(64 << 20, 5)
+    return {"config": {k: v for k, v in vars(a).items() if k not in ("json", "png")},
+            "engine": dataclasses.asdict(engine), "saturation_rate": sat,
+            "costs": dataclasses.asdict(costs), "measured": measured,
+            "memcpy_gbps": (64 << 20) / mem["memcpy_1t_s"] / 1e9,
+            "start_s": started, "calibrate_s": calibrated, "rows": rows,
+            "ordering": ordering(rows)}
+
+
+def ordering(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per load, the policies by median TTFT on the engines and in the simulator."""
+    out: dict[str, Any] = {}
+    for load in dict.fromkeys(r["load"] for r in rows):
+        at = [r for r in rows if r["load"] == load]
+        real = [r["policy"] for r in sorted(at, key=lambda r: r["real"]["ttft_median"])]
+        sim = [r["policy"] for r in sorted(at, key=lambda r: r["sim"]["ttft_median"])]
+        out[load] = {"real": real, "sim": sim, "same": real == sim,
+                     "same_best": real[0] == sim[0]}
+    return out
+
+
+def print_real(out: dict[str, Any]) -> None:
+    c, e, k, m = out["config"], out["engine"], out["costs"], out["measured"]
+    mo = e["model"]
+    print(f"routing (real engine): {c['instances']} engine processes (a {mo['layers']}-layer "
+          f"d_model {mo['d_model']} decoder, {e['threads']} torch thread each), "
+          f"{c['sessions']} sessions, gap median {c['gap_median']} s, blocks of "
+          f"{e['block_tokens']} tokens ({e['block_nbytes'] if 'block_nbytes' in e else ''}"
+          f"), local cache {e['cache_blocks']} blocks, shared store "
+          f"{'migrations only' if c['no_store'] else 'on'}; started in "
+          f"{out['start_s']:.1f} s")
+    nbytes = m["block_nbytes"]
+    print(f"\ncalibration ({out['calibrate_s']:.1f} s, in the engine processes):")
+    print(f"  prefill = {k['request_overhead'] * 1e3:.2f} ms + "
+          f"{k['prefill_per_token'] * 1e6:.1f} us/token + "
+          f"{k['prefill_per_token_ctx'] * 1e9:.1f} ns per (token, earlier token); "
+          f"largest fit error {m['fit_max_rel_error']:.0%}")
+    for n, p, t in m["prefill"]:
+        print(f"    {n:>5} tokens after {p:>5}: {t * 1e3:8.2f} ms")
+    gb = lambda s: nbytes / s / 1e9 if s else float("inf")  # noqa: E731
+    print(f"  KV block ({nbytes >> 10} KiB): local hit {m['hit_per_block'] * 1e6:.1f} us, "
+          f"stacked for attention {m['stack_per_block'] * 1e6:.1f} us "
+          f"({gb(m['stack_per_block']):.1f} GB/s), store load {m['load_per_block'] * 1e6:.0f}"
+          f" us ({gb(m['load_per_block']):.2f} GB/s), migration {m['transfer_per_block'] * 1e6:.0f}"
+          f" us; memcpy on this machine {out['memcpy_gbps']:.1f} GB/s")
+    cores = k["cpu_cores"]
+    print(f"  all instances prefilling at once: {m.get('contended_prefill', 0) * 1e3:.1f} ms "
+          f"for the longest point -> the instances share "
+          + (f"{cores:.2f} cores" if cores else "no cores (each runs at full speed)"))
+    print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
+    print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
+          f"{'hit':>5} {'migr':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} {'migr':>4} | "
+          f"{'err med':>7} {'err p90':>7} {'run s':>5}")
+    for r in out["rows"]:
+        re_, si = r["real"], r["sim"]
+        print(f"{r['load']:>5} {r['policy']:<12} {r['requests']:>4} | "
+              f"{ms(re_['ttft_median']):>11} {ms(re_['ttft_p90']):>9} "
+              f"{re_['local_hit_rate']:>5.0%} {re_['migrations']:>4} | "
+              f"{ms(si['ttft_median']):>10} {ms(si['ttft_p90']):>9} "
+              f"{si['local_hit_rate']:>5.0%} {si['migrations']:>4} | "
+              f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['run_s']:>5.1f}")
+    print(f"\n(hit: prompt tokens from the instance's own cache or migrated there; err: "
+          f"simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%})")
+    for load, o in out["ordering"].items():
+        print(f"load {load}: by median TTFT, real {' < '.join(o['real'])}; simulator "
+              f"{' < '.join(o['sim'])}: " + ("same order" if o["same"] else
+                                             "same best" if o["same_best"] else "differ"))
+    errs = [abs(r[k]) for r in out["rows"] for k in ("err_median", "err_p90")]
+    within = sum(1 for x in errs if x <= GOAL_SIM_ERROR)
+    print(f"{within} of {len(errs)} median/p90 figures within {GOAL_SIM_ERROR:.0%}")
+
+
+def write_png_real(out: dict[str, Any], path: str) -> None:
+    plt, fig, axes = figure(("median TTFT (s)", "p90 TTFT (s)"))
+    if plt is None:
+        return
+    rows = out["rows"]
+    for i, name in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+        mine = [r for r in rows if r["policy"] == name]
+        x = [float(r["load"]) for r in mine]
+        color = f"C{i}"
+        for ax, key in zip(axes, ("ttft_median", "ttft_p90")):
+            ax.plot(x, [r["real"][key] for r in mine], marker="o", color=color,
+                    label=f"{name} (real)")
+            ax.plot(x, [r["sim"][key] for r in mine], marker="x", ls="--", color=color,
+                    label=f"{name} (sim)")
+    axes[0].legend(fontsize=7)
+    c = out["config"]
+    save(plt, fig, f"real engine vs calibrated simulator: {c['instances']} instances, "
+         f"{c['sessions']} sessions", path)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.engine == "real":
-        print("--engine real needs the tensordb KV block store (db.kv), which is not "
-              "there yet; use --engine sim", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
-    out = run(a)
+    out = run_real(a) if a.engine == "real" else run(a)
     out["wall_seconds"] = time.perf_counter() - t0
     if a.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2, default=str))
+    elif a.engine == "real":
+        print_real(out)
+        print(f"\n{out['wall_seconds']:.1f} s in all")
     else:
         print_table(out)
         print(f"\n{out['wall_seconds']:.1f} s in all")
     if a.png:
-        write_png(out, a.png)
+        (write_png_real if a.engine == "real" else write_png)(out, a.png)
     return 0
 
 
