@@ -132,6 +132,8 @@ class BlockStore(_Arena):
         self._seen_drops = -1
         self._created: list[Path] = []
         self._doomed: list[Path] = []
+        self._wtxn: Any = None  # the transaction of ``_write`` while it runs
+        self._pending: dict[str, int] = {}  # its counters, written at its commit
         self.env = lmdb.open(str(self.root / "index"), map_size=self._map_size, max_dbs=16,
                              lock=True, sync=False, metasync=False, readahead=False,
                              max_readers=4096, mode=0o600)
@@ -187,12 +189,20 @@ class BlockStore(_Arena):
 
     # -- small helpers -------------------------------------------------------------
     def _counter(self, txn: Any, name: str, delta: int) -> int:
-        k = name.encode()
-        db = self._db["counters"]
-        raw = txn.get(k, db=db)
-        value = (_I64.unpack(raw)[0] if raw is not None else 0) + delta
-        if delta:
-            txn.put(k, _I64.pack(value), db=db)
+        """Add ``delta`` to a shared counter and return its new value. Inside the write
+        transaction of ``_write`` the value is kept in a dict and written once, at
+        commit: a put of a batch touches the same few counters once per block, and an
+        LMDB get and put per touch was a fifth of a small block's cost."""
+        pend = self._pending if txn is self._wtxn else None
+        if pend is not None and name in pend:
+            value = pend[name] + delta
+        else:
+            raw = txn.get(name.encode(), db=self._db["counters"])
+            value = (_I64.unpack(raw)[0] if raw is not None else 0) + delta
+        if pend is not None:
+            pend[name] = value
+        elif delta:
+            txn.put(name.encode(), _I64.pack(value), db=self._db["counters"])
         return value
 
     @contextmanager
@@ -205,11 +215,17 @@ class BlockStore(_Arena):
         self._doomed = []
         flushed: list[tuple[int, int]] = []
         txn = self.env.begin(write=True)
+        self._wtxn, self._pending = txn, {}
         try:
             flushed = self._flush_releases(txn)
             self._prune_caches(txn)
             yield txn
+            pend, self._wtxn = self._pending, None
+            db = self._db["counters"]
+            for name, value in pend.items():
+                txn.put(name.encode(), _I64.pack(value), db=db)
         except BaseException:
+            self._wtxn = None
             for path in self._created:
                 path.unlink(missing_ok=True)
             self._created = []
