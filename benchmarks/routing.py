@@ -278,7 +278,13 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
     calibrated simulator."""
     from _common import measure_memcpy
 
-    from engine_bindings.router import Cluster, EngineConfig, ModelConfig, calibrate
+    from engine_bindings.router import (
+        Cluster,
+        EngineConfig,
+        ModelConfig,
+        calibrate,
+        recalibrate,
+    )
 
     policies = [s.strip() for s in a.policies.split(",") if s.strip()]
     for name in policies:
@@ -300,16 +306,19 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             load = float(x)
             reqs = generate(dataclasses.replace(cfg, rate=load * sat))
             for name in policies:
+                now, drift = recalibrate(cluster, costs, measured)
                 t = time.perf_counter()
                 real = cluster.run(reqs, policy(name, a), seed=a.seed,
                                    ewma_tau=ewma_tau(a)).summary()
                 wall = time.perf_counter() - t
-                sim = simulate(reqs, policy(name, a), instances=a.instances, costs=costs,
+                sim = simulate(reqs, policy(name, a), instances=a.instances, costs=now,
                                shared_store=not a.no_store, cache_output=False,
                                ewma_tau=ewma_tau(a)).summary()
                 rows.append({"load": f"{load:.2f}", "rate": load * sat, "policy": name,
                              "requests": real["requests"], "real": real, "sim": sim,
                              "span_s": reqs[-1].arrival if reqs else 0.0, "run_s": wall,
+                             "speed_factor": drift["speed_factor"],
+                             "contention": drift["contention"],
                              "err_median": sim["ttft_median"] / real["ttft_median"] - 1,
                              "err_p90": sim["ttft_p90"] / real["ttft_p90"] - 1})
     mem = measure_memcpy(64 << 20, 5)
@@ -357,14 +366,13 @@ def print_real(out: dict[str, Any]) -> None:
           f"({gb(m['stack_per_block']):.1f} GB/s), store load {m['load_per_block'] * 1e6:.0f}"
           f" us ({gb(m['load_per_block']):.2f} GB/s), migration {m['transfer_per_block'] * 1e6:.0f}"
           f" us; memcpy on this machine {out['memcpy_gbps']:.1f} GB/s")
-    cores = k["cpu_cores"]
     print(f"  all instances prefilling at once: {m.get('contended_prefill', 0) * 1e3:.1f} ms "
-          f"for the longest point -> the instances share "
-          + (f"{cores:.2f} cores" if cores else "no cores (each runs at full speed)"))
+          f"for the longest point -> contention {k['contention']:.2f} (a prefill's time "
+          f"grows by that fraction per other instance prefilling)")
     print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
           f"{'hit':>5} {'migr':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} {'migr':>4} | "
-          f"{'err med':>7} {'err p90':>7} {'run s':>5}")
+          f"{'err med':>7} {'err p90':>7} {'speed':>5} {'run s':>5}")
     for r in out["rows"]:
         re_, si = r["real"], r["sim"]
         print(f"{r['load']:>5} {r['policy']:<12} {r['requests']:>4} | "
@@ -372,9 +380,12 @@ def print_real(out: dict[str, Any]) -> None:
               f"{re_['local_hit_rate']:>5.0%} {re_['migrations']:>4} | "
               f"{ms(si['ttft_median']):>10} {ms(si['ttft_p90']):>9} "
               f"{si['local_hit_rate']:>5.0%} {si['migrations']:>4} | "
-              f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['run_s']:>5.1f}")
+              f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['speed_factor']:>5.2f} "
+              f"{r['run_s']:>5.1f}")
     print(f"\n(hit: prompt tokens from the instance's own cache or migrated there; err: "
-          f"simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%})")
+          f"simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%}; speed: the host's "
+          f"prefill time just before the run / at calibration, which the simulator's "
+          f"compute costs are scaled by)")
     for load, o in out["ordering"].items():
         print(f"load {load}: by median TTFT, real {' < '.join(o['real'])}; simulator "
               f"{' < '.join(o['sim'])}: " + ("same order" if o["same"] else

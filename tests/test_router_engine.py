@@ -212,45 +212,49 @@ def test_fit_recovers_the_cost_model() -> None:
             for n in (32, 128, 384) for p in (0, 256, 1024)]
     cfg = EngineConfig(block_tokens=32, cache_blocks=100)
     costs = fit_costs({"prefill": grid, "hit_per_block": 1e-6, "stack_per_block": 2e-6,
-                       "load_per_block": 5e-4, "transfer_per_block": 9e-4}, cfg, 1.5)
+                       "load_per_block": 5e-4, "transfer_per_block": 9e-4}, cfg, 0.5)
     assert math.isclose(costs.request_overhead, overhead, rel_tol=1e-6)
     assert math.isclose(costs.prefill_per_token, a, rel_tol=1e-6)
     assert math.isclose(costs.prefill_per_token_ctx, b, rel_tol=1e-6)
     assert math.isclose(costs.hit_per_block, 3e-6) and math.isclose(
         costs.kv_load_per_block, 5.02e-4)
     assert (costs.transfer_per_block, costs.cache_capacity_blocks, costs.block_tokens,
-            costs.cpu_cores, costs.decode_per_token) == (9e-4, 100, 32, 1.5, 0.0)
+            costs.contention, costs.decode_per_token) == (9e-4, 100, 32, 0.5, 0.0)
     assert fit_error({"prefill": grid}, costs) < 1e-6
     with pytest.raises(InvalidInput, match="at least 4"):
         fit_costs({"prefill": grid[:3]}, cfg)
 
 
 def test_calibrated_simulator_hand_checked_schedule() -> None:
-    """Two instances sharing one core, blocks of 10 tokens; costs (ms): overhead 1,
-    per token 0.1, per attention pair 0.001, hit 0.5 and store load 2 per block.
+    """Two instances on one core (processor sharing: two prefills at once each run at
+    half speed, contention 1), blocks of 10 tokens; costs (ms): overhead 1, per token
+    0.1, per attention pair 0.001, hit 0.5 and store load 2 per block.
 
-    t=0    a0 (25 tok) -> inst 0 alone: 1 + 2.5 + 0.001*325 = 3.825; ends 3.825
-    t=1    b0 (25 tok) -> inst 1, inst 0 busy: both prefilling on one core, so stretched
-           x2: 2 * 3.825 = 7.65; ends 8.65
-    t=10   a1 (35 tok) -> inst 0 (round robin), holds a's 2 blocks: hit 2 * 0.5 = 1;
-           15 new tokens after 20: 1 + 1.5 + 0.001 * (15*20 + 120) = 2.92; ttft 3.92
-    t=11   b1 (35 tok) -> inst 1, holds b's 2 blocks, inst 0 busy until 13.92: x2:
-           2 * 3.92 = 7.84
+    t=0     a0 (25 tok) -> inst 0: work 1 + 2.5 + 0.001 * 325 = 3.825
+    t=1     b0 (25 tok) -> inst 1: work 3.825; a0 has 2.825 left, both at half speed:
+            a0 ends at 1 + 2 * 2.825 = 6.65, by when b0 has done 2.825: 1.0 left
+            alone, so b0 ends at 7.65 (ttft 6.65)
+    t=10    a1 (35 tok) -> inst 0 (round robin), holds a's 2 blocks: hit 2 * 0.5 = 1;
+            15 new tokens after 20: 1 + 1.5 + 0.001 * (15*20 + 120) = 2.92; work 3.92
+    t=11    b1 (35 tok) -> inst 1, same work; a1 has 2.92 left: ends at 11 + 5.84 =
+            16.84 (ttft 6.84); b1 then has 1.0 left: ends 17.84 (ttft 6.84)
     """
     costs = Costs(prefill_per_token=1e-4, prefill_per_token_ctx=1e-6, request_overhead=1e-3,
                   hit_per_block=5e-4, kv_load_per_block=2e-3, decode_per_token=0.0,
-                  block_tokens=10, cache_capacity_blocks=10, cpu_cores=1.0)
+                  block_tokens=10, cache_capacity_blocks=10, contention=1.0)
     reqs = [Request("a", 0.0, 25), Request("b", 1e-3, 25), Request("a", 10e-3, 35, turn=1),
             Request("b", 11e-3, 35, turn=1)]
     res = simulate(reqs, "round_robin", instances=2, costs=costs, cache_output=False)
     got = [(r.instance, round(r.ttft * 1e3, 6), r.cached_tokens) for r in res.records]
-    assert got == [(0, 3.825, 0), (1, 7.65, 0), (0, 3.92, 20), (1, 7.84, 20)]
-    assert math.isclose(res.records[2].kv_load, 1e-3)
-    # a1 on the other instance: a's two blocks come from the shared store, 2 ms each
+    assert got == [(0, 6.65, 0), (1, 6.65, 0), (0, 6.84, 20), (1, 6.84, 20)]
+    # the KV part of a1's time is stretched as its whole prefill was
+    assert math.isclose(res.records[2].kv_load, 1e-3 * 6.84 / 3.92)
+    # alone, a1 on the other instance: a's two blocks come from the shared store, 2 ms
+    # each
     res = simulate([reqs[0], reqs[2]], "round_robin", instances=2, costs=costs,
                    cache_output=False)
     r = res.records[1]
     assert (r.instance, r.cached_tokens, r.loaded_tokens) == (1, 0, 20)
     assert math.isclose(r.ttft, 4e-3 + 2.92e-3) and math.isclose(r.kv_load, 4e-3)
-    with pytest.raises(InvalidInput, match="cpu_cores"):
-        Costs(cpu_cores=-1.0)
+    with pytest.raises(InvalidInput, match="contention"):
+        Costs(contention=-1.0)

@@ -55,7 +55,7 @@ _LAZY = {
     "LocalCache": "._engine", "Served": "._engine",
     "ModelConfig": "._model", "TinyDecoder": "._model",
     "calibrate": "._calibrate", "fit_costs": "._calibrate",
-    "measure_engine": "._calibrate",
+    "measure_engine": "._calibrate", "recalibrate": "._calibrate",
 }
 
 
@@ -101,6 +101,7 @@ __all__ = [
     "get_policy",
     "measure_engine",
     "read_trace",
+    "recalibrate",
     "saturation_rate",
     "scaled_policy",
     "simulate",

@@ -18,6 +18,7 @@ capacity. :func:`calibrate` does both on a running :class:`Cluster`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -36,18 +37,19 @@ if TYPE_CHECKING:
     from ._cluster import Cluster
     from ._engine import Engine, EngineConfig
 
-__all__ = ["calibrate", "fit_costs", "measure_engine"]
+__all__ = ["calibrate", "fit_costs", "measure_engine", "recalibrate"]
 
 
 def _timed(fn: Any, reps: int) -> float:
-    """The median of ``reps`` timings of ``fn()`` after one warm-up call."""
+    """The mean of ``reps`` timings of ``fn()`` after one warm-up call: the mean, not
+    the median, because a queue of requests feels the slow ones too."""
     fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return statistics.mean(ts)
 
 
 def measure_engine(engine: Engine, *, new_tokens: Sequence[int] = (32, 128, 384),
@@ -120,10 +122,12 @@ def measure_engine(engine: Engine, *, new_tokens: Sequence[int] = (32, 128, 384)
     return out
 
 
-def fit_costs(measured: dict[str, Any], cfg: EngineConfig, cores: float = 0.0) -> Costs:
+def fit_costs(measured: dict[str, Any], cfg: EngineConfig, contention: float = 0.0
+              ) -> Costs:
     """The simulator's costs for an engine of ``cfg`` from :func:`measure_engine`'s
-    result (see the module doc for the model fitted); ``cores``: the CPU cores the
-    instances share, 0 when each has its own."""
+    result (see the module doc for the model fitted); ``contention``: how much longer
+    a prefill takes per other instance prefilling beside it (instances sharing a CPU;
+    0 when each has cores of its own)."""
     rows = np.array(measured["prefill"], dtype=np.float64)
     if len(rows) < 4:
         raise InvalidInput(f"fitting the prefill cost takes at least 4 measurements, got "
@@ -146,7 +150,7 @@ def fit_costs(measured: dict[str, Any], cfg: EngineConfig, cores: float = 0.0) -
         kv_load_per_block=measured.get("load_per_block", 0.0) + stack,
         transfer_per_block=measured.get("transfer_per_block", 0.0),
         decode_per_token=0.0, block_tokens=cfg.block_tokens,
-        cache_capacity_blocks=cfg.cache_blocks, cpu_cores=cores)
+        cache_capacity_blocks=cfg.cache_blocks, contention=contention)
 
 
 def fit_error(measured: dict[str, Any], costs: Costs) -> float:
@@ -155,22 +159,46 @@ def fit_error(measured: dict[str, Any], costs: Costs) -> float:
     return max(abs(costs.prefill(int(p), int(n)) - t) / t for n, p, t in measured["prefill"])
 
 
+def _probe(cluster: Cluster, n: int, p: int, spec: dict[str, Any]) -> tuple[float, float]:
+    """One grid point's prefill time in instance 0 alone, then in all at once."""
+    probe = {**spec, "new_tokens": (n,), "past_tokens": (p,)}
+    alone = cluster.calibrate(0, **probe)["prefill"][0][2]
+    if cluster.n == 1:
+        return alone, alone
+    return alone, statistics.mean(x["prefill"][0][2] for x in cluster.calibrate_all(**probe))
+
+
 def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     """Measure ``cluster``'s engines and fit the simulator's costs; returns ``(costs,
-    measurements)``. The grid is measured in instance 0 alone; then one point of it in
-    every instance at once: the ratio of the two is how many cores the instances
-    really have between them (``Costs.cpu_cores``; 0 when they do not slow each other
-    down)."""
+    measurements)``. The grid is measured in instance 0 alone; then its longest point
+    (the least noisy) alone and in every instance at once: how much slower the latter
+    is, spread over the other instances, is ``Costs.contention`` (the host's CPU as the
+    instances really get it, other processes on it included)."""
     m = cluster.calibrate(0, **spec)
-    n, p, alone = max(m["prefill"], key=lambda r: r[2])  # the longest: the least noisy
-    cores = 0.0
-    if cluster.n > 1:
-        probe = {**spec, "new_tokens": (n,), "past_tokens": (p,)}
-        together = statistics.mean(x["prefill"][0][2] for x in cluster.calibrate_all(**probe))
-        m["contended_prefill"] = together
-        # n instances each slowed by together / alone share n * alone / together cores
-        eff = cluster.n * alone / together
-        cores = 0.0 if eff >= cluster.n * 0.9 else max(1.0, eff)
-    costs = fit_costs(m, cluster.cfg, cores)
+    n, p, _ = max(m["prefill"], key=lambda r: r[2])
+    alone, together = _probe(cluster, n, p, spec)
+    m.update(probe=(n, p), probe_alone=alone, contended_prefill=together, spec=spec)
+    contention = (max(0.0, (together / alone - 1) / (cluster.n - 1))
+                  if cluster.n > 1 else 0.0)
+    costs = fit_costs(m, cluster.cfg, contention)
     m["fit_max_rel_error"] = fit_error(m, costs)
     return costs, m
+
+
+def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any]
+                ) -> tuple[Costs, dict[str, float]]:
+    """``costs`` brought up to the host's speed now: the probe point of
+    :func:`calibrate` measured again (a second or two), the compute terms scaled by
+    how much slower or faster it runs alone, the contention measured afresh. On a
+    host whose other load changes, this keeps the simulator on the machine it is
+    compared with, without looking at any request of the run."""
+    n, p = measured["probe"]
+    alone, together = _probe(cluster, n, p, measured.get("spec", {}))
+    f = alone / measured["probe_alone"]
+    contention = (max(0.0, (together / alone - 1) / (cluster.n - 1))
+                  if cluster.n > 1 else 0.0)
+    return dataclasses.replace(
+        costs, request_overhead=costs.request_overhead * f,
+        prefill_per_token=costs.prefill_per_token * f,
+        prefill_per_token_ctx=costs.prefill_per_token_ctx * f,
+        contention=contention), {"speed_factor": f, "contention": contention}

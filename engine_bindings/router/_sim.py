@@ -15,9 +15,9 @@ A request's time to first token is::
          + prefill_per_token_ctx * the attention pairs of those tokens (each new token
            with every token before it, cached or not)
 
-all but the wait stretched by ``busy / cpu_cores`` when ``cpu_cores`` is set and more
-instances than that are prefilling as this one starts (engines sharing a host's CPU;
-the stretch is fixed at the start, a first-order model of processor sharing).
+With ``contention`` set, instances share the host's CPU (processor sharing): while
+``k`` prefills run, each advances at ``1 / (1 + contention * (k - 1))`` of its own
+speed, re-timed whenever one starts or ends.
 
 The defaults are a model whose prefill is linear in the tokens it computes; the costs
 measured from the real engine (``calibrate``) fill in all the terms.
@@ -68,7 +68,7 @@ class Costs:
     hit_per_block: float = 0.0          # a block already in the instance's cache
     prefill_per_token_ctx: float = 0.0  # per (new token, token before it) pair: attention
     request_overhead: float = 0.0       # per prefill, whatever its length
-    cpu_cores: float = 0.0              # instances share this many cores; 0: none shared
+    contention: float = 0.0             # service stretch per other instance prefilling
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.cache_capacity_blocks < 0:
@@ -76,7 +76,7 @@ class Costs:
                                f"got {self.block_tokens}, {self.cache_capacity_blocks}")
         for name in ("prefill_per_token", "kv_load_per_block", "transfer_per_block",
                      "decode_per_token", "hit_per_block", "prefill_per_token_ctx",
-                     "request_overhead", "cpu_cores"):
+                     "request_overhead", "contention"):
             v = getattr(self, name)
             if not v >= 0 or math.isinf(v):
                 raise InvalidInput(f"cost {name} must be a finite number >= 0, got {v}")
@@ -205,7 +205,8 @@ class SimResult:
 
 
 class _Job:
-    __slots__ = ("req", "chain", "inst", "est", "ready", "cover", "moved", "index")
+    __slots__ = ("req", "chain", "inst", "est", "ready", "cover", "moved", "index", "left",
+                 "live", "started", "work", "kv", "hits")
 
     def __init__(self, req: Request, chain: Chain, inst: int, est: int, ready: float,
                  cover: int, moved: int, index: int) -> None:
@@ -217,6 +218,14 @@ class _Job:
         self.cover = cover    # leading blocks present after that migration
         self.moved = moved
         self.index = index
+        # under contention (processor sharing): work left at full speed, the heap entry
+        # that is current, when the prefill started, its work and KV part, its hits
+        self.left = 0.0
+        self.live = 0
+        self.started = 0.0
+        self.work = 0.0
+        self.kv = 0.0
+        self.hits = (0, 0)
 
 
 class LoadTracker:
@@ -282,24 +291,54 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
     heap: list[tuple[float, int, int, _Job]] = []
     seq = 0
 
+    running: list[_Job] = []  # prefills in progress, when they share the CPU
+    shared_t = 0.0
+
+    def speed() -> float:
+        return 1.0 / (1.0 + costs.contention * max(0, len(running) - 1))
+
+    def share(now: float, job: _Job | None = None, add: bool = True) -> None:
+        """Processor sharing: charge the running prefills for the time since the last
+        change at the speed they had, add or remove ``job``, re-time their ends."""
+        nonlocal seq, shared_t
+        done = (now - shared_t) * speed()
+        for j in running:
+            j.left -= done
+        shared_t = now
+        if job is not None:
+            (running.append if add else running.remove)(job)
+        sp = speed()
+        for j in running:
+            seq += 1
+            j.live = seq
+            heapq.heappush(heap, (now + max(0.0, j.left) / sp, _PREFILL_DONE, seq, j))
+
+    def record(job: _Job, start: float, end: float, kv: float) -> None:
+        req = job.req
+        cover, loaded = job.hits
+        records[job.index] = RequestRecord(
+            req.session, req.turn, req.arrival, job.inst, start, end - req.arrival,
+            req.input_tokens, cover * bt, loaded * bt, job.moved, queue=start - req.arrival,
+            kv_load=kv, prefill=end - start - kv)
+
     def start(job: _Job, now: float) -> None:
         nonlocal seq
         inst = insts[job.inst]
         req = job.req
         cover = max(inst.cache.match(job.chain), job.cover)
         loaded = max(0, store.match(job.chain) - cover) if store is not None else 0
-        share = 1.0
-        if costs.cpu_cores:
-            share = max(1.0, sum(1 for x in insts if x.busy) / costs.cpu_cores)
-        kv = share * (costs.hit_per_block * cover + costs.kv_load_per_block * loaded)
-        end = now + share * costs.service(req.input_tokens, cover, loaded)
-        records[job.index] = RequestRecord(
-            req.session, req.turn, req.arrival, job.inst, now, end - req.arrival,
-            req.input_tokens, cover * bt, loaded * bt, job.moved, queue=now - req.arrival,
-            kv_load=kv, prefill=end - now - kv)
+        job.hits = (cover, loaded)
+        kv = costs.hit_per_block * cover + costs.kv_load_per_block * loaded
+        work = costs.service(req.input_tokens, cover, loaded)
         inst.cache.touch(job.chain)
+        if costs.contention:
+            job.started, job.work, job.kv, job.left = now, work, kv, work
+            share(now, job)
+            return
+        record(job, now, now + work, kv)
         seq += 1
-        heapq.heappush(heap, (end, _PREFILL_DONE, seq, job))
+        job.live = seq
+        heapq.heappush(heap, (now + work, _PREFILL_DONE, seq, job))
 
     def try_start(i: int, now: float) -> None:
         nonlocal seq
@@ -314,13 +353,20 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
         else:
             start(job, now)
 
-    def handle(now: float, kind: int, job: _Job) -> None:
+    def handle(now: float, kind: int, job: _Job, entry: int) -> None:
         nonlocal seq
         inst = insts[job.inst]
         req = job.req
         if kind == _START:
             start(job, now)
         elif kind == _PREFILL_DONE:
+            if entry != job.live:  # re-timed since: a later entry ends it
+                return
+            if costs.contention:
+                share(now, job, add=False)
+                elapsed = now - job.started
+                record(job, job.started, now,
+                       job.kv * elapsed / job.work if job.work else 0.0)
             inst.advance(now, ewma_tau)
             inst.queued -= job.est
             inst.running += req.input_tokens + req.output_tokens
@@ -350,8 +396,8 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
                                f"{last_arrival}")
         last_arrival = now
         while heap and heap[0][0] <= now:
-            t, kind, _, job = heapq.heappop(heap)
-            handle(t, kind, job)
+            t, kind, entry, job = heapq.heappop(heap)
+            handle(t, kind, job, entry)
         chain = req.chain(bt)
         states = []
         matches = []
@@ -380,8 +426,8 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
         inst.queue.append(_Job(req, chain, target, est, ready, cover, moved, index))
         try_start(target, now)
     while heap:
-        t, kind, _, job = heapq.heappop(heap)
-        handle(t, kind, job)
+        t, kind, entry, job = heapq.heappop(heap)
+        handle(t, kind, job, entry)
     return SimResult(pol.name, [r for r in records if r is not None])
 
 
