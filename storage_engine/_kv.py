@@ -311,7 +311,9 @@ class BlockStore(_Arena):
             sums = []
             try:
                 with self.env.begin() as rtxn:
-                    dsts = [self._chunk(rtxn, slab, chunk, srcs[i].size)
+                    # the batch's chunks sit in a few slabs: look each slab up once
+                    info = {slab: self._slab_info(rtxn, slab) for _, _, slab, _ in reserved}
+                    dsts = [self._chunk(rtxn, slab, chunk, srcs[i].size, info[slab])
                             for i, _, slab, chunk in reserved]
                 pairs = [(dst, srcs[i]) for (i, *_), dst in zip(reserved, dsts)]
                 sums = [bytes.fromhex(h) for h in _each(
@@ -361,6 +363,8 @@ class BlockStore(_Arena):
         try:
             with self._write() as txn:
                 hits = 0
+                # chunk sizes of the slabs seen: a leased chunk keeps its slab alive
+                csizes: dict[int, int] = {}
                 for key in keys:
                     rec = txn.get(key, db=self._blocks)
                     if rec is not None and rec[0] == _DISK:
@@ -371,7 +375,9 @@ class BlockStore(_Arena):
                         out.append(None)
                         continue
                     _, slab, chunk, nbytes, csum, _ = _REC.unpack_from(rec)
-                    csize = self._slab_info(txn, slab)[0]
+                    csize = csizes.get(slab)
+                    if csize is None:
+                        csize = csizes[slab] = self._slab_info(txn, slab)[0]
                     self._lease(txn, (slab, chunk))
                     self.policy.on_access(txn, key)
                     out.append((slab, chunk, chunk * csize, nbytes, bytes(csum),

@@ -90,8 +90,11 @@ class _Arena(ABC):
             self._wmaps[slab] = mm
         return mm
 
-    def _chunk(self, txn: Any, slab: int, chunk: int, nbytes: int) -> np.ndarray:
-        csize, nchunks, _ = self._slab_info(txn, slab)
+    def _chunk(self, txn: Any, slab: int, chunk: int, nbytes: int,
+               info: tuple[int, int, int] | None = None) -> np.ndarray:
+        """A writable view of the chunk's first ``nbytes``; ``info`` is the slab's
+        ``_slab_info`` when the caller has it already."""
+        csize, nchunks, _ = info if info is not None else self._slab_info(txn, slab)
         mm = self._wmap(slab, csize * nchunks)
         return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=chunk * csize)
 

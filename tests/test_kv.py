@@ -128,6 +128,14 @@ def test_put_get_roundtrip_dtypes_shapes(kv: KVCache) -> None:
     strided = torch.zeros(3, 5, dtype=torch.float16).t()  # a non-contiguous destination
     kv.get_into(keys[2:], [strided])
     assert torch.equal(strided, blocks[2])
+    # contiguous, yet the size-1 last dim has a stride of 4; and a 0-d tensor
+    odd = [torch.arange(4, dtype=torch.bfloat16).view(1, 4).t(), torch.tensor(7.0)]
+    assert odd[0].is_contiguous() and odd[0].stride() == (1, 4)
+    assert kv.put([b"o" * 16, b"z" * 16], odd) == 2
+    outs = [torch.arange(4, 8, dtype=torch.bfloat16).view(1, 4).t(), torch.tensor(0.0)]
+    assert kv.get_into([b"o" * 16, b"z" * 16], outs) == 2
+    assert all(torch.equal(o, b) for o, b in zip(outs, odd))
+    assert [tuple(g.shape) for g in kv.get([b"o" * 16, b"z" * 16])] == [(4, 1), ()]
     with pytest.raises(NotFound):
         kv.get([b"\xff" * 16])
     with pytest.raises(NotFound):
