@@ -1,0 +1,514 @@
+"""A vLLM KV connector: prefix KV blocks shared through tensordb's KV block store.
+
+Turn it on with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TensorDBConnector",
+        "kv_connector_module_path": "engine_bindings.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"home": "/var/lib/tensordb"}}'
+
+Every engine on the host that names the same store and model shares the blocks: what
+one engine computed for a prompt prefix, the next one loads instead of recomputing it.
+
+**Keys.** The scheduler hashes a request's tokens with ``KVCache.keys`` (xxh3-128,
+chained: a key names the whole prefix up to its block; LoRA adapter and cache salt
+seed the chain), and asks the store how many leading blocks it holds (``match``).
+**Blocks.** One stored block is ``block_tokens`` tokens of *all* the worker's layers,
+K and V: a tensor ``[layers, block_tokens // block_size * r, *page]`` where ``page``
+is one kernel block of vLLM's per-layer cache view (``[heads, block_size / r, 2 *
+head_size]`` for FlashAttention and the CPU backend, K then V on the last axis) and
+``r`` the kernel blocks per vLLM block (1 unless the attention kernel splits blocks).
+Layers are in the natural order of their names. Each tensor-parallel / pipeline rank
+has its own namespace ``{namespace}/{layout}/tp{rank}of{size}-pp{rank}of{size}``
+(``layout`` fingerprints model, dtype and block geometry): the same token keys, the
+rank's own slice of the KV.
+
+``block_tokens`` (extra config; default: vLLM's ``block_size``) must be a multiple of
+the block size, so that a stored block is a whole number of vLLM blocks. Equal is the
+finest granularity (a hit is as long as vLLM's own prefix cache could find); a larger
+multiple means fewer, larger store entries (less index work per token) but hits
+rounded down to it.
+
+**Calls.** Scheduler process: ``get_num_new_matched_tokens`` (the store's hit beyond
+vLLM's local prefix cache; side-effect free), ``update_state_after_alloc`` (the blocks
+to fill), ``build_connector_meta`` (loads, and the prompt blocks completed this step
+that the store lacks). Worker processes: ``start_load_kv`` copies the stored blocks
+into every layer's paged cache (the loads are synchronous, so vLLM calls it before the
+forward, and on a GPU the copies precede the layers' kernels on the forward's stream:
+``wait_for_layer_load`` has nothing left to wait for), ``save_kv_layer`` gathers the
+blocks to save from each layer after its attention ran, ``wait_for_save`` puts them
+(first writer wins; a full store only costs a future miss). A block that cannot be
+loaded (evicted since the match, corrupt) is reported through
+``get_block_ids_with_load_errors``; vLLM then recomputes it (``kv_load_failure_policy:
+"recompute"``) or fails the request. Multimodal and prompt-embedding requests are
+neither loaded nor saved: their tokens do not name their KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+import tensordb
+from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
+
+from .._engines import LOCATION_KEYS, StoreLocation, open_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from tensordb._kv import KVCache
+
+__all__ = [
+    "CONNECTOR_NAME",
+    "KVLoad",
+    "KVSave",
+    "TensorDBConnector",
+    "TensorDBConnectorMetadata",
+    "kv_transfer_config",
+]
+
+logger = logging.getLogger(__name__)
+
+#: what ``kv_connector`` names (with ``kv_connector_module_path: "engine_bindings.vllm"``)
+CONNECTOR_NAME = "TensorDBConnector"
+
+_OPTION_KEYS = ("namespace", "block_tokens", "capacity_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """Stored blocks one request reads this step: sub-block ``skip`` of ``keys[0]``
+    onwards goes, in order, into vLLM blocks ``block_ids`` (the sub-blocks before
+    ``skip`` were already in vLLM's prefix cache)."""
+
+    req_id: str
+    keys: list[bytes]
+    skip: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KVSave:
+    """Stored blocks one request writes this step: ``keys[i]`` is made of vLLM blocks
+    ``block_ids[i * per_key:(i + 1) * per_key]``."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class TensorDBConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step (pickled to each worker)."""
+
+    loads: list[KVLoad] = field(default_factory=list)
+    saves: list[KVSave] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Scheduler-side state of one running request."""
+
+    prompt: list[int]
+    parent: bytes | None
+    block_ids: list[int]
+    num_computed: int = 0
+    saved: int = 0  # leading prompt blocks already saved, or found in the store
+    keys: list[bytes] | None = None
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _positive(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInput(f"kv_connector_extra_config {what!r} must be a positive int, "
+                           f"not {value!r}")
+    return value
+
+
+class TensorDBConnector(KVConnectorBase_V1):
+    """``KVConnectorBase_V1`` over a tensordb KV namespace (see the module docstring).
+
+    ``kv_connector_extra_config`` keys: where the store is (``home``, or ``url`` with
+    ``node`` and ``data_dir``; default ``$TENSORDB_HOME``), ``namespace`` (default:
+    ``vllm/`` and the model's name), ``block_tokens``, ``capacity_bytes`` (of the
+    store's KV arena, when this process creates it). ``kv_role``: ``kv_both`` loads
+    and saves, ``kv_consumer`` only loads, ``kv_producer`` only saves.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - set(_OPTION_KEYS) - set(LOCATION_KEYS))
+        if unknown:
+            raise InvalidInput(f"unexpected kv_connector_extra_config keys {unknown} for "
+                               f"{CONNECTOR_NAME}; expected some of "
+                               f"{list(_OPTION_KEYS + LOCATION_KEYS)}")
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) != 1 or not hasattr(groups[0].kv_cache_spec, "num_kv_heads"):
+            raise InvalidInput(f"{CONNECTOR_NAME} needs exactly one attention KV cache "
+                               f"group, not {len(groups)} (run with "
+                               f"--disable-hybrid-kv-cache-manager)")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_tokens = _positive(extra.get("block_tokens", self.block_size),
+                                      "block_tokens")
+        if self.block_tokens % self.block_size:
+            raise InvalidInput(f"block_tokens {self.block_tokens} must be a multiple of "
+                               f"vLLM's block_size {self.block_size}")
+        self.per_key = self.block_tokens // self.block_size  # vLLM blocks per stored block
+        capacity = extra.get("capacity_bytes")
+        self._opts = {} if capacity is None else \
+            {"capacity_bytes": _positive(capacity, "capacity_bytes")}
+        namespace = extra.get("namespace")
+        if namespace is None:
+            model = os.path.basename(str(vllm_config.model_config.model).rstrip("/"))
+            namespace = f"vllm/{model or 'model'}"
+        elif not isinstance(namespace, str) or not namespace:
+            raise InvalidInput(f"kv_connector_extra_config 'namespace' must be a non-empty "
+                               f"string, not {namespace!r}")
+        self.location = StoreLocation.parse({k: extra[k] for k in LOCATION_KEYS if k in extra})
+        self.namespace = f"{namespace}/{self._layout(vllm_config, groups[0].kv_cache_spec)}"
+        par = vllm_config.parallel_config
+        self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
+        self._loads = self._kv_transfer_config.is_kv_consumer
+        self._saves = self._kv_transfer_config.is_kv_producer
+        db = open_store(self.location)
+        if role == KVConnectorRole.SCHEDULER:
+            # every rank's namespace: a prefix is a hit only where all ranks hold it
+            self.caches = [db.kv(self.rank_namespace(t, p), self.block_tokens, **self._opts)
+                           for p in range(self.pp_size) for t in range(self.tp_size)]
+            self._lookups: dict[str, tuple[int, list[bytes]]] = {}
+            self._pending: dict[str, KVLoad] = {}
+            self._tracked: dict[str, _Tracked] = {}
+        else:
+            from ._loader import parallel_ranks
+
+            ranks = parallel_ranks() or {"tp_rank": 0, "pp_rank": 0}
+            self.caches = [db.kv(self.rank_namespace(ranks["tp_rank"], ranks["pp_rank"]),
+                                 self.block_tokens, **self._opts)]
+            self._layers: list[str] = []
+            self._kv: list[torch.Tensor] = []
+            self._ratio = 1
+            self._failed: set[int] = set()
+            self._staging: torch.Tensor | None = None
+            self._saved_layers: set[int] = set()
+
+    # -- naming ----------------------------------------------------------------------
+    def _layout(self, vllm_config: VllmConfig, spec: Any) -> str:
+        mc = vllm_config.model_config
+        facts = (str(mc.model), str(mc.dtype), str(vllm_config.cache_config.cache_dtype),
+                 str(spec.dtype), spec.num_kv_heads, spec.head_size,
+                 getattr(spec, "head_size_v", None), self.block_size, self.block_tokens,
+                 mc.get_total_num_hidden_layers(),
+                 vllm_config.parallel_config.tensor_parallel_size,
+                 vllm_config.parallel_config.pipeline_parallel_size)
+        return xxhash.xxh3_64_hexdigest(repr(facts).encode())
+
+    def rank_namespace(self, tp_rank: int, pp_rank: int) -> str:
+        """The KV namespace of one tensor-/pipeline-parallel rank."""
+        return f"{self.namespace}/tp{tp_rank}of{self.tp_size}-pp{pp_rank}of{self.pp_size}"
+
+    # -- scheduler side --------------------------------------------------------------
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that never happens is a future miss, not a loss
+
+    @staticmethod
+    def _parent(request: Request) -> bytes | None:
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None)
+        if lora is None and salt is None:
+            return None
+        name = getattr(lora, "lora_name", "") if lora is not None else ""
+        return xxhash.xxh3_128_digest(f"tensordb-vllm\0{name}\0{salt or ''}".encode())
+
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        return not getattr(request, "mm_features", None) \
+            and getattr(request, "prompt_embeds", None) is None \
+            and request.prompt_token_ids is not None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` whose KV every rank's namespace holds
+        (whole stored blocks, at most all tokens but the last). Never blocks on I/O
+        (an index lookup per rank); loads are synchronous (second value False)."""
+        if not self._loads or not self._cacheable(request):
+            return 0, False
+        tokens = request.all_token_ids[:request.num_tokens - 1]
+        keys = self.caches[0].keys(tokens, parent=self._parent(request))
+        hits = min(kv.match(keys) for kv in self.caches) if keys else 0
+        self._lookups[request.request_id] = (num_computed_tokens, keys[:hits])
+        return max(0, hits * self.block_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Record the vLLM blocks that this step's load fills, and start following
+        the request for saves."""
+        start, keys = self._lookups.pop(request.request_id, (0, []))
+        if self._saves and self._cacheable(request) and request.request_id not in self._tracked:
+            self._tracked[request.request_id] = _Tracked(
+                prompt=list(request.prompt_token_ids or ()), parent=self._parent(request),
+                block_ids=[])
+        if num_external_tokens <= 0:
+            return
+        first, end = start // self.block_size, (start + num_external_tokens) // self.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        self._pending[request.request_id] = KVLoad(
+            req_id=request.request_id,
+            keys=keys[first // self.per_key:-(-end // self.per_key)],
+            skip=first % self.per_key, block_ids=block_ids[first:end])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> TensorDBConnectorMetadata:
+        """This step's loads (from ``update_state_after_alloc``) and saves: the prompt
+        blocks that this step completes and the store lacks. Resets the step's state."""
+        meta = TensorDBConnectorMetadata(loads=list(self._pending.values()))
+        self._pending.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = list(new.block_ids[0])
+                t.num_computed = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                t.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                t.block_ids.extend(new_ids[0])
+            t.num_computed = cached.num_computed_tokens[i]
+        if self._saves:
+            for req_id, n in scheduled.items():
+                t = self._tracked.get(req_id)
+                if t is not None:
+                    save = self._save_of(req_id, t, t.num_computed + n)
+                    if save is not None:
+                        meta.saves.append(save)
+        return meta
+
+    def _save_of(self, req_id: str, t: _Tracked, computed: int) -> KVSave | None:
+        full = min(computed, len(t.prompt), len(t.block_ids) * self.block_size) \
+            // self.block_tokens
+        if full <= t.saved:
+            return None
+        if t.keys is None:
+            t.keys = self.caches[0].keys(t.prompt, parent=t.parent)
+        lo, t.saved = t.saved, full
+        keys = t.keys[lo:full]
+        present = [all(c) for c in zip(*(kv.contains(keys) for kv in self.caches))]
+        todo = [lo + i for i, p in enumerate(present) if not p]
+        if not todo:
+            return None
+        m = self.per_key
+        return KVSave(req_id=req_id, keys=[t.keys[i] for i in todo],
+                      block_ids=[b for i in todo for b in t.block_ids[i * m:(i + 1) * m]])
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request. Saves finish within their step, so vLLM may free the
+        request's blocks at once (False)."""
+        for d in (self._tracked, self._lookups, self._pending):
+            d.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side -----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take the per-layer paged caches (``[blocks * r, *page]`` views, blocks
+        first). All layers must share shape, dtype and device."""
+        if not kv_caches:
+            raise InvalidInput(f"{CONNECTOR_NAME}: no KV caches to register")
+        names = sorted(kv_caches, key=_natural)
+        first = kv_caches[names[0]]
+        num_blocks = self._kv_cache_config.num_blocks
+        for name in names:
+            t = kv_caches[name]
+            if not isinstance(t, torch.Tensor) or t.ndim < 2 or t.shape != first.shape \
+                    or t.dtype != first.dtype or t.device != first.device:
+                raise InvalidInput(f"{CONNECTOR_NAME}: KV cache of layer {name!r} must be "
+                                   f"a tensor like the first layer's {tuple(first.shape)} "
+                                   f"{first.dtype} on {first.device}")
+        if num_blocks <= 0 or first.shape[0] % num_blocks:
+            raise InvalidInput(f"{CONNECTOR_NAME}: {first.shape[0]} kernel blocks per layer "
+                               f"is not a multiple of {num_blocks} vLLM blocks")
+        self._layers = names
+        self._kv = [kv_caches[n] for n in names]
+        self._ratio = first.shape[0] // num_blocks
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one stored block on this worker."""
+        first = self._kv[0]
+        return (len(self._kv), self.per_key * self._ratio, *first.shape[1:])
+
+    def _ensure_registered(self, forward_context: ForwardContext | None) -> bool:
+        if self._kv:
+            return True
+        if forward_context is None:
+            return False
+        layers = forward_context.no_compile_layers
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        caches = {n: layers[n].kv_cache for n in names
+                  if n in layers and isinstance(getattr(layers[n], "kv_cache", None),
+                                                torch.Tensor)}
+        if caches:
+            self.register_kv_caches(caches)
+        return bool(self._kv)
+
+    def _rows(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        r = self._ratio
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if r > 1:
+            ids = (ids[:, None] * r + torch.arange(r)).reshape(-1)
+        return ids.to(device)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Copy this step's stored blocks into the paged caches, every layer. A block
+        that is gone or damaged leaves its vLLM blocks (and the request's later ones)
+        to ``get_block_ids_with_load_errors``."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TensorDBConnectorMetadata)
+        if not meta.loads or not self._ensure_registered(forward_context):
+            return
+        kv = self.caches[0]
+        jobs = []
+        for load in meta.loads:
+            try:
+                views = kv.get(load.keys)
+            except (NotFound, CorruptData) as exc:
+                logger.warning("KV load of %s failed: %s", load.req_id, exc)
+                self._failed.update(load.block_ids)
+                continue
+            if any(v.shape != self.block_shape or v.dtype != self._kv[0].dtype
+                   for v in views):
+                logger.warning("KV load of %s: stored blocks are not %s %s", load.req_id,
+                               self.block_shape, self._kv[0].dtype)
+                self._failed.update(load.block_ids)
+                continue
+            r = self._ratio
+            lo = load.skip * r
+            jobs.append((views, slice(lo, lo + len(load.block_ids) * r), load.block_ids))
+        if not jobs:
+            return
+        device = self._kv[0].device
+        jobs = [(views, rows, self._rows(ids, device)) for views, rows, ids in jobs]
+        for layer, cache in enumerate(self._kv):
+            for views, rows, ids in jobs:
+                src = torch.cat([v[layer] for v in views])[rows]
+                cache.index_copy_(0, ids, src.to(device))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: ``start_load_kv`` issued every layer's copies on the
+        forward's own stream before the forward, so each layer's attention comes after
+        them in stream order (and on the CPU they are done)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Gather this layer's part of every block saved this step into a staging
+        tensor on the cache's device (asynchronous there); ``wait_for_save`` stores
+        them. Layers that are not the worker's registered ones are ignored."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TensorDBConnectorMetadata)
+        if not meta.saves or not self._ensure_registered(_forward_context()):
+            return
+        try:
+            layer = self._layers.index(layer_name)
+        except ValueError:
+            return
+        if self._staging is None:
+            count = sum(len(s.keys) for s in meta.saves)
+            self._staging = torch.empty((count, *self.block_shape), dtype=self._kv[0].dtype,
+                                        device=kv_layer.device)
+            self._save_rows = self._rows([b for s in meta.saves for b in s.block_ids],
+                                         kv_layer.device)
+            self._saved_layers = set()
+        dst = self._staging[:, layer]
+        dst.copy_(kv_layer.index_select(0, self._save_rows).view(dst.shape))
+        self._saved_layers.add(layer)
+
+    def wait_for_save(self) -> None:
+        """Store this step's gathered blocks (first writer wins), then return: vLLM
+        may reuse their vLLM blocks at once. Blocks whose layers were not all gathered
+        are not stored; a full store is logged (a future miss, not an error)."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TensorDBConnectorMetadata)
+        if len(self._saved_layers) != len(self._layers):
+            logger.warning("KV save skipped: %d of %d layers gathered",
+                           len(self._saved_layers), len(self._layers))
+            return
+        keys = [k for s in meta.saves for k in s.keys]
+        try:
+            self.caches[0].put(keys, list(staging.cpu()))  # .cpu(): waits for the gathers
+        except StoreFull as exc:
+            logger.warning("KV save of %d blocks skipped: %s", len(keys), exc)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Nothing is in flight between steps: loads and saves end within theirs."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        for kv in self.caches:
+            kv.close()
+
+
+def _forward_context() -> ForwardContext | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
+
+
+def kv_transfer_config(*, namespace: str | None = None, block_tokens: int | None = None,
+                     location: Any = None,
+                     kv_role: str = "kv_both", **options: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` mapping that turns the connector on."""
+    extra: dict[str, Any] = dict(_location(location).as_dict())
+    if namespace is not None:
+        extra["namespace"] = namespace
+    if block_tokens is not None:
+        extra["block_tokens"] = block_tokens
+    extra.update(options)
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": "engine_bindings.vllm",
+            "kv_role": kv_role, "kv_connector_extra_config": extra}
+
+
+def _location(location: Any) -> StoreLocation:
+    """A ``Database`` (this process's store) or anything ``StoreLocation.parse`` takes."""
+    if isinstance(location, tensordb.Database):
+        return StoreLocation.of(location)
+    return StoreLocation.parse(location)
