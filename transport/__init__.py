@@ -14,13 +14,14 @@ from ._auth import TOKEN_ENV, is_loopback, require_token_for, resolve_token
 from ._cascade import CascadeReport, cascade
 from ._client import DEFAULT_TIMEOUT, FlightTransport, KVBlock, Transport
 from ._metrics import NodeMetrics
-from ._pull import ExtentHasher, pull_segment
+from ._pull import DEFAULT_STREAMS, ExtentHasher, pull_segment, split_ranges
 from ._registry import DEFAULT_HEARTBEAT, NodeRegistration
 from ._serve import RunningNode, ready_line, start_node
 from ._server import THROTTLE_ENV, NodeServer
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
+    "DEFAULT_STREAMS",
     "DEFAULT_TIMEOUT",
     "THROTTLE_ENV",
     "TOKEN_ENV",
@@ -37,6 +38,7 @@ __all__ = [
     "is_loopback",
     "pull_segment",
     "ready_line",
+    "split_ranges",
     "require_token_for",
     "resolve_token",
     "start_node",

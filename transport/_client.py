@@ -101,9 +101,10 @@ class Transport(ABC):
 
     @abstractmethod
     def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
-                     source: str | None) -> dict[str, Any]:
-        """Tell a node to pull segments (from ``source`` first, then any holder) and
-        register its replicas; returns its report. Blocks until it is done."""
+                     source: str | None, streams: int | None = None) -> dict[str, Any]:
+        """Tell a node to pull segments (from ``source`` first, then any holder; in
+        ``streams`` parallel ranges, default the node's) and register its replicas;
+        returns its report. Blocks until it is done."""
 
     @abstractmethod
     def read_kv(self, node: str, address: str, namespace: str, block_tokens: int,
@@ -212,10 +213,11 @@ class FlightTransport(Transport):
                                   f"{length} bytes", node=node)
 
     def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
-                     source: str | None) -> dict[str, Any]:
+                     source: str | None, streams: int | None = None) -> dict[str, Any]:
         self.ping(node, address)
-        return self._action(node, address, "pull",
-                            {"segments": list(segment_ids), "source": source}, None)
+        return self._action(node, address, "pull", {"segments": list(segment_ids),
+                                                    "source": source, "streams": streams},
+                            None)
 
     def read_kv(self, node: str, address: str, namespace: str, block_tokens: int,
                 keys: Sequence[bytes]) -> list[KVBlock]:

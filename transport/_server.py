@@ -171,14 +171,17 @@ class NodeServer(fl.FlightServerBase):
         self.metrics.sent(tier, length, time.perf_counter() - t0)
 
     def _pull(self, body: dict[str, Any]) -> dict[str, Any]:
-        segments, source = body.get("segments"), body.get("source")
+        segments, source, streams = body.get("segments"), body.get("source"), \
+            body.get("streams")
         if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments) \
-                or not (source is None or isinstance(source, str)):
-            raise InvalidInput(f"pull needs segments (a list of ids) and source (a node "
-                               f"name or null), not {body!r}")
+                or not (source is None or isinstance(source, str)) \
+                or not (streams is None or (isinstance(streams, int) and 1 <= streams <= 64)):
+            raise InvalidInput(f"pull needs segments (a list of ids), source (a node name "
+                               f"or null) and optionally streams (1-64), not {body!r}")
         t0 = time.perf_counter()
         tiers = {s: pull_segment(self.directory, self.transport, self.node, self.tiers, s,
-                                 prefer=source, on_pulled=self.metrics.pulled)
+                                 prefer=source, on_pulled=self.metrics.pulled,
+                                 streams=streams)
                  for s in segments}
         return {"node": self.node, "segments": tiers, "seconds": time.perf_counter() - t0}
 

@@ -1,0 +1,272 @@
+"""Node-to-node transport benchmark: cluster mode on loopback, real node servers.
+
+What it measures (one throwaway PostgreSQL catalog, node servers as processes):
+
+* ``tcp``: the physical limit of this host's loopback, same run: a sender process writes
+  ``--gib`` GiB from a buffer into a plain TCP socket; this process ``recv_into``s them
+  straight into a fresh shared-memory file (as a replica is written). GB/s, best of
+  ``--reps``;
+* ``memcpy``: numpy copy of the same bytes (the ceiling under both);
+* ``transfer``: node b is told (Flight action ``pull``) to fetch a ``--gib`` GiB segment
+  node a wrote: streamed over Arrow Flight into b's host tier, every extent's xxh3
+  checked, the replica registered in the catalog. Timed by the caller from request to
+  answer; best of ``--reps``; the goal is >= 0.9 x raw TCP. Shown as the default
+  (parallel byte-range streams, $TENSORDB_PULL_STREAMS) and as one stream;
+* ``fan-out``: ``--fanout-mib`` MiB from a to ``--targets`` nodes, (a) as the cascade of
+  ``db.replicate`` (every holder serves one more node per round: ceil(log2(N+1))
+  rounds), (b) one source sending to each target in turn (what a user scripting
+  ``scp``-like copies from the writer would do). Seconds, best of ``--reps``.
+
+All processes share this host's cores: on a machine with few of them, the cascade's
+parallel rounds compete for the same CPUs, so its gain over one source understates what
+separate hosts would see (each has its own NIC and cores).
+
+Run:  .venv/bin/python benchmarks/transport.py [--gib 1] [--fanout-mib 512] [--targets 4]
+      [--reps 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import mmap
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import _common
+import tensordb
+from tensordb.catalog import NodeDirectory
+
+# this script's folder is first on the path, and this file would shadow the transport
+# package: import the package with the folder left out
+_here = sys.path.pop(0)
+try:
+    from transport import DEFAULT_STREAMS, FlightTransport
+finally:
+    sys.path.insert(0, _here)
+
+GB = 1e9
+MiB = 1 << 20
+GOAL_VS_TCP = 0.9
+TOKEN = "bench-token"
+PG_SERVER = os.environ.get("TENSORDB_BENCH_PG", "postgres@127.0.0.1:5432")
+
+
+# -- raw TCP, the physical limit ---------------------------------------------------------
+def tcp_sender(port: int, nbytes: int, reps: int) -> None:
+    """Child: send ``nbytes`` ``reps`` times, each after a one-byte request."""
+    data = np.ones(nbytes, np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(reps):
+            s.recv(1)
+            s.sendall(memoryview(data))
+
+
+def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
+    """Seconds per ``nbytes`` received into a fresh shared-memory file over loopback."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        child = subprocess.Popen([sys.executable, __file__, "--tcp-sender",
+                                  str(ls.getsockname()[1]), str(nbytes), str(reps)])
+        conn, _ = ls.accept()
+    times = []
+    with conn:
+        for i in range(reps):
+            path = os.path.join(shm, f"tcp-{i}")
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            os.posix_fallocate(fd, 0, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+            os.close(fd)
+            view = memoryview(mm)
+            t0 = time.perf_counter()
+            conn.send(b"g")
+            pos = 0
+            while pos < nbytes:
+                got = conn.recv_into(view[pos:], min(nbytes - pos, 4 * MiB))
+                if not got:
+                    raise RuntimeError("the sender hung up")
+                pos += got
+            times.append(time.perf_counter() - t0)
+            view.release()
+            mm.close()
+            os.unlink(path)
+    child.wait()
+    return times
+
+
+# -- node servers -------------------------------------------------------------------------
+Nodes = dict[str, tuple[subprocess.Popen[str], str]]  # name -> (process, address)
+
+
+def start_nodes(url: str, root: str, names: list[str]) -> Nodes:
+    procs = {}
+    for n in names:
+        cmd = [sys.executable, "-m", "tensordb.cli", "--home", f"{root}/{n}", "serve",
+               "--catalog", url, "--node", n, "--data-dir", f"{root}/{n}/data", "--port", "0",
+               "--token", TOKEN]
+        procs[n] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    out = {}
+    deadline = time.monotonic() + 300
+    for n, p in procs.items():
+        assert p.stdout is not None
+        while True:
+            if time.monotonic() > deadline or p.poll() is not None:
+                raise RuntimeError(f"node {n} did not start")
+            if select.select([p.stdout], [], [], 1.0)[0]:
+                out[n] = (p, json.loads(p.stdout.readline())["address"])
+                break
+    return out
+
+
+def stop_nodes(nodes: Nodes) -> None:
+    for p, _ in nodes.values():
+        p.terminate()
+    for p, _ in nodes.values():
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def forget(directory: NodeDirectory, root: str, url: str, segment: str, nodes: list[str]) -> None:
+    """Remove ``nodes``' replicas of ``segment`` (row, then file), to time a transfer again."""
+    for n in nodes:
+        directory.drop_replica(segment, n)
+        cfg = tensordb.Config.resolve(url, home=f"{root}/{n}", data_dir=f"{root}/{n}/data")
+        for tier in (cfg.shm_dir, cfg.data_dir):
+            try:
+                os.unlink(os.path.join(tier, f"{segment}.seg"))
+            except FileNotFoundError:
+                pass
+
+
+def commit_bytes(db: tensordb.Database, collection: str, nbytes: int) -> str:
+    """Commit ``nbytes`` of float32 tensors (64 MiB each); returns the segment id."""
+    each = 64 * MiB
+    tensors = {f"layer.{i:04d}": torch.rand(min(each, nbytes - i * each) // 4)
+               for i in range(math.ceil(nbytes / each))}
+    db.commit(collection, tensors)
+    directory = NodeDirectory(db.catalog.engine)
+    (seg,) = [s for s, _ in directory.version_segments(db.catalog.require(collection).id, 1)]
+    return seg
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    nbytes = int(args.gib * (1 << 30))
+    fan_bytes = args.fanout_mib * MiB
+    res: dict[str, Any] = {"bytes": nbytes, "fanout_bytes": fan_bytes, "targets": args.targets,
+                           "reps": args.reps, "cpus": os.cpu_count()}
+    res.update(_common.measure_memcpy(nbytes, 2))
+    shm = tempfile.mkdtemp(prefix="tensordb-bench-tcp-", dir="/dev/shm")
+    try:
+        res["tcp_s"] = measure_tcp(nbytes, args.reps, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    targets = [f"t{i}" for i in range(1, args.targets + 1)]
+    with _common.temp_pg_database(PG_SERVER) as (url, version):
+        res["postgres"] = version
+        root = tempfile.mkdtemp(prefix="tensordb-bench-transport-")
+        nodes: Nodes = {}
+        a = None
+        try:
+            tensordb.connect(url, node="setup", home=f"{root}/setup").close()
+            nodes = start_nodes(url, root, ["a", "b", *targets])
+            a = tensordb.connect(url, node="a", home=f"{root}/a", data_dir=f"{root}/a/data",
+                                 token=TOKEN)
+            directory = NodeDirectory(a.catalog.engine)
+            client = FlightTransport(TOKEN, timeout=30)
+            seg = commit_bytes(a, "big", nbytes)
+            res["transfer_s"], res["transfer_1stream_s"] = [], []
+            for _ in range(args.reps):
+                for key, streams in (("transfer_s", None), ("transfer_1stream_s", 1)):
+                    forget(directory, root, url, seg, ["b"])
+                    t0 = time.perf_counter()
+                    client.request_pull("b", nodes["b"][1], [seg], "a", streams=streams)
+                    res[key].append(time.perf_counter() - t0)
+            forget(directory, root, url, seg, ["b"])
+            fan = commit_bytes(a, "fan", fan_bytes)
+            res["cascade_s"], res["sequential_s"] = [], []
+            for _ in range(args.reps):
+                forget(directory, root, url, fan, targets)
+                t0 = time.perf_counter()
+                a.replicate("fan", to=targets)
+                res["cascade_s"].append(time.perf_counter() - t0)
+                res["cascade_rounds"] = len(a.last_replication.rounds)
+                forget(directory, root, url, fan, targets)
+                t0 = time.perf_counter()
+                for t in targets:
+                    client.request_pull(t, nodes[t][1], [fan], "a")
+                res["sequential_s"].append(time.perf_counter() - t0)
+        finally:
+            if a is not None:
+                a.close()
+            stop_nodes(nodes)
+            for n in ("setup", "a", "b", *targets):
+                cfg = tensordb.Config.resolve(url, home=f"{root}/{n}",
+                                              data_dir=f"{root}/{n}/data")
+                shutil.rmtree(cfg.shm_dir, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def report(res: dict[str, Any]) -> None:
+    n, fan = res["bytes"], res["fanout_bytes"]
+    tcp = n / min(res["tcp_s"]) / GB
+    flight = n / min(res["transfer_s"]) / GB
+    mem = n / res["memcpy_1t_s"] / GB
+    print(f"transport on loopback, {os.cpu_count()} CPUs, PostgreSQL {res['postgres']}; "
+          f"best of {res['reps']}")
+    print(f"  memcpy 1 thread            {mem:8.2f} GB/s   (ceiling)")
+    print(f"  raw TCP socket copy        {tcp:8.2f} GB/s   (physical limit, same run)")
+    ratio = flight / tcp
+    print(f"  node-to-node pull (Flight) {flight:8.2f} GB/s   = {ratio:.2f} x raw TCP "
+          f"(goal >= {GOAL_VS_TCP}: {'met' if ratio >= GOAL_VS_TCP else 'NOT met'}); "
+          f"{n / (1 << 30):g} GiB, checksummed and registered, "
+          f"{DEFAULT_STREAMS} parallel range streams")
+    one = n / min(res["transfer_1stream_s"]) / GB
+    print(f"  ... as a single stream     {one:8.2f} GB/s   = {one / tcp:.2f} x raw TCP")
+    c, s = min(res["cascade_s"]), min(res["sequential_s"])
+    print(f"  fan-out {fan / MiB:g} MiB to {res['targets']} nodes: cascade {c:.2f} s "
+          f"({res['cascade_rounds']} rounds), one source in turn {s:.2f} s "
+          f"({s / c:.2f} x the cascade's time)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--tcp-sender":
+        tcp_sender(int(argv[1]), int(argv[2]), int(argv[3]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="node-to-node transfer size (1)")
+    p.add_argument("--fanout-mib", type=int, default=512, help="fan-out size in MiB (512)")
+    p.add_argument("--targets", type=int, default=4, help="fan-out target nodes (4)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (3)")
+    p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = p.parse_args(argv)
+    try:
+        res = run(args)
+    except _common.PgUnavailable as exc:
+        print(f"skipped: {exc}")
+        return 0
+    if args.json:
+        print(json.dumps(res, indent=2))
+    report(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

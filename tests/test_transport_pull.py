@@ -1,0 +1,212 @@
+"""Pulling segments between nodes, in one process: two nodes share a catalog, and the
+transport is an in-process implementation of the ``Transport`` ABC that reads the
+holder's tier (optionally damaging or cutting the stream), so checksums, resumption and
+registration are tested without a network. The real Flight path: test_transport.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tensordb
+import transport
+from conftest import open_store, remove_store
+from tensordb.catalog import NodeDirectory
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
+from transport import ExtentHasher, Transport, pull_segment, split_ranges
+
+
+class LocalTransport(Transport):
+    """Reads a segment straight from the holder's store; ``damage`` flips a byte at
+    that offset, ``cut_after`` makes the stream die after that many bytes (once)."""
+
+    def __init__(self, stores: dict[str, tensordb.Database], chunk: int = 1000) -> None:
+        self.stores = stores
+        self.chunk = chunk
+        self.damage: int | None = None
+        self.cut_after: int | None = None
+        self.reads: list[tuple[str, int, int]] = []
+
+    def ping(self, node: str, address: str) -> dict[str, Any]:
+        if node not in self.stores:
+            raise NodeUnavailable(f"node {node!r} does not answer", node=node)
+        return {"node": node}
+
+    def read_segment(self, node: str, address: str, segment_id: str, offset: int, length: int,
+                     sink: Callable[[memoryview], None]) -> None:
+        self.ping(node, address)
+        self.reads.append((node, offset, length))
+        db = self.stores[node]
+        tier = NodeDirectory(db.catalog.engine).local_tier(segment_id, node)
+        data = np.frombuffer(db.tier(tier or "host").open(segment_id), np.uint8).copy()
+        if self.damage is not None:
+            data[self.damage] ^= 0xFF
+        sent = 0
+        for lo in range(offset, offset + length, self.chunk):
+            hi = min(lo + self.chunk, offset + length)
+            if self.cut_after is not None and sent >= self.cut_after:
+                self.cut_after = None
+                raise NodeUnavailable(f"node {node!r} died mid-stream", node=node)
+            sink(memoryview(data[lo:hi]))
+            sent += hi - lo
+
+    def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
+                     source: str | None, streams: int | None = None) -> dict[str, Any]:
+        raise NodeUnavailable("not served in-process", node=node)
+
+    def read_kv(self, node: str, address: str, namespace: str, block_tokens: int,
+                keys: Sequence[bytes]) -> list[Any]:
+        return []
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[tensordb.Database, tensordb.Database, LocalTransport]]:
+    """Node "w" (the writer) and node "r" (the reader) on one SQLite catalog."""
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    w = open_store(tmp_path / "w", url, node="w")
+    r = open_store(tmp_path / "r", url, node="r")
+    fake = LocalTransport({"w": w})
+    r._flight = fake
+    NodeDirectory(w.catalog.engine).register("w", "in-process", ["host", "disk"], None)
+    try:
+        yield w, r, fake
+    finally:
+        remove_store(r)
+        remove_store(w)
+
+
+def _segment(db: tensordb.Database, collection: str) -> str:
+    (seg,) = [s for s, _ in NodeDirectory(db.catalog.engine).version_segments(
+        db.catalog.require(collection).id, db.catalog.require(collection).head)]
+    return seg
+
+
+def _leftovers(db: tensordb.Database) -> list[str]:
+    return sorted(p.name for t in ("host", "disk") for p in db.tier(t).root.glob("*.seg"))
+
+
+def test_public_surface() -> None:
+    assert set(transport.__all__) >= {"NodeServer", "FlightTransport", "Transport",
+                                      "pull_segment", "cascade", "start_node", "NodeMetrics"}
+    assert all(hasattr(transport, n) for n in transport.__all__)
+
+
+def test_read_pulls_verifies_and_registers(pair) -> None:  # type: ignore[no-untyped-def]
+    w, r, fake = pair
+    tensors = {"a": torch.randn(300), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.ones(2, 3, dtype=torch.bfloat16)}
+    w.commit("m", tensors)
+    with r.snapshot("m", verify=True) as snap:
+        got = snap.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    seg = _segment(w, "m")
+    assert NodeDirectory(r.catalog.engine).holders(seg) == {"w": "host", "r": "host"}
+    reads = len(fake.reads)
+    assert torch.equal(r.get("m", "a"), tensors["a"]) and len(fake.reads) == reads  # local now
+    assert _leftovers(r) == [f"{seg}.seg"]
+
+
+def test_damaged_bytes_are_never_registered(pair) -> None:  # type: ignore[no-untyped-def]
+    w, r, fake = pair
+    w.commit("m", {"a": torch.randn(1000)})
+    fake.damage = 123
+    with pytest.raises(CorruptData):
+        r.get("m", "a")
+    seg = _segment(w, "m")
+    assert "r" not in NodeDirectory(r.catalog.engine).holders(seg) and _leftovers(r) == []
+    fake.damage = None
+    assert r.get("m", "a").shape == (1000,)
+
+
+def test_cut_stream_resumes_at_the_next_holder(pair, tmp_path: Path  # type: ignore[no-untyped-def]
+                                               ) -> None:
+    w, r, fake = pair
+    x = torch.randn(5000)
+    w.commit("m", {"x": x})
+    seg = _segment(w, "m")
+    third = open_store(tmp_path / "t", w.config.catalog_url, node="t")
+    try:
+        third._flight = LocalTransport({"w": w})
+        third.get("m", "x")  # t holds a replica now
+        NodeDirectory(w.catalog.engine).register("t", "in-process", ["host"], None)
+        fake.stores["t"] = third
+        fake.cut_after = 8000
+        tiers = {n: r.tier(n) for n in ("host", "disk")}
+        assert pull_segment(NodeDirectory(r.catalog.engine), fake, "r", tiers, seg,
+                            prefer="w") == "host"
+        # the second read starts where the first stopped, at the other holder
+        size = NodeDirectory(r.catalog.engine).segment(seg).nbytes  # type: ignore[union-attr]
+        assert fake.reads[0][:2] == ("w", 0) and fake.reads[1] == ("t", 8000, size - 8000)
+        assert torch.equal(r.get("m", "x"), x)
+    finally:
+        remove_store(third)
+
+
+def test_no_live_holder_raises_node_unavailable(pair) -> None:  # type: ignore[no-untyped-def]
+    w, r, fake = pair
+    w.commit("m", {"a": torch.randn(10)})
+    NodeDirectory(w.catalog.engine).deregister("w")
+    with pytest.raises(NodeUnavailable) as info:
+        r.get("m", "a")
+    assert info.value.node == "w" and info.value.collection == "m"
+    del fake.stores["w"]
+    NodeDirectory(w.catalog.engine).register("w", "in-process", ["host"], None)
+    with pytest.raises(NodeUnavailable):  # registered, but it does not answer
+        r.get("m", "a")
+    assert _leftovers(r) == []
+
+
+def test_parallel_ranges_write_one_verified_segment(pair) -> None:  # type: ignore[no-untyped-def]
+    w, r, fake = pair
+    tensors = {f"t{i}": torch.randn(1000 + 37 * i) for i in range(9)}
+    w.commit("m", tensors)
+    seg = _segment(w, "m")
+    tiers = {n: r.tier(n) for n in ("host", "disk")}
+    pull_segment(NodeDirectory(r.catalog.engine), fake, "r", tiers, seg, streams=3)
+    assert len({off for _, off, _ in fake.reads}) == 3
+    with r.snapshot("m", verify=True) as snap:
+        assert all(torch.equal(snap[k], v) for k, v in tensors.items())
+
+
+def test_split_ranges_cut_at_extent_starts() -> None:
+    ext = [(i * 100, 90, "x") for i in range(10)]
+    parts = split_ranges(ext, 1000, 4)
+    assert [(lo, hi) for lo, hi, _ in parts] == [(0, 300), (300, 500), (500, 800), (800, 1000)]
+    assert sum(len(e) for _, _, e in parts) == 10
+    assert [(lo, hi) for lo, hi, _ in split_ranges([(0, 1000, "x")], 1000, 4)] == [(0, 1000)]
+
+
+def test_extent_hasher_checks_in_order() -> None:
+    data = np.arange(300, dtype=np.uint8)
+    from storage_engine import checksum
+
+    ext = [(0, 100, checksum(data[:100])), (128, 50, checksum(data[128:178]))]
+    h = ExtentHasher(ext)
+    for lo in range(0, 300, 7):
+        h.feed(lo, data[lo : lo + 7])
+    assert h.complete and h.bad == []
+    bad = ExtentHasher([(0, 100, "0" * 16)])
+    bad.feed(0, data[:100])
+    assert bad.complete and bad.bad[0][0] == 0
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput):
+        transport.FlightTransport(None, timeout=0)
+    with pytest.raises(InvalidInput):
+        transport.require_token_for("0.0.0.0", None)
+    transport.require_token_for("127.0.0.1", None)
+    transport.require_token_for("0.0.0.0", "t")
+    db = open_store(tmp_path / "s")
+    try:
+        with pytest.raises(InvalidInput):
+            transport.NodeServer(db, host="0.0.0.0", port=0)
+        with pytest.raises(NotFound):
+            db.replicate("nothing", to=["local"])
+    finally:
+        remove_store(db)
