@@ -14,12 +14,14 @@ or duplicated datagram costs latency, never correctness.
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 import os
 import select
 import socket
+import time
 import uuid
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Notifier", "SocketNotifier", "PgNotifier", "Subscription", "PG_CHANNEL"]
 
@@ -131,23 +133,47 @@ class SocketNotifier(Notifier):
 
 
 class _PgSubscription(Subscription):
+    """A LISTEN connection. When the server drops it (restart, pg_terminate_backend),
+    ``wait`` listens again on a new one and answers None, so the watcher re-reads the
+    catalog: notifications sent while no one listened are not lost, only late."""
+
     def __init__(self, conninfo: str) -> None:
+        self._conninfo = conninfo
+        self._conn: Any = None
+        self._listen()
+
+    def _listen(self) -> None:
         import psycopg
 
-        self._conn = psycopg.connect(conninfo, autocommit=True)
+        self._conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5)
         self._conn.execute(f"LISTEN {PG_CHANNEL}")
 
     def wait(self, timeout: float | None) -> set[str] | None:
-        names = {_decode(n.payload.encode()) for n in
-                 self._conn.notifies(timeout=timeout, stop_after=1)}
-        if not names:
+        import psycopg
+
+        started = time.monotonic()
+        try:
+            if self._conn is None or self._conn.closed:
+                self._listen()
+            names = {_decode(n.payload.encode()) for n in
+                     self._conn.notifies(timeout=timeout, stop_after=1)}
+            if not names:
+                return None
+            # take whatever else is queued without waiting
+            names |= {_decode(n.payload.encode()) for n in self._conn.notifies(timeout=0)}
+            return names
+        except psycopg.OperationalError:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None  # listen again on the next wait
+            # a server that is down refuses at once: do not spin on it
+            left = 0.2 if timeout is None else timeout - (time.monotonic() - started)
+            time.sleep(max(0.0, min(0.2, left)))
             return None
-        # take whatever else is queued without waiting
-        names |= {_decode(n.payload.encode()) for n in self._conn.notifies(timeout=0)}
-        return names
 
     def close(self) -> None:
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
 
 
 class PgNotifier(Notifier):

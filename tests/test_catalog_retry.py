@@ -157,3 +157,32 @@ def test_terminated_backends_lose_and_duplicate_nothing(pg_url: str, tmp_path: A
             assert db.get("loop", "w", version=i + 1).tolist() == [float(i)] * 8
     finally:
         db.close()
+
+
+@pytest.mark.postgres
+def test_watch_survives_a_dropped_listen_connection(pg_url: str, tmp_path: Any) -> None:
+    db = tensordb.connect(pg_url, home=tmp_path / "s", data_dir=tmp_path / "s" / "data")
+    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        db.commit("w", {"x": torch.zeros(2)})
+        seen: list[Any] = []
+        # poll longer than the test: only a notification (or the reconnect) wakes it
+        it = db.watch("w", after=1, timeout=30, poll=60)
+        reader = threading.Thread(target=lambda: seen.append(next(it)), daemon=True)
+        reader.start()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            for _ in range(500):  # the watcher's LISTEN connection, once it is up
+                pids = [p for (p,) in admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND query LIKE 'LISTEN%'").fetchall()]
+                if pids:
+                    break
+                time.sleep(0.01)
+            assert pids, "the watcher never listened"
+            admin.execute("SELECT pg_terminate_backend(%s)", (pids[0],))
+        db.commit("w", {"x": torch.ones(2)})
+        reader.join(20)
+        assert [c.version for c in seen] == [2]
+        it.close()
+    finally:
+        db.close()

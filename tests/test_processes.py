@@ -89,6 +89,9 @@ def _registered_files(db: tensordb.Database) -> tuple[set[str], set[str]]:
 
 def _kill_writers(db: tensordb.Database, home: Path, kills: int) -> None:
     rng = random.Random(1234)
+    # a version to check even when the host is so loaded that no killed writer commits
+    db.commit("k", {n: torch.full((16,), 0.5, dtype=torch.float64) for n in ("a", "b", "c")},
+              message=repr(0.5))
     for i in range(kills):
         parent, child = CTX.Pipe()
         proc = CTX.Process(target=_writer_loop, args=(str(home), child, i))

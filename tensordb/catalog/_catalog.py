@@ -450,25 +450,34 @@ class Catalog:
         return result
 
     @retrying
-    def history(self, name: str) -> list[Commit]:
+    def history(self, name: str, *, after: int | None = None,
+                version: int | None = None) -> list[Commit]:
+        """Commits of ``name``, newest first: all, those after ``after``, or ``version``
+        alone (the filters run in SQL: a follower's look costs what is new, not the
+        collection's whole history)."""
         info = self.require(name)
         c = commits.c
+        q = (select(c.version, c.created_at, c.message, c.n_tensors, c.nbytes, c.parent,
+                    c.n_written, c.written_nbytes, c.meta)
+             .where(c.collection_id == info.id).order_by(c.version.desc()))
+        if after is not None:
+            q = q.where(c.version > after)
+        if version is not None:
+            q = q.where(c.version == version)
         with self.engine.connect() as conn:
-            rows = conn.execute(select(c.version, c.created_at, c.message, c.n_tensors, c.nbytes,
-                                       c.parent, c.n_written, c.written_nbytes, c.meta)
-                                .where(c.collection_id == info.id).order_by(c.version.desc()))
+            rows = conn.execute(q)
             return [Commit(name, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
                            json.loads(r[8]) if r[8] else None) for r in rows]
 
     def commit_info(self, name: str, version: int) -> Commit:
-        for c in self.history(name):
-            if c.version == version:
-                return c
-        raise NotFound(f"no version {version} of collection {name!r}", collection=name,
-                       version=version)
+        found = self.history(name, version=version)
+        if not found:
+            raise NotFound(f"no version {version} of collection {name!r}", collection=name,
+                           version=version)
+        return found[0]
 
     def commits_after(self, name: str, after: int) -> list[Commit]:
-        return [c for c in reversed(self.history(name)) if c.version > after]
+        return self.history(name, after=after)[::-1]
 
     # -- tags --------------------------------------------------------------------------
     @retrying
