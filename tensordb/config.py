@@ -36,6 +36,9 @@ class Config:
     gpu_device    the CUDA ordinal this process writes GPU-tier segments to (None: the
                   GPU tier is only read, opened when a row points at it)
     gpu_capacity  bytes the GPU tier may hold on this host (None: what the device has)
+    token         the cluster's token, sent to other nodes ($TENSORDB_TOKEN)
+    node_timeout  seconds a dead or silent node may take to fail a request
+                  ($TENSORDB_NODE_TIMEOUT, else 5)
     """
 
     home: Path
@@ -50,6 +53,8 @@ class Config:
     sqlite_synchronous: str = "FULL"
     gpu_device: int | None = None
     gpu_capacity: int | None = None
+    token: str | None = None
+    node_timeout: float = 5.0
 
     @classmethod
     def resolve(cls, url: str | None = None, *, home: str | os.PathLike[str] | None = None,
@@ -71,6 +76,8 @@ class Config:
             "default_tier": os.environ.get("TENSORDB_DEFAULT_TIER", "host"),
             "gpu_device": _env_int("TENSORDB_GPU_DEVICE", None),
             "gpu_capacity": _env_int("TENSORDB_GPU_CAPACITY", None),
+            "token": os.environ.get("TENSORDB_TOKEN") or None,
+            "node_timeout": float(os.environ.get("TENSORDB_NODE_TIMEOUT") or 5.0),
         }
         kw.update(overrides)
         return cls(home=home_p, catalog_url=url, node=node or "local", data_dir=data_p,

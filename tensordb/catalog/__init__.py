@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._catalog import Catalog, CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
+from ._nodes import NodeDirectory, NodeInfo, SegmentInfo
 from ._engine import current_revision, ensure_schema, make_engine, upgrade, write_conn
 from ._schema import HEAD_REVISION, metadata
 
@@ -13,6 +14,9 @@ __all__ = [
     "Commit",
     "GcPlan",
     "NewTensor",
+    "NodeDirectory",
+    "NodeInfo",
+    "SegmentInfo",
     "TensorRow",
     "current_revision",
     "ensure_schema",
