@@ -348,8 +348,7 @@ def print_real(out: dict[str, Any]) -> None:
     print(f"routing (real engine): {c['instances']} engine processes (a {mo['layers']}-layer "
           f"d_model {mo['d_model']} decoder, {e['threads']} torch thread each), "
           f"{c['sessions']} sessions, gap median {c['gap_median']} s, blocks of "
-          f"{e['block_tokens']} tokens ({e['block_nbytes'] if 'block_nbytes' in e else ''}"
-          f"), local cache {e['cache_blocks']} blocks, shared store "
+          f"{e['block_tokens']} tokens, local cache {e['cache_blocks']} blocks, shared store "
           f"{'migrations only' if c['no_store'] else 'on'}; started in "
           f"{out['start_s']:.1f} s")
     nbytes = m["block_nbytes"]

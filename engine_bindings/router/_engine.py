@@ -160,7 +160,7 @@ class Served:
     migrated_blocks: int  # further blocks moved here by the router
     loaded_blocks: int    # further blocks loaded from the store
     computed_tokens: int
-    saved_blocks: int     # new blocks this request put into the store
+    saved_blocks: int     # blocks of this request the store lacked, handed to it
     first_token: int
 
 

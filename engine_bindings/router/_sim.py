@@ -436,8 +436,9 @@ def saturation_rate(requests: Sequence[Request], costs: Costs | None = None,
     """Sessions per second at which ``instances`` are fully busy with the work no policy
     can avoid: each turn's new tokens (beyond the previous turn's prompt and output, and
     beyond the shared system prompt) prefilled, every reused block a hit in the
-    instance's own cache. Past this rate every policy's queues grow without bound; a
-    load sweep is expressed as fractions of it."""
+    instance's own cache, instances slowed by each other's ``contention``. Past this
+    rate every policy's queues grow without bound; a load sweep is expressed as
+    fractions of it."""
     costs = costs or Costs()
     bt = costs.block_tokens
     prev: dict[tuple[Hashable, int], int] = {}
@@ -450,4 +451,6 @@ def saturation_rate(requests: Sequence[Request], costs: Costs | None = None,
     sessions = len({r.session for r in requests})
     if not work or not sessions:
         raise InvalidInput("saturation_rate needs a workload with some work in it")
-    return instances / (work / sessions)
+    # instances sharing a CPU do the work of fewer when all are busy
+    busy = instances / (1.0 + costs.contention * (instances - 1))
+    return busy / (work / sessions)
