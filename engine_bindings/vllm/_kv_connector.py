@@ -39,8 +39,9 @@ blocks to save from each layer after its attention ran, ``wait_for_save`` puts t
 (first writer wins; a full store only costs a future miss). A block that cannot be
 loaded (evicted since the match, corrupt) is reported through
 ``get_block_ids_with_load_errors``; vLLM then recomputes it (``kv_load_failure_policy:
-"recompute"``) or fails the request. Multimodal and prompt-embedding requests are
-neither loaded nor saved: their tokens do not name their KV.
+"recompute"``) or fails the request. What is saved: the full blocks of each prompt
+(generated tokens are not). Multimodal and prompt-embedding requests are neither
+loaded nor saved: their tokens do not name their KV.
 """
 
 from __future__ import annotations
