@@ -214,7 +214,9 @@ def _routing(out: Console, home: Path, instances: int = 3) -> dict[str, dict[str
               f"request waits.")
     t = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
-    with Cluster(instances, engine, home=home) as cluster:
+    # spawn, not forkserver: a forkserver keeps a socket in a temporary directory of
+    # its own until this process exits, and the demo leaves nothing behind
+    with Cluster(instances, engine, home=home, start_method="spawn") as cluster:
         started = time.perf_counter() - t
         for name, _ in _ROUTING_POLICIES:
             pol = scaled_policy(name, wl.system_prompt_tokens, wl.gap_median)
