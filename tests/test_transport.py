@@ -1,9 +1,9 @@
 """Cluster mode with real processes and a real PostgreSQL: node servers on loopback
 ports sharing a catalog, remote reads, the replication cascade, token auth, failures.
 
-Four node servers (``tensordb serve``) start once for the module: a, b, c, and
-``slow``, whose streams are throttled so a test can kill it mid-transfer. The test
-process attaches clients to their stores, as a process on each host would.
+Three node servers (``tensordb serve``) start once for the module: a, b and c, whose
+outgoing streams are throttled so a test can kill it mid-transfer. The test process
+attaches clients to their stores, as a process on each host would.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transport import FlightTransport, THROTTLE_ENV, pull_segment
 pytestmark = pytest.mark.postgres
 
 TOKEN = "cluster-test-token"
-THROTTLE = 4 << 20  # bytes/s out of node "slow": an 8 MiB segment takes 2 s
+THROTTLE = 4 << 20  # bytes/s out of node c: an 8 MiB segment takes 2 s
 READY_S = 240.0  # a loaded 2-core machine takes tens of seconds to import torch
 
 
@@ -108,8 +108,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = {**os.environ, "TENSORDB_KV_CAPACITY": str(16 << 20)}
     base.pop(THROTTLE_ENV, None)
     tensordb.connect(url, node="setup", home=root / "setup").close()  # migrate once
-    nodes = {n: _spawn(url, n, root, base) for n in ("a", "b", "c")}
-    nodes["slow"] = _spawn(url, "slow", root, {**base, THROTTLE_ENV: str(THROTTLE)})
+    nodes = {n: _spawn(url, n, root, base) for n in ("a", "b")}
+    nodes["c"] = _spawn(url, "c", root, {**base, THROTTLE_ENV: str(THROTTLE)})
     cl = Cluster(url, nodes, {})
     try:
         deadline = time.monotonic() + READY_S
@@ -157,8 +157,8 @@ def _part_files(db: tensordb.Database) -> list[str]:
 def test_nodes_register_with_address_tiers_and_heartbeat(cluster: Cluster) -> None:
     directory = NodeDirectory(cluster.db("a").catalog.engine)
     live = directory.live()
-    assert {"a", "b", "c", "slow"} <= set(live)
-    for name in ("a", "b", "c", "slow"):
+    assert {"a", "b", "c"} <= set(live)
+    for name in ("a", "b", "c"):
         info = live[name]
         assert info.address == cluster.nodes[name].address and info.state == "up"
         assert set(info.tiers) == {"host", "disk"}
@@ -299,31 +299,31 @@ def test_gc_keeps_registered_replicas_and_drops_them_with_their_segment(cluster:
 
 
 def test_holder_killed_mid_transfer(cluster: Cluster) -> None:
-    """Two pulls stream from the throttled node when it is killed: the one with another
+    """Two pulls stream from the throttled node c when it is killed: the one with another
     holder finishes from there, the other raises NodeUnavailable; neither leaves a
     half replica registered or a partial file."""
-    slow, b, c = cluster.db("slow"), cluster.db("b"), cluster.db("c")
+    a, b, c = cluster.db("a"), cluster.db("b"), cluster.db("c")
     only = torch.randn(2 << 20)  # 8 MiB each
     shared = torch.randn(2 << 20)
-    slow.commit("only-slow", {"x": only})
-    slow.commit("shared", {"x": shared})
+    c.commit("only-c", {"x": only})
+    c.commit("shared", {"x": shared})
     directory = NodeDirectory(b.catalog.engine)
-    (seg_only,) = [s for s, _ in directory.version_segments(b.catalog.require("only-slow").id, 1)]
+    (seg_only,) = [s for s, _ in directory.version_segments(b.catalog.require("only-c").id, 1)]
     (seg_shared,) = [s for s, _ in directory.version_segments(b.catalog.require("shared").id, 1)]
-    c._pull([seg_shared])  # c holds it too (a throttled 2 s)
+    a._pull([seg_shared])  # a holds it too (a throttled 2 s)
     tiers = {n: b.tier(n) for n in ("host", "disk")}
     results: dict[str, object] = {}
 
     def read_only() -> None:
         try:
-            results["only"] = b.get("only-slow", "x")
+            results["only"] = b.get("only-c", "x")
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results["only"] = exc
 
     def read_shared() -> None:
         try:
             results["shared"] = pull_segment(directory, FlightTransport(TOKEN, 2.0), "b",
-                                             tiers, seg_shared, prefer="slow")
+                                             tiers, seg_shared, prefer="c")
         except Exception as exc:  # noqa: BLE001
             results["shared"] = exc
 
@@ -335,7 +335,7 @@ def test_holder_killed_mid_transfer(cluster: Cluster) -> None:
         time.sleep(0.05)
     time.sleep(0.5)  # both streams are now well under way, nowhere near done
     assert len(_part_files(b)) == 2
-    os.kill(cluster.nodes["slow"].proc.pid, signal.SIGKILL)
+    os.kill(cluster.nodes["c"].proc.pid, signal.SIGKILL)
     for t in threads:
         t.join(60)
     assert isinstance(results["only"], NodeUnavailable), results["only"]
@@ -346,12 +346,12 @@ def test_holder_killed_mid_transfer(cluster: Cluster) -> None:
 
 
 def test_clean_shutdown_deregisters(cluster: Cluster) -> None:
-    node = cluster.nodes["c"]
+    node = cluster.nodes["b"]
     node.proc.send_signal(signal.SIGTERM)
     assert node.proc.wait(60) == 0
-    info = NodeDirectory(cluster.db("a").catalog.engine).node("c")
+    info = NodeDirectory(cluster.db("a").catalog.engine).node("b")
     assert info.state == "down"
     a = cluster.db("a")
-    a.commit("after-c", {"x": torch.ones(2)})
+    a.commit("after-b", {"x": torch.ones(2)})
     with pytest.raises(NodeUnavailable):
-        a.replicate("after-c", to=["c"])
+        a.replicate("after-b", to=["b"])
