@@ -626,7 +626,7 @@ def write_png(res: dict[str, Any], path: str) -> str | None:
         if key in m:
             title += f", {name} {m[key] * 1e3:.2f} ms"
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

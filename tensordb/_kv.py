@@ -215,10 +215,13 @@ class KVCache:
                                collection=self.namespace)
         out = []
         for k in keys:
-            if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_KEY:
+            if type(k) is bytes and 0 < len(k) <= MAX_KEY:  # the usual case: no copy
+                out.append(k)
+            elif isinstance(k, (bytes, bytearray)) and 0 < len(k) <= MAX_KEY:
+                out.append(bytes(k))
+            else:
                 raise InvalidInput(f"a KV key must be 1 to {MAX_KEY} bytes, not {k!r:.60}",
                                    collection=self.namespace)
-            out.append(bytes(k))
         return out
 
     # -- blocks --------------------------------------------------------------------
