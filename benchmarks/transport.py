@@ -235,7 +235,7 @@ def report(res: dict[str, Any]) -> None:
     print(f"  node-to-node pull (Flight) {flight:8.2f} GB/s   = {ratio:.2f} x raw TCP "
           f"(goal >= {GOAL_VS_TCP}: {'met' if ratio >= GOAL_VS_TCP else 'NOT met'}); "
           f"{n / (1 << 30):g} GiB, checksummed and registered, "
-          f"{DEFAULT_STREAMS} parallel range streams")
+          f"{DEFAULT_STREAMS} range stream(s) (the default on {os.cpu_count()} CPUs)")
     one = n / min(res["transfer_1stream_s"]) / GB
     print(f"  ... as a single stream     {one:8.2f} GB/s   = {one / tcp:.2f} x raw TCP")
     c, s = min(res["cascade_s"]), min(res["sequential_s"])
