@@ -478,6 +478,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["skipped"]["redis"] = redis_reason
     for name in args.skip:
         res["skipped"].setdefault(name, "skipped with --skip")
+    if "redis" in res["skipped"]:
+        r = None
     db = tensordb.connect(home=tmp, data_dir=os.path.join(tmp, "data"))
     kv = KVCache(db, "bench", block_tokens=BLOCK_TOKENS, capacity_bytes=args.arena_mib * MiB)
     sizes = [(size, int(size * MiB), blocks_for(size)) for size in args.sizes_mib]
