@@ -69,8 +69,10 @@ class _FileWriter(SegmentWriter):
         if self._mm is not None:
             self._buffer = np.empty(0, np.uint8)
             mm, self._mm = self._mm, None
-            # munmap of a large populated mapping takes ~70 ms/GiB; it releases the GIL,
-            # so it runs beside the catalog commit instead of before it
+            # munmap of a large populated mapping takes ~35-70 ms/GiB and holds the
+            # process's mmap lock all along, stalling every page fault of the other
+            # threads (SQLite's included): it runs in the background, and only once the
+            # catalog commit is done (release), never beside it
             threading.Thread(target=_close_quietly, args=(mm,), daemon=True).start()
 
     def finish(self) -> None:
@@ -78,7 +80,6 @@ class _FileWriter(SegmentWriter):
             return
         if self._tier.persistent:
             self._mm.flush()
-        self._unmap()
         if os.fstat(self._fd).st_size != self.nbytes:
             os.ftruncate(self._fd, self.nbytes)  # a spare larger than the segment
         if self._tier.persistent:
@@ -195,6 +196,59 @@ class FileTier(Tier):
             raise SegmentMissing(self.name, segment_id) from exc
         finally:
             os.close(fd)
+
+    def peek(self, segment_id: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        try:
+            fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise SegmentMissing(self.name, segment_id) from exc
+        try:
+            return [os.pread(fd, n, off) for off, n in ranges]
+        finally:
+            os.close(fd)
+
+    #: bytes per read of ``read_into``: pieces small enough to spread over the I/O
+    #: pool's threads, large enough that a syscall is noise beside its copy
+    READ_PIECE = 8 << 20
+
+    def read_into(self, segment_id: str, items: list[tuple[int, np.ndarray]]) -> bool:
+        """``preadv`` straight into the buffers: the kernel copies from the file's pages,
+        the GIL is released, and pieces run in parallel on the I/O pool."""
+        from ._io import io_pool
+
+        try:
+            fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise SegmentMissing(self.name, segment_id) from exc
+        try:
+            size = os.fstat(fd).st_size
+            piece = self.READ_PIECE
+            jobs: list[tuple[int, np.ndarray]] = []
+            for offset, out in items:
+                n = out.shape[0]
+                if offset < 0 or offset + n > size:
+                    raise SegmentMissing(self.name, segment_id)  # not the segment we know
+                jobs.extend((offset + lo, out[lo : lo + piece]) for lo in range(0, n, piece))
+
+            def read(job: tuple[int, np.ndarray]) -> None:
+                off, out = job
+                view = memoryview(out)
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], off + done)
+                    if got <= 0:
+                        raise SegmentMissing(self.name, segment_id)  # truncated under us
+                    done += got
+
+            if len(jobs) <= 1:
+                for job in jobs:
+                    read(job)
+            else:
+                for _ in io_pool().map(read, jobs):
+                    pass
+        finally:
+            os.close(fd)
+        return True
 
     # -- housekeeping --------------------------------------------------------------
     def delete(self, segment_id: str) -> bool:

@@ -88,5 +88,18 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Bytes held by segments on this tier."""
 
+    def peek(self, segment_id: str, ranges: list[tuple[int, int]]) -> list[bytes] | None:
+        """A few small byte ranges ``(offset, length)`` of a segment, read without mapping
+        it; None where the tier cannot do that cheaply (the caller then does without).
+        Raises SegmentMissing."""
+        return None
+
+    def read_into(self, segment_id: str, items: list[tuple[int, np.ndarray]]) -> bool:
+        """Copy bytes of a segment into caller buffers: each ``(offset, out)`` fills the
+        contiguous uint8 array ``out`` from ``offset``, without mapping the segment in
+        the caller (no page faults on the source side). False where the tier cannot
+        (the caller then copies from a mapping). Raises SegmentMissing."""
+        return False
+
     def close(self) -> None:
         """Release process-local resources (spare buffers, threads). Idempotent."""
