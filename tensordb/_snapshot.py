@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -127,6 +127,49 @@ class Snapshot:
                                         maps=self._maps)
             self._cache.update((n, self._place(t)) for n, t in got.items())
         return {n: self._cache[n] for n in self._rows}
+
+    def read_into(self, outs: Mapping[str, torch.Tensor]) -> int:
+        """Copy tensors of this version into the caller's own host tensors, by name, and
+        return the bytes copied.
+
+        Each ``out`` must be a contiguous CPU tensor of the stored dtype and shape. The
+        bytes are read from the tier by the kernel, in parallel, without mapping the
+        version into this process: no page faults on the source side, which is what a
+        copy from the zero-copy views pays. Nothing is written before every name and
+        buffer has been checked (NotFound, InvalidInput naming the tensor).
+        """
+        self._check()
+        if not isinstance(outs, Mapping):
+            raise InvalidInput(f"outs must map tensor names to tensors, not "
+                               f"{type(outs).__name__}", collection=self.collection)
+        pairs = []
+        for name, out in outs.items():
+            row = self._rows.get(name)
+            if row is None:
+                raise NotFound(f"collection {self.collection!r} version {self.version} has "
+                               f"no tensor {name!r}", collection=self.collection,
+                               tensor=name, version=self.version)
+            where = f"{self.collection}/{name}"
+            if not isinstance(out, torch.Tensor) or out.device.type != "cpu" \
+                    or not out.is_contiguous():
+                raise InvalidInput(f"{where}: read_into needs a contiguous CPU tensor to fill",
+                                   collection=self.collection, tensor=name)
+            if str(out.dtype).removeprefix("torch.") != row.dtype \
+                    or tuple(out.shape) != tuple(row.shape):
+                raise InvalidInput(
+                    f"{where}: stored as {row.dtype}{list(row.shape)}, the buffer is "
+                    f"{str(out.dtype).removeprefix('torch.')}{list(out.shape)}",
+                    collection=self.collection, tensor=name, version=self.version)
+            pairs.append((row, out))
+        flat = [(row, out.detach().reshape(-1).view(torch.uint8).numpy()) for row, out in pairs]
+        left = {r.name for r in self._db._read_into(self.collection, flat, verify=self._verify)}
+        total = 0
+        for row, out in pairs:
+            if row.name in left:
+                with torch.no_grad():
+                    out.copy_(self[row.name])
+            total += row.nbytes
+        return total
 
     def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
         """name -> (dtype, shape, nbytes), without mapping anything."""

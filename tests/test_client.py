@@ -107,6 +107,65 @@ def test_versions_are_consecutive_and_unchanged_tensors_share(db: tensordb.Datab
     assert db.history("v")[0].message == "two"
 
 
+def test_unchanged_detection_is_exact_beyond_the_sampled_bytes(db: tensordb.Database) -> None:
+    # a changed tensor is told apart from the head's by a few sampled bytes first (start,
+    # middle, end); one whose change lies elsewhere must still be stored, and an equal
+    # one still shared
+    base = torch.arange(4096, dtype=torch.float32)
+    db.commit("s", {"same": base.clone(), "inner": base.clone(), "edge": base.clone(),
+                    "tiny": torch.ones(3)})
+    inner = base.clone()
+    inner[100] = -1.0  # away from bytes 0..63, the middle 64 and the last 64
+    edge = base.clone()
+    edge[-1] = -1.0
+    c = db.commit("s", {"same": base.clone(), "inner": inner, "edge": edge,
+                        "tiny": torch.ones(3)})
+    assert c.written == 2 and c.nbytes == 3 * 4096 * 4 + 12
+    with db.snapshot("s") as snap:
+        assert torch.equal(snap["inner"], inner) and torch.equal(snap["edge"], edge)
+    cid = db.catalog.require("s").id
+    r1 = {r.name: r for r in db.catalog.manifest(cid, 1)}
+    r2 = {r.name: r for r in db.catalog.manifest(cid, 2)}
+    assert r1["same"].segment_id == r2["same"].segment_id
+    assert r1["tiny"].segment_id == r2["tiny"].segment_id
+    assert r1["inner"].segment_id != r2["inner"].segment_id
+
+
+def test_host_commits_skip_the_catalog_fsync_disk_commits_keep_it(
+        db: tensordb.Database) -> None:
+    from sqlalchemy import event
+
+    if db._engine.dialect.name != "sqlite":
+        pytest.skip("the synchronous pragma is the embedded catalog's")
+    seen: list[str] = []
+
+    def on_exec(conn, cursor, statement, *rest):  # type: ignore[no-untyped-def]
+        if statement.startswith("PRAGMA synchronous"):
+            seen.append(statement)
+
+    event.listen(db._engine, "before_cursor_execute", on_exec)
+    try:
+        db.commit("d", {"a": torch.ones(4)}, tier="host")
+        host = list(seen)
+        seen.clear()
+        db.commit("d", {"a": torch.zeros(4)}, tier="disk")
+        disk = list(seen)
+    finally:
+        event.remove(db._engine, "before_cursor_execute", on_exec)
+    assert host == ["PRAGMA synchronous=NORMAL"]
+    assert disk == [f"PRAGMA synchronous={db.config.sqlite_synchronous.upper()}"]
+
+
+def test_prefault_bad_sizes_rejected(db: tensordb.Database) -> None:
+    for bad in (-1, "1", 1.5, True, None):
+        with pytest.raises(InvalidInput, match="nbytes"):
+            db.prefault(bad)  # type: ignore[arg-type]
+    db.prefault(0)  # nothing to do
+    db.prefault(1000)
+    c = db.commit("p", {"t": torch.ones(250)})  # fits the spare
+    assert c.written == 1
+
+
 def test_transaction_put_delete_and_abort(db: tensordb.Database) -> None:
     with db.transaction("tx", message="m") as tx:
         tx.put("a", torch.ones(2))
@@ -433,3 +492,59 @@ def test_put_raw_fills_the_extent_in_place(db: tensordb.Database, tmp_path) -> N
             tx.put_raw("bad", "float32", (4,), lambda dst: (_ for _ in ()).throw(RuntimeError("io")))
     assert [c.version for c in db.history("raw")] == [1]
     assert db.gc().orphans_reclaimed == 0 and db.verify() == []
+
+
+def test_snapshot_read_into_fills_caller_buffers(db: tensordb.Database) -> None:
+    # large enough to be read in several pieces on the I/O pool, plus odd sizes and dtypes
+    sd = {"big": torch.randn(5_000_000),
+          "half": torch.randn(33, 17).to(torch.bfloat16),
+          "flags": torch.tensor([True, False, True]),
+          "scalar": torch.tensor(3.5, dtype=torch.float64),
+          "empty": torch.empty(0, 4)}
+    db.commit("ri", sd)
+    outs = {n: torch.zeros_like(t) for n, t in sd.items()}
+    with db.snapshot("ri", verify=True) as snap:
+        n = snap.read_into(outs)
+        assert snap.read_into({"half": outs["half"]}) == sd["half"].nbytes
+    assert n == sum(t.nbytes for t in sd.values())
+    for name, t in sd.items():
+        assert torch.equal(outs[name], t), name
+
+
+def test_snapshot_read_into_bad_buffers_write_nothing(db: tensordb.Database) -> None:
+    db.commit("rb", {"a": torch.ones(8), "b": torch.ones(2, 3)})
+    with db.snapshot("rb") as snap:
+        good = torch.zeros(8)
+        cases = [({"a": good, "zz": torch.zeros(8)}, NotFound),
+                 ({"a": good, "b": torch.zeros(3, 2)}, InvalidInput),
+                 ({"a": good, "b": torch.zeros(2, 3, dtype=torch.float64)}, InvalidInput),
+                 ({"a": good, "b": torch.zeros(3, 2).t()}, InvalidInput),
+                 ({"a": good, "b": [0.0] * 6}, InvalidInput),
+                 ([good], InvalidInput)]
+        for outs, err in cases:
+            with pytest.raises(err):
+                snap.read_into(outs)  # type: ignore[arg-type]
+            assert torch.equal(good, torch.zeros(8))  # untouched: checked before any read
+    with pytest.raises(StoreClosed):
+        snap.read_into({"a": good})
+
+
+def test_snapshot_read_into_verifies(db: tensordb.Database) -> None:
+    db.commit("rv", {"a": torch.ones(1024), "b": torch.zeros(1024)})
+    (sid,) = list(db.tier("host").segments())
+    with open(db.tier("host").path(sid), "r+b") as fh:
+        fh.seek(10)
+        byte = fh.read(1)
+        fh.seek(10)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    out = torch.empty(1024)
+    with db.snapshot("rv") as snap:
+        snap.read_into({"a": out})  # unverified: the flipped byte comes through
+    assert not torch.equal(out, torch.ones(1024))
+    with db.snapshot("rv", verify=True) as snap:
+        with pytest.raises(tensordb.errors.CorruptData) as info:
+            snap.read_into({"a": torch.empty(1024)})
+        assert info.value.tensor == "a"
+        b = torch.ones(1024)
+        snap.read_into({"b": b})
+        assert torch.equal(b, torch.zeros(1024))

@@ -343,13 +343,15 @@ class Catalog:
 
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
-               message: str | None, meta: dict[str, str] | None = None) -> Commit:
+               message: str | None, meta: dict[str, str] | None = None, *,
+               durable: bool = True) -> Commit:
         """Publish a new version in one SQL transaction.
 
         ``base`` is the head the transaction started from; if the head moved since, the
         commit still lands unless a name it touches (put, unchanged put or delete) was
         written or deleted after ``base``: then CommitConflict. ``segment`` is (id, tier,
-        nbytes) of the bytes already written for ``puts``.
+        nbytes) of the bytes already written for ``puts``. ``durable=False`` skips the
+        embedded catalog's fsync, for a segment on a tier that a reboot clears anyway.
 
         A lost catalog connection is retried (``_retry``); the commit carries an id of
         its own, and a retry whose first attempt did land returns that commit instead of
@@ -367,7 +369,7 @@ class Catalog:
                 if landed is not None:
                     return landed
             return self._commit(name, base, puts, unchanged, deletes, segment, message,
-                                meta, txn_id)
+                                meta, txn_id, durable)
 
         return retry_call(self.retry_seconds, once)
 
@@ -378,10 +380,11 @@ class Catalog:
 
     def _commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: list[str],
                 deletes: list[str], segment: tuple[str, str, int] | None,
-                message: str | None, meta: dict[str, str] | None, txn_id: str) -> Commit:
+                message: str | None, meta: dict[str, str] | None, txn_id: str,
+                durable: bool) -> Commit:
         touched = {p.name for p in puts} | set(unchanged) | set(deletes)
         now = _now()
-        with write_conn(self.engine) as conn:
+        with write_conn(self.engine, durable=durable) as conn:
             info = self._info(conn, name, lock=True)
             if info is None:
                 _insert_ignore(conn, collections, {"name": name, "head": 0, "created_at": now})

@@ -51,7 +51,15 @@ def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
         def _on_begin(conn: Connection) -> None:
             # a writer takes the write lock up front: a deferred transaction that later
             # wants to write can fail with SQLITE_BUSY instead of waiting its turn
-            immediate = conn.get_execution_options().get("tensordb_write", False)
+            opts = conn.get_execution_options()
+            immediate = opts.get("tensordb_write", False)
+            if immediate and sync in ("FULL", "EXTRA"):
+                # a commit whose bytes went to a tier that does not survive a reboot
+                # (host shared memory) needs no fsync of its catalog row either: WAL with
+                # synchronous=NORMAL stays atomic and survives a process crash, and after
+                # a power loss the version it would keep is gone with its bytes anyway
+                durable = opts.get("tensordb_durable", True)
+                conn.exec_driver_sql(f"PRAGMA synchronous={sync if durable else 'NORMAL'}")
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         if path:
@@ -67,10 +75,14 @@ def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
 
 
 @contextmanager
-def write_conn(engine: Engine) -> Iterator[Connection]:
-    """A connection in a write transaction (BEGIN IMMEDIATE on SQLite), committed on exit."""
+def write_conn(engine: Engine, *, durable: bool = True) -> Iterator[Connection]:
+    """A connection in a write transaction (BEGIN IMMEDIATE on SQLite), committed on exit.
+
+    ``durable=False`` (SQLite): the commit is not fsynced, for rows that describe bytes
+    which do not outlive a reboot themselves; it stays atomic and crash-safe.
+    """
     with engine.connect() as conn:
-        conn = conn.execution_options(tensordb_write=True)
+        conn = conn.execution_options(tensordb_write=True, tensordb_durable=durable)
         with conn.begin():
             yield conn
 
