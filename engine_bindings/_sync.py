@@ -37,7 +37,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 import tensordb
@@ -74,14 +73,6 @@ def _identities(snap: tensordb.Snapshot) -> dict[str, _Ident]:
     info = snap.info()
     return {n: (sid, off, csum, info[n][0], info[n][1])
             for n, (sid, off, csum) in snap.extents().items()}
-
-
-def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """A byte copy between contiguous host tensors of one dtype: numpy's copy is a plain
-    memcpy that releases the GIL, about twice torch's ``copy_`` on a host."""
-    if dst.numel():
-        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(),
-                  src.reshape(-1).view(torch.uint8).numpy())
 
 
 # -- the updater ------------------------------------------------------------------------
@@ -241,7 +232,6 @@ class WeightUpdater:
             return UpdateReport(snap.version, [], len(targets), 0,
                                 time.perf_counter() - t0, previous), False
         names = self._plan(snap, targets)
-        stored = snap.state_dict()
         idents = _identities(snap)
         old = self._idents
         changed = [n for n in names
@@ -256,12 +246,13 @@ class WeightUpdater:
                 todo.append(n)
         if self.mode == "copy":
             try:
-                copied = self._copy(todo, targets, stored)
+                copied = self._copy(todo, targets, snap)
             except BaseException:
                 self.invalidate()  # part copied: the module holds no one version now
                 raise
         else:
             copied = 0
+            stored = snap.state_dict()
             with torch.no_grad():
                 for n in todo:
                     targets[n].data = stored[n]
@@ -294,32 +285,39 @@ class WeightUpdater:
         # tensors and their mappings go when the close is done, in that thread
 
     def _copy(self, names: list[str], targets: dict[str, torch.Tensor],
-              stored: dict[str, torch.Tensor]) -> int:
-        """Copy in buckets of about ``bucket_bytes``; a bucket's device copies are
-        queued without waiting and synchronised once at the bucket's end."""
+              snap: tensordb.Snapshot) -> int:
+        """Copy in buckets of about ``bucket_bytes``. Host tensors of the stored dtype
+        are filled by ``Snapshot.read_into`` (kernel reads from the tier in parallel:
+        the new version is never mapped here, so its pages cost no faults); the rest
+        copy from the zero-copy views, a bucket's device copies queued without waiting
+        and synchronised once at the bucket's end."""
         copied = 0
         bucket: list[str] = []
         size = 0
+        info = snap.info()
 
         def flush() -> None:
             devices = set()
+            direct: dict[str, torch.Tensor] = {}
             with torch.no_grad():
                 for n in bucket:
-                    dst, src = targets[n].detach(), stored[n]
-                    if (dst.device.type == "cpu" and dst.dtype == src.dtype
-                            and dst.is_contiguous() and src.is_contiguous()):
-                        _memcpy(dst, src)
+                    dst = targets[n].detach()
+                    if (dst.device.type == "cpu" and dst.is_contiguous()
+                            and str(dst.dtype).removeprefix("torch.") == info[n][0]):
+                        direct[n] = dst
                         continue
-                    dst.copy_(src, non_blocking=dst.device.type == "cuda")
+                    dst.copy_(snap[n], non_blocking=dst.device.type == "cuda")
                     if dst.device.type == "cuda":
                         devices.add(dst.device)
+                if direct:
+                    snap.read_into(direct)
             for d in devices:  # the source pages may be dropped once the bucket is done
                 torch.cuda.synchronize(d)
 
         for n in names:
             bucket.append(n)
-            size += stored[n].nbytes
-            copied += stored[n].nbytes
+            size += info[n][2]
+            copied += info[n][2]
             if size >= self.bucket_bytes:
                 flush()
                 bucket, size = [], 0
