@@ -267,6 +267,13 @@ def test_lapsed_heartbeat_marks_node_down(cluster: Cluster) -> None:
     assert "brief" not in directory.live()
     assert "brief" in directory.mark_lapsed()
     assert directory.node("brief").state == "down"
+    # with so short a lapse the real node servers (heartbeat every 0.5 s) were marked
+    # down too: their next heartbeat brings them back, before the next test runs
+    running = {n for n, node in cluster.nodes.items() if node.proc.poll() is None}
+    deadline = time.monotonic() + 10
+    while not running <= set(NodeDirectory(cluster.db("a").catalog.engine).live()):
+        assert time.monotonic() < deadline, "a node server did not come back up"
+        time.sleep(0.05)
 
 
 def test_kv_blocks_by_key_from_another_node(cluster: Cluster) -> None:
