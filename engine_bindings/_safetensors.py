@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+import storage_engine as se
 import tensordb
 from tensordb.errors import CorruptData, InvalidInput
 
@@ -364,18 +365,24 @@ def _progress(enabled: bool | None, total: int, label: str) -> Iterator[Callable
 
 # -- import ----------------------------------------------------------------------------
 def _reader(fd: int, offset: int, nbytes: int, path: Path, name: str,
-            advance: Callable[[int], None], chunk: int) -> Callable[[Any], None]:
-    def fill(dst: Any) -> None:
+            advance: Callable[[int], None], chunk: int) -> Callable[[Any], str]:
+    # pieces of half an L2: each is hashed right after the kernel wrote it, from cache
+    piece = min(chunk, se.HASH_PIECE)
+
+    def fill(dst: Any) -> str:
         # straight from the page cache (or disk) into the extent; preadv releases the GIL
         view = memoryview(dst)
+        h = se.Hasher()
         done = 0
         while done < nbytes:
-            got = os.preadv(fd, [view[done : min(nbytes, done + chunk)]], offset + done)
+            got = os.preadv(fd, [view[done : min(nbytes, done + piece)]], offset + done)
             if got <= 0:
                 raise CorruptData(f"{path}: the file shrank while tensor {name!r} was read "
                                   f"({done:,} of {nbytes:,} bytes)", tensor=name)
+            h.update(view[done : done + got])
             done += got
             advance(got)
+        return h.hexdigest()
 
     return fill
 

@@ -5,7 +5,7 @@ Imports nothing else of tensordb. See ``_tier.Tier`` for the protocol every tier
 
 from __future__ import annotations
 
-from ._checksum import ALGORITHM, checksum, copy_and_checksum
+from ._checksum import ALGORITHM, HASH_PIECE, Hasher, checksum, copy_and_checksum
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, shm_root
 from ._gpu import GpuError, GpuTier, GpuView
@@ -32,6 +32,8 @@ __all__ = [
     "GpuError",
     "GpuTier",
     "GpuView",
+    "HASH_PIECE",
+    "Hasher",
     "HostTier",
     "SegmentMissing",
     "SegmentWriter",

@@ -17,8 +17,11 @@ __all__ = ["ALIGN", "pack", "fill_segment", "Source", "io_pool"]
 ALIGN = 64
 
 #: a source is the tensor's bytes as a uint8 array, or a function that writes them into
-#: the destination it is given (used for non-contiguous tensors: one strided copy)
-Source = np.ndarray | Callable[[np.ndarray], None]
+#: the destination it is given (used for non-contiguous tensors: one strided copy, and by
+#: loaders reading files into the extent). A function may return the checksum of what it
+#: wrote (``Hasher`` over the bytes, fed while they were in cache); else they are hashed
+#: after it returns
+Source = np.ndarray | Callable[[np.ndarray], str | None]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -47,8 +50,8 @@ def pack(sizes: Sequence[int]) -> tuple[list[int], int]:
 def _fill_one(dst: np.ndarray, src: Source) -> str:
     if isinstance(src, np.ndarray):
         return copy_and_checksum(dst, src)
-    src(dst)
-    return checksum(dst)
+    got = src(dst)
+    return got if isinstance(got, str) else checksum(dst)
 
 
 def fill_segment(writer: SegmentWriter, sources: Sequence[Source], offsets: Sequence[int],

@@ -58,7 +58,7 @@ class RawPut:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-    fill: Callable[[np.ndarray], None]
+    fill: Callable[[np.ndarray], str | None]
 
 
 def source(t: torch.Tensor | RawPut) -> se.Source:
@@ -132,11 +132,13 @@ class Transaction:
         self._deletes.discard(name)
 
     def put_raw(self, name: str, dtype: torch.dtype | str, shape: Iterable[int],
-                fill: Callable[[np.ndarray], None]) -> None:
+                fill: Callable[[np.ndarray], str | None]) -> None:
         """Put a tensor whose bytes ``fill(dst)`` writes into ``dst`` (a uint8 array of
         exactly the tensor's size, in the store) when the block ends: copy-once loaders
         read files straight into the extent (``os.preadv`` releases the GIL). ``fill``
-        may run on a pool thread, beside the fills of other tensors."""
+        may run on a pool thread, beside the fills of other tensors. If it returns a str,
+        that is taken as the checksum of what it wrote (``storage_engine.Hasher`` fed
+        piece by piece while the bytes were in cache); else the store hashes them."""
         self._check()
         check_name("tensor", name, collection=self.collection)
         dt = torch_dtype(dtype) if isinstance(dtype, str) and dtype in DTYPES else dtype

@@ -548,3 +548,30 @@ def test_snapshot_read_into_verifies(db: tensordb.Database) -> None:
         b = torch.ones(1024)
         snap.read_into({"b": b})
         assert torch.equal(b, torch.zeros(1024))
+
+
+def test_put_raw_fill_may_hand_back_its_checksum(db: tensordb.Database) -> None:
+    import storage_engine as se
+
+    data = torch.arange(300_000, dtype=torch.float32)  # several hash pieces
+    raw = data.numpy().view(np.uint8)
+
+    def fill(dst: np.ndarray) -> str:
+        h = se.Hasher()
+        for lo in range(0, raw.size, se.HASH_PIECE):
+            dst[lo : lo + se.HASH_PIECE] = raw[lo : lo + se.HASH_PIECE]
+            h.update(dst[lo : lo + se.HASH_PIECE])
+        return h.hexdigest()
+
+    def lying(dst: np.ndarray) -> str:
+        dst[:] = raw
+        return "0" * 16
+
+    with db.transaction("hb") as tx:
+        tx.put_raw("ok", "float32", (300_000,), fill)
+        tx.put_raw("bad", "float32", (300_000,), lying)
+    assert torch.equal(db.get("hb", "ok", verify=True), data)
+    # the checksum handed back is what is recorded: a wrong one is caught on read
+    assert [p.tensor for p in db.verify()] == ["bad"]
+    with pytest.raises(tensordb.errors.CorruptData):
+        db.get("hb", "bad", verify=True)
