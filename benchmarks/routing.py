@@ -368,6 +368,8 @@ def print_real(out: dict[str, Any]) -> None:
     print(f"  all instances prefilling at once: {m.get('contended_prefill', 0) * 1e3:.1f} ms "
           f"for the longest point -> contention {k['contention']:.2f} (a prefill's time "
           f"grows by that fraction per other instance prefilling)")
+    print(f"  a request beyond its prefill (router -> instance hand-off, bookkeeping), "
+          f"end to end with nothing queued: {m.get('dispatch_overhead', 0) * 1e3:.2f} ms")
     print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
           f"{'hit':>5} {'migr':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} {'migr':>4} | "

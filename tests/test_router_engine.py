@@ -225,6 +225,34 @@ def test_fit_recovers_the_cost_model() -> None:
         fit_costs({"prefill": grid[:3]}, cfg)
 
 
+def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None:
+    import dataclasses
+    from types import SimpleNamespace
+
+    from engine_bindings.router._calibrate import dispatch_overhead
+
+    cfg = EngineConfig(block_tokens=32, cache_blocks=100)
+    costs = Costs(prefill_per_token=1e-4, request_overhead=1e-3, block_tokens=32,
+                  cache_capacity_blocks=100)
+    seen: list[tuple[int, str]] = []
+
+    def run(requests, policy):  # type: ignore[no-untyped-def]
+        # the "real" engine: the simulator's times plus 3 ms on most requests, one outlier
+        seen.append((len(requests), policy))
+        recs = simulate(requests, policy, instances=2, costs=costs, cache_output=False).records
+        late = [dataclasses.replace(r, ttft=r.ttft + (0.003 if i else 0.5))
+                for i, r in enumerate(recs)]
+        return SimpleNamespace(records=late)
+
+    fake = SimpleNamespace(cfg=cfg, n=2, run=run)
+    assert math.isclose(dispatch_overhead(fake, costs), 0.003, rel_tol=1e-9)
+    assert seen == [(12, "round_robin")]
+    faster = SimpleNamespace(cfg=cfg, n=2, run=lambda reqs, pol: SimpleNamespace(records=[
+        dataclasses.replace(r, ttft=r.ttft / 2) for r in simulate(
+            reqs, pol, instances=2, costs=costs, cache_output=False).records]))
+    assert dispatch_overhead(faster, costs) == 0.0  # never negative
+
+
 def test_calibrated_simulator_hand_checked_schedule() -> None:
     """Two instances on one core (processor sharing: two prefills at once each run at
     half speed, contention 1), blocks of 10 tokens; costs (ms): overhead 1, per token

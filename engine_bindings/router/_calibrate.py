@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ._cluster import Cluster
     from ._engine import Engine, EngineConfig
 
-__all__ = ["calibrate", "fit_costs", "measure_engine", "recalibrate"]
+__all__ = ["calibrate", "dispatch_overhead", "fit_costs", "measure_engine", "recalibrate"]
 
 
 def _timed(fn: Any, reps: int) -> float:
@@ -182,7 +182,31 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
                   if cluster.n > 1 else 0.0)
     costs = fit_costs(m, cluster.cfg, contention)
     m["fit_max_rel_error"] = fit_error(m, costs)
+    extra = dispatch_overhead(cluster, costs)
+    m["dispatch_overhead"] = extra
+    costs = dataclasses.replace(costs, request_overhead=costs.request_overhead + extra)
     return costs, m
+
+
+def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
+                      spacing: float = 0.05) -> float:
+    """What a request costs beyond its prefill, measured end to end: a few requests
+    that never queue (``spacing`` apart, round robin, fresh sessions: nothing cached)
+    through the router into the instance processes, their real TTFT against the
+    simulator's for the same requests with ``costs``. The median difference (never
+    below 0) is the hand-off from the router to an instance's worker thread and the
+    engine's bookkeeping around the prefill, which the prefill grid does not see."""
+    from ._policy import Request
+    from ._sim import simulate
+
+    bt = cluster.cfg.block_tokens
+    sizes = (2 * bt + 5, 5 * bt + 3, 9 * bt + 1)
+    probe = [Request(f"calibration-{i}", i * spacing, sizes[i % len(sizes)])
+             for i in range(requests)]
+    real = cluster.run(probe, "round_robin").records
+    sim = simulate(probe, "round_robin", instances=cluster.n, costs=costs,
+                   shared_store=cluster.cfg.use_store, cache_output=False).records
+    return max(0.0, statistics.median(r.ttft - s.ttft for r, s in zip(real, sim)))
 
 
 def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any]
