@@ -4,8 +4,8 @@ What it measures (one throwaway PostgreSQL catalog, node servers as processes):
 
 * ``tcp``: the physical limit of this host's loopback, same run: a sender process writes
   ``--gib`` GiB from a buffer into a plain TCP socket; this process ``recv_into``s them
-  straight into a fresh shared-memory file (as a replica is written). GB/s, best of
-  ``--reps``;
+  straight into a shared-memory file allocated and faulted in before the clock starts
+  (as a node's spare is). GB/s, best of ``--reps``;
 * ``memcpy``: numpy copy of the same bytes (the ceiling under both);
 * ``transfer``: node b is told (Flight action ``pull``) to fetch a ``--gib`` GiB segment
   node a wrote: streamed over Arrow Flight into b's host tier, every extent's xxh3
@@ -16,6 +16,10 @@ What it measures (one throwaway PostgreSQL catalog, node servers as processes):
   ``db.replicate`` (every holder serves one more node per round: ceil(log2(N+1))
   rounds), (b) one source sending to each target in turn (what a user scripting
   ``scp``-like copies from the writer would do). Seconds, best of ``--reps``.
+
+Receiving nodes run with ``tensordb serve --spare-bytes`` (a pre-faulted spare for
+incoming replicas) and each timed transfer waits until their spares are refilled: the
+TCP baseline's destination is likewise allocated and faulted in before its clock starts.
 
 All processes share this host's cores: on a machine with few of them, the cascade's
 parallel rounds compete for the same CPUs, so its gain over one source understates what
@@ -74,7 +78,8 @@ def tcp_sender(port: int, nbytes: int, reps: int) -> None:
 
 
 def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
-    """Seconds per ``nbytes`` received into a fresh shared-memory file over loopback."""
+    """Seconds per ``nbytes`` received over loopback into a shared-memory file faulted in
+    beforehand."""
     with socket.socket() as ls:
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
@@ -89,6 +94,7 @@ def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
             os.posix_fallocate(fd, 0, nbytes)
             mm = mmap.mmap(fd, nbytes)
             os.close(fd)
+            np.frombuffer(mm, np.uint8)[:: mmap.PAGESIZE] = 0  # faulted in, as a spare is
             view = memoryview(mm)
             t0 = time.perf_counter()
             conn.send(b"g")
@@ -110,12 +116,13 @@ def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
 Nodes = dict[str, tuple[subprocess.Popen[str], str]]  # name -> (process, address)
 
 
-def start_nodes(url: str, root: str, names: list[str]) -> Nodes:
+def start_nodes(url: str, root: str, names: list[str], spare: dict[str, int]) -> Nodes:
+    """Node servers; ``spare``: the pre-faulted spare each receiving node keeps."""
     procs = {}
     for n in names:
         cmd = [sys.executable, "-m", "tensordb.cli", "--home", f"{root}/{n}", "serve",
                "--catalog", url, "--node", n, "--data-dir", f"{root}/{n}/data", "--port", "0",
-               "--token", TOKEN]
+               "--token", TOKEN, "--spare-bytes", str(spare.get(n, 0))]
         procs[n] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     out = {}
     deadline = time.monotonic() + 300
@@ -128,6 +135,24 @@ def start_nodes(url: str, root: str, names: list[str]) -> Nodes:
                 out[n] = (p, json.loads(p.stdout.readline())["address"])
                 break
     return out
+
+
+def await_spares(client: FlightTransport, nodes: Nodes, names: list[str], need: int,
+                 timeout: float = 120.0) -> None:
+    """Wait until each of ``names`` has a pre-faulted spare of ``need`` bytes again (the
+    node refills it in the background after a pull used it), as the TCP baseline's
+    destination is faulted in before its clock starts."""
+    deadline = time.monotonic() + timeout
+    for n in names:
+        while client.ping(n, nodes[n][1]).get("spare_ready", 0) < need:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {n} did not refill its spare in {timeout:g} s")
+            time.sleep(0.05)
+
+
+def spare_for(nbytes: int) -> int:
+    """A spare that holds a segment of ``nbytes`` of tensors (extent padding, slack)."""
+    return nbytes + max(1 << 20, nbytes >> 8)
 
 
 def stop_nodes(nodes: Nodes) -> None:
@@ -183,7 +208,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         a = None
         try:
             tensordb.connect(url, node="setup", home=f"{root}/setup").close()
-            nodes = start_nodes(url, root, ["a", "b", *targets])
+            nodes = start_nodes(url, root, ["a", "b", *targets],
+                                {"b": spare_for(nbytes),
+                                 **{t: spare_for(fan_bytes) for t in targets}})
             a = tensordb.connect(url, node="a", home=f"{root}/a", data_dir=f"{root}/a/data",
                                  token=TOKEN)
             directory = NodeDirectory(a.catalog.engine)
@@ -193,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.reps):
                 for key, streams in (("transfer_s", None), ("transfer_1stream_s", 1)):
                     forget(directory, root, url, seg, ["b"])
+                    await_spares(client, nodes, ["b"], nbytes)
                     t0 = time.perf_counter()
                     client.request_pull("b", nodes["b"][1], [seg], "a", streams=streams)
                     res[key].append(time.perf_counter() - t0)
@@ -201,11 +229,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["cascade_s"], res["sequential_s"] = [], []
             for _ in range(args.reps):
                 forget(directory, root, url, fan, targets)
+                await_spares(client, nodes, targets, fan_bytes)
                 t0 = time.perf_counter()
                 a.replicate("fan", to=targets)
                 res["cascade_s"].append(time.perf_counter() - t0)
                 res["cascade_rounds"] = len(a.last_replication.rounds)
                 forget(directory, root, url, fan, targets)
+                await_spares(client, nodes, targets, fan_bytes)
                 t0 = time.perf_counter()
                 for t in targets:
                     client.request_pull(t, nodes[t][1], [fan], "a")

@@ -364,6 +364,12 @@ class HostTier(FileTier):
         if wait:
             pending.result()
 
+    def spare_ready(self) -> int:
+        """Bytes of the pre-faulted spare ready now (0: none, or still being faulted)."""
+        with self._lock:
+            return self._spare[3] if self._spare is not None and os.getpid() == self._pid \
+                else 0
+
     def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
         if os.getpid() != self._pid:  # a forked child does not own its parent's spare
             self._spare, self._pending, self._pool, self._pid = None, None, None, os.getpid()

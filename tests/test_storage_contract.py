@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import stat
 from pathlib import Path
 
@@ -116,6 +117,21 @@ class TestHostTier(TierContract):
         assert bytes(tier.open("fromspare")[:3]) == b"qqq"
         tier.close()
         assert not [n for n in os.listdir(tier.root) if n.startswith("spare-")]
+
+    def test_spare_ready_says_what_the_next_segment_can_take(self, tmp_path: Path) -> None:
+        tier = se.HostTier(tmp_path / "ready")
+        assert tier.spare_ready() == 0
+        tier.prefault(2 << 20)  # waits for it
+        assert tier.spare_ready() == 2 << 20
+        w = self._write(tier, b"r" * 4096, "taken")
+        assert tier.spare_ready() == 0  # the segment took it
+        w.release()  # a tier with spare_bytes refills in the background after a release
+        deadline = time.monotonic() + 30
+        while tier.spare_ready() < 2 << 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tier.close()
+        assert tier.spare_ready() == 0
 
 
 class TestDiskTier(TierContract):

@@ -67,12 +67,15 @@ class Cluster:
         return self.clients[name]
 
 
-def _spawn(url: str, name: str, root: Path, env: dict[str, str]) -> Node:
+SPARE = 4 << 20  # node b keeps a pre-faulted spare this large for incoming replicas
+
+
+def _spawn(url: str, name: str, root: Path, env: dict[str, str], *extra: str) -> Node:
     home = root / name
     home.mkdir(parents=True)
     cmd = [sys.executable, "-m", "tensordb.cli", "--home", str(home), "serve",
            "--catalog", url, "--node", name, "--data-dir", str(home / "data"), "--port", "0",
-           "--token", TOKEN, "--metrics-port", "0", "--heartbeat", "0.5"]
+           "--token", TOKEN, "--metrics-port", "0", "--heartbeat", "0.5", *extra]
     with open(home / "serve.log", "w") as log:  # read when a test fails
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     return Node(name, home, home / "data", proc)
@@ -108,7 +111,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = {**os.environ, "TENSORDB_KV_CAPACITY": str(16 << 20)}
     base.pop(THROTTLE_ENV, None)
     tensordb.connect(url, node="setup", home=root / "setup").close()  # migrate once
-    nodes = {n: _spawn(url, n, root, base) for n in ("a", "b")}
+    nodes = {"a": _spawn(url, "a", root, base),
+             "b": _spawn(url, "b", root, base, "--spare-bytes", str(SPARE))}
     nodes["c"] = _spawn(url, "c", root, {**base, THROTTLE_ENV: str(THROTTLE)})
     cl = Cluster(url, nodes, {})
     try:
@@ -190,6 +194,33 @@ def test_commit_on_one_node_read_on_another(cluster: Cluster) -> None:
     assert "tensordb_transfer_seconds_bucket" in body and "tensordb_leases" in body
     # served locally from then on: the bytes come from b's own tier
     assert b.tier("host").open(seg) is not None
+
+
+def _spare_ready(cluster: Cluster, node: str, at_least: int) -> int:
+    transport = FlightTransport(TOKEN, timeout=10)
+    try:
+        deadline = time.monotonic() + 60
+        while (ready := transport.ping(node, cluster.nodes[node].address)["spare_ready"]) \
+                < at_least and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return ready
+    finally:
+        transport.close()
+
+
+def test_node_server_keeps_a_spare_for_replicas(cluster: Cluster) -> None:
+    a = cluster.db("a")
+    assert _spare_ready(cluster, "b", SPARE) == SPARE
+    assert _spare_ready(cluster, "a", 0) == 0  # started without one
+    x = torch.randn(512, 1024)  # 2 MiB: fits the spare
+    a.commit("spare-use", {"x": x})
+    a.replicate("spare-use", to=["b"])
+    # the replica landed in b's spare, renamed into place; b refills it in the background
+    (seg,) = {r for r, _ in NodeDirectory(a.catalog.engine).version_segments(
+        a.catalog.require("spare-use").id, 1)}
+    assert "b" in NodeDirectory(a.catalog.engine).holders(seg)
+    assert _spare_ready(cluster, "b", SPARE) == SPARE
+    assert torch.equal(cluster.db("b").get("spare-use", "x"), x)
 
 
 def test_replicate_is_a_cascade(cluster: Cluster) -> None:

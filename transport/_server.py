@@ -126,7 +126,10 @@ class NodeServer(fl.FlightServerBase):
         def run() -> dict[str, Any]:
             body = self._request(action.body.to_pybytes() if action.body else b"")
             if kind == "ping":
-                return {"node": self.node, "tiers": sorted(self.tiers), "pid": os.getpid()}
+                host = self.tiers.get("host")
+                spare = host.spare_ready() if isinstance(host, se.HostTier) else 0
+                return {"node": self.node, "tiers": sorted(self.tiers), "pid": os.getpid(),
+                        "spare_ready": spare}
             if kind == "pull":
                 return self._pull(body)
             raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
