@@ -455,15 +455,16 @@ def test_stop_leaves_no_threads_and_is_idempotent(
         started = time.monotonic()
     assert time.monotonic() - started < 5  # a retry waiting 30 s does not hold up stop
     assert not runner.running and not runner.is_leader
-    assert set(threading.enumerate()) == before
+    # none left behind (a thread of the store's that was ending at "before" may be gone)
+    assert set(threading.enumerate()) <= before
     runner.stop()
     runner.stop()
-    assert set(threading.enumerate()) == before
+    assert set(threading.enumerate()) <= before
     # and it can start again
     runner.start()
     assert runner.is_leader
     runner.stop()
-    assert set(threading.enumerate()) == before
+    assert set(threading.enumerate()) <= before
 
 
 def test_a_job_of_an_unknown_store_is_ignored() -> None:
