@@ -377,6 +377,17 @@ class HostTier(FileTier):
             raise ValueError("a segment holds at least one byte")
         self._check_capacity(nbytes)
         with self._lock:
+            ready, pending = self._spare, self._pending
+        if (ready is None or ready[3] < nbytes) and pending is not None \
+                and not pending.done() and nbytes <= self.spare_bytes <= 2 * nbytes:
+            # the spare is being refilled (a commit came right after the last one): a
+            # fresh file would fault in the same pages again, beside the refill and
+            # competing with it, so wait for the refill when it is mostly for us
+            try:
+                pending.result()
+            except Exception:  # a failed refill only costs speed: fall back below
+                pass
+        with self._lock:
             spare = self._spare
             if spare is not None and spare[3] >= nbytes:
                 self._spare = None

@@ -118,6 +118,29 @@ class TestHostTier(TierContract):
         tier.close()
         assert not [n for n in os.listdir(tier.root) if n.startswith("spare-")]
 
+    def test_a_commit_right_after_another_waits_for_the_refill(self, tmp_path: Path) -> None:
+        # back-to-back segments of the spare's size: the second takes the refilled spare
+        # instead of faulting a fresh file in beside the refill
+        tier = se.HostTier(tmp_path / "again", spare_bytes=8 << 20)
+        tier.prefault(8 << 20)
+        cold: list[int] = []
+        new_file = tier._new_file
+
+        def counting(path, nbytes, *, populate=True):  # type: ignore[no-untyped-def]
+            if populate:
+                cold.append(nbytes)
+            return new_file(path, nbytes, populate=populate)
+
+        tier._new_file = counting  # type: ignore[method-assign]
+        for i in range(3):
+            w = self._write(tier, bytes([i]) * (6 << 20), f"seg{i}")
+            w.release()  # starts the refill; the next create comes at once
+        assert cold == []
+        small = self._write(tier, b"s" * 100, "small")  # far smaller: does not wait
+        small.release()
+        assert [bytes(tier.open(f"seg{i}")[:1]) for i in range(3)] == [b"\0", b"\1", b"\2"]
+        tier.close()
+
     def test_spare_ready_says_what_the_next_segment_can_take(self, tmp_path: Path) -> None:
         tier = se.HostTier(tmp_path / "ready")
         assert tier.spare_ready() == 0
