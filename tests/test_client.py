@@ -575,3 +575,17 @@ def test_put_raw_fill_may_hand_back_its_checksum(db: tensordb.Database) -> None:
     assert [p.tensor for p in db.verify()] == ["bad"]
     with pytest.raises(tensordb.errors.CorruptData):
         db.get("hb", "bad", verify=True)
+
+
+def test_snapshot_read_into_follows_bytes_to_another_tier(db: tensordb.Database) -> None:
+    sd = {"w": torch.randn(300, 700), "b": torch.arange(7, dtype=torch.int32)}
+    db.commit("ev", sd)
+    with db.snapshot("ev", verify=True) as snap:
+        db.evict("ev")  # host -> disk while the snapshot holds the version
+        outs = {n: torch.empty_like(t) for n, t in sd.items()}
+        assert snap.read_into(outs) == sum(t.nbytes for t in sd.values())
+    assert all(torch.equal(outs[n], t) for n, t in sd.items())
+    with db.snapshot("ev") as snap:  # rows now name the disk tier
+        out = torch.empty_like(sd["w"])
+        snap.read_into({"w": out})
+    assert torch.equal(out, sd["w"])
