@@ -21,7 +21,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -244,8 +244,10 @@ class FileTier(Tier):
                 for job in jobs:
                     read(job)
             else:
-                for _ in io_pool().map(read, jobs):
-                    pass
+                futures = [io_pool().submit(read, job) for job in jobs]
+                wait(futures)  # every read over before an error surfaces (and fd closes)
+                for f in futures:
+                    f.result()
         finally:
             os.close(fd)
         return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -83,6 +83,7 @@ def fill_segment(writer: SegmentWriter, sources: Sequence[Source], offsets: Sequ
             out[i] = _fill_one(buf[o : o + sizes[i]], sources[i])
 
     futures = [pool.submit(run, b) for b in bins if b]
+    wait(futures)  # all done before any error surfaces: the caller may unmap the buffer
     for f in futures:
         f.result()
     return out
