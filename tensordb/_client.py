@@ -285,33 +285,43 @@ class Database:
         self._notifier.publish(collection, result.version)
         return result
 
-    _SAMPLE = 64  # bytes compared at each of a tensor's start, middle and end
+    _SAMPLE = 64  # bytes compared at a tensor's start, then at its middle and end
 
     def _sampled_equal(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow],
                        names: list[str]) -> list[str]:
-        """The names whose tensor may equal the head's: a few bytes at its start, middle
-        and end are compared with the head's extent first, so a changed tensor (every
-        tensor of a weight update) costs no full digest. Where the head's bytes are not
-        cheaply readable here, the name stays a candidate (the digest decides)."""
+        """The names whose tensor may equal the head's: a few bytes at its start (then,
+        for those equal there, at its middle and end) are compared with the head's
+        extent first, so a changed tensor (every tensor of a weight update) costs one
+        small read, no full digest. Where the head's bytes are not cheaply readable
+        here, the name stays a candidate (the digest decides)."""
+        k = self._SAMPLE
+        left = list(names)
+        for spots in ((0.0,), (0.5, 1.0)):
+            left = self._differ_at(puts, live, left, spots, k)
+        return left
+
+    def _differ_at(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow],
+                   names: list[str], spots: tuple[float, ...], k: int) -> list[str]:
+        """``names`` less those whose bytes differ from the head's at ``spots`` (0: the
+        start, 0.5: the middle, 1: the end; ``k`` bytes each)."""
         by_segment: dict[tuple[str, str], list[str]] = {}
         for n in names:
             row = live[n]
             if row.segment_id is not None and row.tier is not None \
-                    and puts[n].is_contiguous() and row.nbytes > 0:
+                    and row.tier in self._tiers and puts[n].is_contiguous() and row.nbytes > 0:
                 by_segment.setdefault((row.segment_id, row.tier), []).append(n)
         differ: set[str] = set()
-        k = self._SAMPLE
         for (segment_id, tier), group in by_segment.items():
             ranges: list[tuple[int, int]] = []
             spans: list[list[tuple[int, int]]] = []
             for n in group:
                 nb = live[n].nbytes
-                mine = sorted({(0, min(k, nb)), (max(0, nb // 2 - k // 2), min(k, nb)),
-                               (max(0, nb - k), min(k, nb))})
+                m = min(k, nb)
+                mine = sorted({(int((nb - m) * f), m) for f in spots})
                 spans.append(mine)
                 ranges.extend((live[n].offset + o, m) for o, m in mine)
             try:
-                got = self._store(tier).peek(segment_id, ranges) if tier in self._tiers else None
+                got = self._tiers[tier].peek(segment_id, ranges)
             except se.SegmentMissing:
                 got = None
             if got is None:
