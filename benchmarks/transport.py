@@ -7,6 +7,9 @@ What it measures (one throwaway PostgreSQL catalog, node servers as processes):
   straight into a shared-memory file allocated and faulted in before the clock starts
   (as a node's spare is). GB/s, best of ``--reps``;
 * ``memcpy``: numpy copy of the same bytes (the ceiling under both);
+* ``bare Flight``: a Flight server that only streams a shared-memory file the way a node
+  serves a segment, and a client that copies and hashes each chunk into pre-faulted
+  memory as a pull does: the ceiling of the transport itself on this host;
 * ``transfer``: node b is told (Flight action ``pull``) to fetch a ``--gib`` GiB segment
   node a wrote: streamed over Arrow Flight into b's host tier, every extent's xxh3
   checked, the replica registered in the catalog. Timed by the caller from request to
@@ -112,6 +115,76 @@ def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
     return times
 
 
+# -- bare Flight, the ceiling of the transport itself --------------------------------------
+def flight_sender(path: str) -> None:
+    """Child: serve the file at ``path`` over Flight as the node server's segment stream
+    does (same schema, same 4 MiB chunks of a copy-on-write mapping), nothing else; print
+    the port."""
+    import pyarrow.flight as fl
+
+    from transport._client import SEGMENT_SCHEMA, chunk_batch
+    from transport._server import CHUNK_BYTES
+
+    class Bare(fl.FlightServerBase):  # type: ignore[misc]
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            with open(path, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            view = memoryview(mm)
+            return fl.GeneratorStream(SEGMENT_SCHEMA, (
+                chunk_batch(view[lo : lo + CHUNK_BYTES])
+                for lo in range(0, len(view), CHUNK_BYTES)))
+
+    server = Bare("grpc+tcp://127.0.0.1:0")
+    print(server.port, flush=True)
+    server.serve()
+
+
+def measure_flight(nbytes: int, reps: int, shm: str) -> list[float]:
+    """Seconds per ``nbytes`` pulled by a bare Flight ``do_get`` (the client's channel
+    options) into a shared-memory file faulted in beforehand, each chunk copied and
+    hashed as a pull does: no catalog, no ping, no replica to register."""
+    import pyarrow.flight as fl
+    import xxhash
+
+    from transport._client import CHANNEL_OPTIONS
+
+    src = os.path.join(shm, "flight-src")
+    with open(src, "wb") as fh:
+        fh.write(np.random.default_rng(0).integers(0, 255, nbytes, np.uint8).tobytes())
+    child = subprocess.Popen([sys.executable, __file__, "--flight-sender", src],
+                             stdout=subprocess.PIPE, text=True)
+    times = []
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        client = fl.FlightClient(f"grpc+tcp://127.0.0.1:{port}",
+                                 generic_options=CHANNEL_OPTIONS)
+        dst = np.zeros(nbytes, np.uint8)  # faulted in, as a spare is
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            reader = client.do_get(fl.Ticket(b"all"))
+            pos = 0
+            h = xxhash.xxh3_64()
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                buf = np.frombuffer(chunk.data.column(0).buffers()[2], np.uint8)
+                out = dst[pos : pos + len(buf)]
+                np.copyto(out, buf)
+                h.update(out)
+                pos += len(buf)
+            times.append(time.perf_counter() - t0)
+            assert pos == nbytes
+        client.close()
+    finally:
+        child.kill()
+        child.wait()
+        os.unlink(src)
+    return times
+
+
 # -- node servers -------------------------------------------------------------------------
 Nodes = dict[str, tuple[subprocess.Popen[str], str]]  # name -> (process, address)
 
@@ -198,6 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shm = tempfile.mkdtemp(prefix="tensordb-bench-tcp-", dir="/dev/shm")
     try:
         res["tcp_s"] = measure_tcp(nbytes, args.reps, shm)
+        res["flight_bare_s"] = measure_flight(nbytes, args.reps, shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     targets = [f"t{i}" for i in range(1, args.targets + 1)]
@@ -261,6 +335,9 @@ def report(res: dict[str, Any]) -> None:
           f"best of {res['reps']}")
     print(f"  memcpy 1 thread            {mem:8.2f} GB/s   (ceiling)")
     print(f"  raw TCP socket copy        {tcp:8.2f} GB/s   (physical limit, same run)")
+    bare = n / min(res["flight_bare_s"]) / GB
+    print(f"  bare Flight do_get             {bare:8.2f} GB/s   = {bare / tcp:.2f} x raw TCP: "
+          f"the same stream and copy + hash, nothing else (the transport's own ceiling)")
     ratio = flight / tcp
     print(f"  node-to-node pull (Flight) {flight:8.2f} GB/s   = {ratio:.2f} x raw TCP "
           f"(goal >= {GOAL_VS_TCP}: {'met' if ratio >= GOAL_VS_TCP else 'NOT met'}); "
@@ -276,6 +353,9 @@ def report(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--flight-sender":
+        flight_sender(argv[1])
+        return 0
     if argv and argv[0] == "--tcp-sender":
         tcp_sender(int(argv[1]), int(argv[2]), int(argv[3]))
         return 0

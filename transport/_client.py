@@ -37,6 +37,7 @@ from tensordb.errors import (
 from ._auth import auth_headers, unauthorized
 
 __all__ = ["Transport", "FlightTransport", "KVBlock", "DEFAULT_TIMEOUT", "SEGMENT_SCHEMA",
+           "CHANNEL_OPTIONS",
            "chunk_batch", "error_kind", "raise_remote"]
 
 #: seconds a dead address or a stalled stream may take to fail (connect, ping, gap
