@@ -336,7 +336,7 @@ def report(res: dict[str, Any]) -> None:
     print(f"  memcpy 1 thread            {mem:8.2f} GB/s   (ceiling)")
     print(f"  raw TCP socket copy        {tcp:8.2f} GB/s   (physical limit, same run)")
     bare = n / min(res["flight_bare_s"]) / GB
-    print(f"  bare Flight do_get             {bare:8.2f} GB/s   = {bare / tcp:.2f} x raw TCP: "
+    print(f"  bare Flight do_get         {bare:8.2f} GB/s   = {bare / tcp:.2f} x raw TCP: "
           f"the same stream and copy + hash, nothing else (the transport's own ceiling)")
     ratio = flight / tcp
     print(f"  node-to-node pull (Flight) {flight:8.2f} GB/s   = {ratio:.2f} x raw TCP "
