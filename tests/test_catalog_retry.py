@@ -13,6 +13,7 @@ import torch
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 import tensordb
+from conftest import remove_store
 from tensordb.catalog import Catalog
 from tensordb.catalog._retry import is_transient
 from tensordb.errors import NodeUnavailable
@@ -156,7 +157,7 @@ def test_terminated_backends_lose_and_duplicate_nothing(pg_url: str, tmp_path: A
         for i in (0, n // 2, n - 1):
             assert db.get("loop", "w", version=i + 1).tolist() == [float(i)] * 8
     finally:
-        db.close()
+        remove_store(db)
 
 
 @pytest.mark.postgres
@@ -185,4 +186,4 @@ def test_watch_survives_a_dropped_listen_connection(pg_url: str, tmp_path: Any) 
         assert [c.version for c in seen] == [2]
         it.close()
     finally:
-        db.close()
+        remove_store(db)
