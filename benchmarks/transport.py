@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 import _common
+import storage_engine as se
 import tensordb
 from tensordb.catalog import NodeDirectory
 
@@ -223,11 +224,6 @@ def await_spares(client: FlightTransport, nodes: Nodes, names: list[str], need: 
             time.sleep(0.05)
 
 
-def spare_for(nbytes: int) -> int:
-    """A spare that holds a segment of ``nbytes`` of tensors (extent padding, slack)."""
-    return nbytes + max(1 << 20, nbytes >> 8)
-
-
 def stop_nodes(nodes: Nodes) -> None:
     for p, _ in nodes.values():
         p.terminate()
@@ -283,8 +279,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             tensordb.connect(url, node="setup", home=f"{root}/setup").close()
             nodes = start_nodes(url, root, ["a", "b", *targets],
-                                {"b": spare_for(nbytes),
-                                 **{t: spare_for(fan_bytes) for t in targets}})
+                                {"b": se.HostTier.spare_for(nbytes),
+                                 **{t: se.HostTier.spare_for(fan_bytes) for t in targets}})
             a = tensordb.connect(url, node="a", home=f"{root}/a", data_dir=f"{root}/a/data",
                                  token=TOKEN)
             directory = NodeDirectory(a.catalog.engine)

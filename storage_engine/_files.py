@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ._errors import SegmentMissing, TierFull
+from ._io import io_pool
 from ._tier import SegmentWriter, Tier
 
 __all__ = ["FileTier", "HostTier", "DiskTier", "shm_root"]
@@ -214,8 +215,6 @@ class FileTier(Tier):
     def read_into(self, segment_id: str, items: list[tuple[int, np.ndarray]]) -> bool:
         """``preadv`` straight into the buffers: the kernel copies from the file's pages,
         the GIL is released, and pieces run in parallel on the I/O pool."""
-        from ._io import io_pool
-
         try:
             fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError as exc:
@@ -351,6 +350,13 @@ class HostTier(FileTier):
         except FileNotFoundError:
             pass
         os.close(fd)
+
+    @staticmethod
+    def spare_for(nbytes: int) -> int:
+        """A spare that holds a segment of ``nbytes`` of tensors: a segment pads each
+        extent to 64 bytes, so the spare is larger by 1/256 (at least 1 MiB); the unused
+        tail is given back when a segment takes it."""
+        return nbytes + max(1 << 20, nbytes >> 8)
 
     def prefault(self, nbytes: int, *, wait: bool = True) -> None:
         """Allocate and map a spare of ``nbytes`` so the next commit that fits is a memcpy."""

@@ -196,10 +196,9 @@ class Database:
     def prefault(self, nbytes: int) -> None:
         """Pre-fault a host-tier spare so a commit of ``nbytes`` of tensors is a memcpy.
 
-        The spare is a little larger than ``nbytes`` (by 1/256, at least 1 MiB): a
-        segment pads each extent to 64 bytes, and a commit that did not fit its spare
-        would fault every page in instead. The unused tail is given back at the commit.
-        """
+        The spare is a little larger than ``nbytes`` (``HostTier.spare_for``): a segment
+        pads each extent, and a commit that did not fit its spare would fault every page
+        in instead."""
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise InvalidInput(f"nbytes must be a non-negative int, not {nbytes!r}")
@@ -207,7 +206,7 @@ class Database:
         assert isinstance(tier, se.HostTier)
         nbytes = int(nbytes)
         if nbytes:
-            tier.prefault(nbytes + max(1 << 20, nbytes >> 8), wait=True)
+            tier.prefault(tier.spare_for(nbytes), wait=True)
 
     # -- writing -----------------------------------------------------------------------
     def transaction(self, collection: str, *, message: str | None = None,

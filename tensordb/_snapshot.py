@@ -10,6 +10,7 @@ import torch
 
 import storage_engine as se
 
+from ._dtypes import torch_dtype
 from .catalog import Commit
 from .errors import InvalidInput, NotFound, StoreClosed
 
@@ -154,8 +155,7 @@ class Snapshot:
                     or not out.is_contiguous():
                 raise InvalidInput(f"{where}: read_into needs a contiguous CPU tensor to fill",
                                    collection=self.collection, tensor=name)
-            if str(out.dtype).removeprefix("torch.") != row.dtype \
-                    or tuple(out.shape) != tuple(row.shape):
+            if out.dtype != torch_dtype(row.dtype) or tuple(out.shape) != tuple(row.shape):
                 raise InvalidInput(
                     f"{where}: stored as {row.dtype}{list(row.shape)}, the buffer is "
                     f"{str(out.dtype).removeprefix('torch.')}{list(out.shape)}",
