@@ -51,6 +51,7 @@ import numpy as np
 
 from ._checksum import checksum, copy_and_checksum
 from ._kv_arena import _Arena
+from ._kv_gpu import GPU_DB_NAMES, GpuBlockView, _GpuArena
 from ._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_policy
 from ._kv_types import (
     _CORRUPT,
@@ -77,6 +78,7 @@ from ._procs import current_holder, holder_alive
 __all__ = [
     "BlockStore",
     "BlockView",
+    "GpuBlockView",
     "KVStats",
     "KVStoreFull",
     "KVCorrupt",
@@ -88,18 +90,23 @@ __all__ = [
 ]
 
 
-class BlockStore(_Arena):
+class BlockStore(_GpuArena, _Arena):
     """A host's store of KV blocks; see the module docstring for the protocol.
 
     Open one per process (after a fork, the child reopens its own: LMDB environments do
     not survive a fork, and this object notices). Methods are thread-safe (one lock).
     ``put``, ``get``, ``pin``, ``unpin`` and ``delete`` take LMDB's write lock for a few
     microseconds per block (longer when they evict to disk); ``match`` never blocks.
+
+    ``gpu_device`` and ``gpu_capacity`` give this process the store's GPU tier (copies
+    of hot blocks in device memory, see ``_kv_gpu``): ``get_device``,
+    ``get_into_device`` and ``admit_device``.
     """
 
     def __init__(self, root: Path, *, capacity_bytes: int, slab_bytes: int = 64 << 20,
                  policy: str | EvictionPolicy = "lru", disk_root: Path | None = None,
-                 disk_capacity: int | None = None, map_size: int = 1 << 34) -> None:
+                 disk_capacity: int | None = None, map_size: int = 1 << 34,
+                 gpu_device: int | None = None, gpu_capacity: int | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if slab_bytes < PAGE:
@@ -119,6 +126,7 @@ class BlockStore(_Arena):
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
                 os.chmod(d, 0o700)
         self._pid = -1
+        self._gpu_setup(gpu_device, gpu_capacity)
         self._open()
 
     # -- environment ---------------------------------------------------------------
@@ -134,18 +142,19 @@ class BlockStore(_Arena):
         self._doomed: list[Path] = []
         self._wtxn: Any = None  # the transaction of ``_write`` while it runs
         self._pending: dict[str, int] = {}  # its counters, written at its commit
-        self.env = lmdb.open(str(self.root / "index"), map_size=self._map_size, max_dbs=16,
+        self.env = lmdb.open(str(self.root / "index"), map_size=self._map_size, max_dbs=32,
                              lock=True, sync=False, metasync=False, readahead=False,
                              max_readers=4096, mode=0o600)
         with self.env.begin(write=True) as txn:
             self._adopt_settings(txn)
         names = ["blocks", "slabs", "free", "leases", "writing", "zombies", "counters",
-                 "disk", *self.policy.db_names]
+                 "disk", "settings", *GPU_DB_NAMES, *self.policy.db_names]
         with self.env.begin(write=True) as txn:
             self._db = {n: self.env.open_db(n.encode(), txn=txn) for n in names}
         self._blocks = self._db["blocks"]
         self.policy.bind({n: self._db[n] for n in self.policy.db_names}, self._counter)
         with self.env.begin(write=True) as txn:
+            self._gpu_bind(txn)
             self._reclaim_orphan_slabs(txn)
 
     def _adopt_settings(self, txn: Any) -> None:
@@ -179,6 +188,7 @@ class BlockStore(_Arena):
                         mm.close()
                     except BufferError:
                         pass
+                self._gpu_close()
             self._rfds, self._wmaps = {}, {}
 
     def __enter__(self) -> BlockStore:
@@ -249,6 +259,7 @@ class BlockStore(_Arena):
         if drops == self._seen_drops:
             return
         self._seen_drops = drops
+        self._gpu_prune(txn)
         for slab in set(self._rfds) | set(self._wmaps):
             if txn.get(_ID.pack(slab), db=self._db["slabs"]) is None:
                 self._forget_slab(slab)
@@ -438,6 +449,7 @@ class BlockStore(_Arena):
         if pins:
             self._counter(txn, "pinned", -1)
         txn.delete(key, db=self._blocks)
+        self._gpu_forget(txn, key, alive)
         self.policy.on_remove(txn, key)
         self._counter(txn, "host_blocks", -1)
         self._counter(txn, "host_bytes", -nbytes)
@@ -502,11 +514,7 @@ class BlockStore(_Arena):
                     if dst.size != nbytes:
                         raise ValueError(f"block {key.hex()} holds {nbytes} bytes; its "
                                          f"output buffer {dst.size}")
-                    mm = self._wmaps.get(slab)
-                    if mm is None:
-                        mm = self._map_for(slab)
-                    jobs.append((dst, np.frombuffer(mm, dtype=np.uint8, count=nbytes,
-                                                    offset=offset)))
+                    jobs.append((dst, self._leased_bytes(f)))
                     metas.append(meta)
                 total = sum(d.size for d, _ in jobs)
                 if verify:
@@ -517,16 +525,32 @@ class BlockStore(_Arena):
                 else:
                     _each(np.copyto, jobs, total)
             finally:
-                for f in found:
-                    if f is not None:
-                        self._released.append(f[:2])
-                if bad:
-                    self._drop_corrupt(bad)
-                else:
-                    self._flush_releases()
-            if bad or self._bad_promotions:
-                raise KVCorrupt(self._bad_promotions + [k for k, _ in bad])
+                self._end_reads(found, bad)
             return metas
+
+    def _leased_bytes(self, f: tuple[int, int, int, int, bytes, bytes]) -> np.ndarray:
+        """The bytes of a chunk leased by ``_acquire`` (``f`` is its entry), through this
+        process's shared mapping of the slab."""
+        mm = self._wmaps.get(f[0])
+        if mm is None:
+            mm = self._map_for(f[0])
+        return np.frombuffer(mm, dtype=np.uint8, count=f[3], offset=f[2])
+
+    def _end_reads(self, found: list[Any], bad: list[tuple[bytes, tuple[int, int]]],
+                   *, flush: bool = True) -> None:
+        """After reading chunks leased by ``_acquire``: give the leases back (at once
+        with ``flush``, else at the next write), drop the blocks in ``bad`` (key, chunk)
+        that failed their checksum, and raise KVCorrupt naming them and any disk block
+        that failed on its way up."""
+        for f in found:
+            if f is not None:
+                self._released.append(f[:2])
+        if bad:
+            self._drop_corrupt(bad)
+        elif flush:
+            self._flush_releases()
+        if bad or self._bad_promotions:
+            raise KVCorrupt(self._bad_promotions + [k for k, _ in bad])
 
     def _map_for(self, slab: int) -> mmap.mmap:
         with self.env.begin() as txn:
@@ -614,7 +638,9 @@ class BlockStore(_Arena):
             with self.env.begin(db=self._blocks) as txn:
                 c = {name: self._counter(txn, name, 0) for name in (
                     "host_blocks", "host_bytes", "disk_blocks", "disk_bytes", "arena_bytes",
-                    "pinned", "hits", "misses", "evictions", "spills", "corrupt")}
+                    "pinned", "hits", "misses", "evictions", "spills", "corrupt",
+                    "gpu_blocks", "gpu_bytes", "gpu_arena_bytes", "gpu_hits",
+                    "gpu_evictions")}
                 n = c["host_blocks"] + c["disk_blocks"]
                 # m = -n ln p / ln^2 2 bits, k = m/n ln 2 hashes
                 nbits = max(1024, int(-max(n, 1) * np.log(bloom_fp) / (np.log(2) ** 2)))
@@ -632,4 +658,7 @@ class BlockStore(_Arena):
                        capacity=self.capacity, arena_bytes=c["arena_bytes"],
                        pinned=c["pinned"], hits=c["hits"], misses=c["misses"],
                        evictions=c["evictions"], spills=c["spills"], corrupt=c["corrupt"],
-                       bloom=bytes(bits), bloom_hashes=k)
+                       bloom=bytes(bits), bloom_hashes=k, gpu_blocks=c["gpu_blocks"],
+                       gpu_bytes=c["gpu_bytes"], gpu_capacity=self.gpu_capacity,
+                       gpu_arena_bytes=c["gpu_arena_bytes"], gpu_hits=c["gpu_hits"],
+                       gpu_evictions=c["gpu_evictions"])

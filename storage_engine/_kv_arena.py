@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ._kv_gpu import GPU_BIT
 from ._kv_policy import EvictionPolicy
 from ._kv_types import (
     _DISK,
@@ -63,6 +64,14 @@ class _Arena(ABC):
     @abstractmethod
     def _write(self) -> Any:
         """A write transaction on the index (BlockStore)."""
+
+    @abstractmethod
+    def _gpu_forget(self, txn: Any, key: bytes, alive: dict[bytes, bool]) -> bool:
+        """Drop the block's GPU copy, if any (_GpuArena): a block leaving the store."""
+
+    @abstractmethod
+    def _gpu_release_chunk(self, txn: Any, slab: int, chunk: int) -> None:
+        """Put a GPU chunk back on its free list (_GpuArena)."""
 
     def _slab_path(self, slab: int) -> Path:
         return self.root / "slabs" / f"{slab:08x}.slab"
@@ -191,6 +200,9 @@ class _Arena(ABC):
         loc = _LOC.pack(slab, chunk)
         if self._leased(txn, loc, alive):  # a reader maps it: free it once they are gone
             txn.put(loc, b"", db=self._db["zombies"])
+            return
+        if slab & GPU_BIT:
+            self._gpu_release_chunk(txn, slab, chunk)
             return
         csize, nchunks, used = self._slab_info(txn, slab)
         txn.put(_ID.pack(slab), _SLAB.pack(csize, nchunks, used - 1), db=self._db["slabs"])
@@ -331,7 +343,7 @@ class _Arena(ABC):
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            txn.put(key, new, db=self._blocks)
+            txn.put(key, new, db=self._blocks)  # a GPU copy stays: the disk has the block
             txn.put(struct.pack(">Q", seq) + key, b"", db=self._db["disk"])
             self._counter(txn, "spills", 1)
             self._counter(txn, "disk_blocks", 1)
@@ -339,6 +351,7 @@ class _Arena(ABC):
                 self._trim_disk(txn)
         else:
             txn.delete(key, db=self._blocks)
+            self._gpu_forget(txn, key, alive)
         self._free_chunk(txn, slab, chunk, alive)
 
     def _trim_disk(self, txn: Any) -> None:
@@ -361,6 +374,7 @@ class _Arena(ABC):
         if pins:
             self._counter(txn, "pinned", -1)
         txn.delete(key, db=self._blocks)
+        self._gpu_forget(txn, key, {})
         self._unlist_disk(txn, key, rec)
 
     def _unlist_disk(self, txn: Any, key: bytes, rec: bytes) -> None:

@@ -82,6 +82,12 @@ class KVStats:
     corrupt: int
     bloom: bytes  # a Bloom filter of the held keys, see ``bloom_may_hold``
     bloom_hashes: int
+    gpu_blocks: int = 0  # blocks with a copy in the GPU tier (also counted above)
+    gpu_bytes: int = 0
+    gpu_capacity: int = 0  # bytes the GPU tier may hold (0: no GPU tier)
+    gpu_arena_bytes: int = 0  # device bytes of GPU slabs allocated now
+    gpu_hits: int = 0  # reads served by a GPU copy
+    gpu_evictions: int = 0
 
 
 def size_class(nbytes: int) -> int:

@@ -854,7 +854,10 @@ class Database:
         """The KV block store of ``namespace`` on this node (one model / KV layout):
         blocks shared by every process of the host, in a pre-faulted shared-memory arena
         with eviction (``policy="lru"|"s3fifo"``) and spill to disk. ``opts``:
-        ``capacity_bytes``, ``policy``, ``slab_bytes``, ``spill``, ``disk_capacity``."""
+        ``capacity_bytes``, ``policy``, ``slab_bytes``, ``spill``, ``disk_capacity``,
+        ``gpu_capacity`` (a GPU tier of that many bytes on ``Config.gpu_device``, for
+        ``get(..., device="cuda")``: copies of hot blocks shared by the host's processes
+        through CUDA IPC; also $TENSORDB_KV_GPU_CAPACITY)."""
         self._check_open()
         cache = KVCache(self, namespace, block_tokens, **opts)
         self._kv_caches.append(cache)

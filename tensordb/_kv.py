@@ -16,7 +16,8 @@ import hashlib
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -30,6 +31,7 @@ import xxhash
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from storage_engine import GpuTier
 from storage_engine._kv import BlockStore, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
 
 from ._dtypes import dtype_name, torch_dtype
@@ -77,6 +79,10 @@ class KVNodeSummary:
     corrupt: int
     bloom: bytes
     bloom_hashes: int
+    gpu_blocks: int = 0  # blocks with a copy in the GPU tier (counted in blocks too)
+    gpu_bytes: int = 0
+    gpu_capacity: int = 0  # 0: the namespace has no GPU tier
+    gpu_hits: int = 0
 
     def may_hold(self, key: bytes) -> bool:
         return bloom_may_hold(self.bloom, self.bloom_hashes, key)
@@ -122,7 +128,7 @@ class KVCache:
     def __init__(self, db: Database, namespace: str, block_tokens: int = 256, *,
                  capacity_bytes: int | None = None, policy: str = "lru",
                  slab_bytes: int = 64 << 20, spill: bool = True,
-                 disk_capacity: int | None = None) -> None:
+                 disk_capacity: int | None = None, gpu_capacity: int | None = None) -> None:
         check_name("collection", namespace)
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
                 or block_tokens <= 0:
@@ -131,7 +137,10 @@ class KVCache:
         if policy not in ("lru", "s3fifo"):
             raise InvalidInput(f"policy must be 'lru' or 's3fifo', not {policy!r}",
                                collection=namespace)
-        for what, v in (("capacity_bytes", capacity_bytes), ("disk_capacity", disk_capacity)):
+        if gpu_capacity is None:
+            gpu_capacity = _env_int("TENSORDB_KV_GPU_CAPACITY")
+        for what, v in (("capacity_bytes", capacity_bytes), ("disk_capacity", disk_capacity),
+                        ("gpu_capacity", gpu_capacity)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise InvalidInput(f"{what} must be a positive int, not {v!r}",
                                    collection=namespace)
@@ -145,10 +154,18 @@ class KVCache:
             _env_capacity() or _default_capacity(Path(db.config.shm_dir).parent)
         self._seed = xxhash.xxh3_128_digest(
             f"tensordb-kv\0{namespace}\0{block_tokens}".encode())
+        gpu_device = None
+        if gpu_capacity is not None:
+            reason = GpuTier.unavailable_reason()
+            if reason is not None:
+                raise InvalidInput(f"a KV GPU tier (gpu_capacity) needs a CUDA device: "
+                                   f"{reason}", collection=namespace)
+            gpu_device = db.config.gpu_device or 0
         self._register()
         self.store = _open_store(self.shm_dir, capacity_bytes=capacity, slab_bytes=slab_bytes,
                                  policy=policy, disk_root=self.disk_dir if spill else None,
-                                 disk_capacity=disk_capacity)
+                                 disk_capacity=disk_capacity, gpu_device=gpu_device,
+                                 gpu_capacity=gpu_capacity)
         self._closed = False
 
     # -- catalog -------------------------------------------------------------------
@@ -229,12 +246,15 @@ class KVCache:
         """Store one tensor per key (any dtype and shape; GPU tensors are copied down).
         First writer wins: a key already present is left as it is, without error.
         Returns how many blocks this call stored. Raises StoreFull, storing none of the
-        batch, when the arena is full of pinned blocks and blocks being read."""
+        batch, when the arena is full of pinned blocks and blocks being read. With a GPU
+        tier, CUDA blocks also leave a copy there (device to device), for readers on
+        the GPU."""
         keys = self._check_keys(keys)
         if isinstance(blocks, torch.Tensor) or len(blocks) != len(keys):
             raise InvalidInput(f"put takes one tensor per key: {len(keys)} keys",
                                collection=self.namespace)
         bufs, metas = [], []
+        on_gpu: list[tuple[int, torch.Tensor]] = []
         for i, b in enumerate(blocks):
             if not isinstance(b, torch.Tensor) or b.layout != torch.strided or b.is_meta:
                 raise InvalidInput(f"block {i} must be a dense torch.Tensor, not "
@@ -243,16 +263,24 @@ class KVCache:
                 raise InvalidInput(f"block {i} is empty", collection=self.namespace)
             name = dtype_name(b.dtype, tensor=f"block {i}")
             t = b.detach()
+            if t.device.type == "cuda":
+                on_gpu.append((i, t.contiguous()))
             if t.device.type != "cpu":
                 t = t.cpu()
             t = t.contiguous()
             bufs.append(_byte_view(t))
             metas.append(f"{name}|{','.join(map(str, t.shape))}".encode())
+        store = self._store()
         try:
-            return sum(self._store().put(keys, bufs, metas))
+            stored = sum(store.put(keys, bufs, metas))
         except KVStoreFull as exc:
             raise StoreFull(f"KV namespace {self.namespace!r}: {exc}",
                             collection=self.namespace, node=self.node) from exc
+        if on_gpu and store.gpu_enabled:  # .cpu() above synchronised their stream
+            store.admit_device([keys[i] for i, _ in on_gpu],
+                               [(t.data_ptr(), t.numel() * t.element_size(), t.device.index)
+                                for _, t in on_gpu])
+        return stored
 
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (in memory or spilled to disk)."""
@@ -262,18 +290,35 @@ class KVCache:
         """For each key, whether it is present (not only the leading run)."""
         return self._store().contains(self._check_keys(keys))
 
-    def get(self, keys: Sequence[bytes], *, verify: bool = True) -> list[torch.Tensor]:
+    def get(self, keys: Sequence[bytes], *, verify: bool = True,
+            device: str | torch.device | None = None) -> list[torch.Tensor]:
         """Zero-copy tensors of the blocks, with the dtype and shape they were put with.
         Each maps its block copy-on-write: writing to it changes only the reader's copy.
         A block stays protected from eviction while its tensor is alive. Raises NotFound
         naming the first absent key, CorruptData when a block fails its checksum (the
-        block is dropped from the store: a later ``match`` no longer counts it)."""
+        block is dropped from the store: a later ``match`` no longer counts it).
+
+        ``device="cuda:N"``: tensors on the GPU. With a GPU tier they are zero-copy views
+        of the blocks' GPU copies (made from the host copy on first read, then shared by
+        every process of the host: read-only by convention); without one, or where the
+        tier has no room, copies."""
         keys = self._check_keys(keys)
-        try:
+        if device is not None:
+            try:
+                dev = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise InvalidInput(f"device must be 'cpu' or 'cuda[:N]', not {device!r}",
+                                   collection=self.namespace) from exc
+            if dev.type == "cuda":
+                if not torch.cuda.is_available():
+                    raise InvalidInput(f"device {device!r}: torch sees no CUDA device",
+                                       collection=self.namespace)
+                return self._get_cuda(keys, verify, dev)
+            if dev.type != "cpu":
+                raise InvalidInput(f"device must be 'cpu' or 'cuda[:N]', not {device!r}",
+                                   collection=self.namespace)
+        with self._typed_errors():
             views = self._store().get(keys, verify=verify)
-        except KVCorrupt as exc:
-            raise CorruptData(f"KV namespace {self.namespace!r}: {exc}",
-                              collection=self.namespace, node=self.node) from exc
         out = []
         for k, v in zip(keys, views):
             if v is None:
@@ -282,6 +327,24 @@ class KVCache:
             dtype, shape = _decode_meta(v.meta)
             out.append(torch.frombuffer(v.data, dtype=dtype).view(shape))
         return out
+
+    def _get_cuda(self, keys: list[bytes], verify: bool, dev: torch.device
+                  ) -> list[torch.Tensor]:
+        store = self._store()
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        if store.gpu_enabled:
+            with self._typed_errors():
+                views = store.get_device(keys, verify=verify)
+            for i, v in enumerate(views):
+                if v is not None:
+                    dtype, shape = _decode_meta(v.meta)
+                    t = torch.as_tensor(v, device=f"cuda:{v.device}").view(dtype).view(shape)
+                    out[i] = t if t.device == dev else t.to(dev)
+        need = [i for i, t in enumerate(out) if t is None]
+        if need:
+            for i, t in zip(need, self.get([keys[i] for i in need], verify=verify)):
+                out[i] = t.to(dev)
+        return out  # type: ignore[return-value]
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], *,
                  verify: bool = True) -> int:
@@ -296,6 +359,15 @@ class KVCache:
             if not isinstance(o, torch.Tensor):
                 raise InvalidInput(f"output {i} must be a torch.Tensor",
                                    collection=self.namespace)
+        store = self._store()
+        if store.gpu_enabled and outs and all(
+                o.device.type == "cuda" and o.is_contiguous() for o in outs):
+            with self._typed_errors():  # from GPU copies (device to device), else the host
+                metas = store.get_into_device(
+                    keys, [(o.data_ptr(), o.numel() * o.element_size()) for o in outs],
+                    verify=verify)
+            self._found_all(keys, metas)
+            return len(keys)
         direct = all(o.device.type == "cpu" and o.is_contiguous() for o in outs)
         if not direct:  # GPU or strided outs: map, then let torch copy
             for o, t in zip(outs, self.get(keys, verify=verify)):
@@ -306,18 +378,28 @@ class KVCache:
                 o.copy_(t.view(-1).view(torch.uint8).view(o.dtype).view(o.shape))
             return len(keys)
         dsts = [_byte_view(o.detach()) for o in outs]
-        try:
+        with self._typed_errors():
             metas = self._store().get_into(keys, dsts, verify=verify)
+        self._found_all(keys, metas)
+        return len(keys)
+
+    @contextmanager
+    def _typed_errors(self) -> Iterator[None]:
+        """The block store's errors as the client's: a corrupt block is CorruptData, a
+        bad buffer InvalidInput."""
+        try:
+            yield
         except KVCorrupt as exc:
             raise CorruptData(f"KV namespace {self.namespace!r}: {exc}",
                               collection=self.namespace, node=self.node) from exc
         except ValueError as exc:
             raise InvalidInput(str(exc), collection=self.namespace) from exc
+
+    def _found_all(self, keys: list[bytes], metas: list[bytes | None]) -> None:
         for k, m in zip(keys, metas):
             if m is None:
                 raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
                                collection=self.namespace, tensor=k.hex())
-        return len(keys)
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """Protect blocks from eviction until ``unpin`` (counted; not tied to this
@@ -349,7 +431,9 @@ class KVCache:
             load=s.host_bytes / s.capacity, host_blocks=s.host_blocks,
             host_bytes=s.host_bytes, disk_blocks=s.disk_blocks, disk_bytes=s.disk_bytes,
             pinned=s.pinned, hits=s.hits, misses=s.misses, evictions=s.evictions,
-            spills=s.spills, corrupt=s.corrupt, bloom=s.bloom, bloom_hashes=s.bloom_hashes)
+            spills=s.spills, corrupt=s.corrupt, bloom=s.bloom, bloom_hashes=s.bloom_hashes,
+            gpu_blocks=s.gpu_blocks, gpu_bytes=s.gpu_bytes, gpu_capacity=s.gpu_capacity,
+            gpu_hits=s.gpu_hits)
 
     def _store(self) -> BlockStore:
         if self._closed:
@@ -402,9 +486,13 @@ def _close_store(store: BlockStore) -> None:
             store.close()
 
 
-def _env_capacity() -> int | None:
-    v = os.environ.get("TENSORDB_KV_CAPACITY")
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
     return int(v) if v else None
+
+
+def _env_capacity() -> int | None:
+    return _env_int("TENSORDB_KV_CAPACITY")
 
 
 def _default_capacity(shm: Path) -> int:

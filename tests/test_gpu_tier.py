@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import enum
 import gc
 import json
-import mmap
 import multiprocessing as mp
 import os
 import stat
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ import numpy as np
 import pytest
 
 import storage_engine as se
+from cuda_standin import FakeRuntime, _Err, install, installed
 from storage_engine import _gpu
 from storage_engine._gpu import IPC_SUFFIX, GpuError, GpuTier, GpuView
 
@@ -74,146 +72,11 @@ def test_available_here_agrees_with_the_reason() -> None:
         assert reason  # a sentence the gpu tests print when they skip
 
 
-# -- a stand-in runtime: "device memory" is a shared-memory file per allocation -----------
-class _Err(enum.IntEnum):
-    cudaSuccess = 0
-    cudaErrorInvalidValue = 1
-    cudaErrorMemoryAllocation = 2
-    cudaErrorMapBufferObjectFailed = 205
-    cudaErrorInvalidResourceHandle = 400
-
-
-class _Kind(enum.IntEnum):
-    cudaMemcpyHostToHost = 0
-    cudaMemcpyHostToDevice = 1
-    cudaMemcpyDeviceToHost = 2
-    cudaMemcpyDeviceToDevice = 3
-
-
-class _Handle:
-    def __init__(self) -> None:
-        self._buf = ctypes.create_string_buffer(64)
-
-    def getPtr(self) -> int:  # noqa: N802 - the cuda-python name
-        return ctypes.addressof(self._buf)
-
-
-class FakeRuntime:
-    """The calls the GPU tier makes, with CUDA's rules: an allocation has one owner,
-    a handle opens once per process and never in its exporter."""
-
-    cudaError_t = _Err
-    cudaMemcpyKind = _Kind
-    cudaIpcMemHandle_t = _Handle
-    cudaIpcMemLazyEnablePeerAccess = 1
-    OK = _Err.cudaSuccess
-
-    def __init__(self, root: Path, limit: int | None = None) -> None:
-        self.root = root
-        self.limit = limit
-        self.device = 0
-        self.allocs: dict[int, tuple[str, mmap.mmap, int]] = {}
-        self.imports: dict[int, tuple[str, mmap.mmap]] = {}
-        self.freed: list[str] = []
-        self.closed: list[str] = []
-
-    @staticmethod
-    def _addr(mm: mmap.mmap) -> int:
-        return ctypes.addressof(ctypes.c_char.from_buffer(mm))
-
-    def cudaGetDeviceCount(self) -> tuple[Any, int]:  # noqa: N802
-        return self.OK, 1
-
-    def cudaGetDevice(self) -> tuple[Any, int]:  # noqa: N802
-        return self.OK, self.device
-
-    def cudaSetDevice(self, device: int) -> tuple[Any]:  # noqa: N802
-        self.device = device
-        return (self.OK,)
-
-    def cudaDeviceSynchronize(self) -> tuple[Any]:  # noqa: N802
-        return (self.OK,)
-
-    def cudaDeviceGetPCIBusId(self, n: int, device: int) -> tuple[Any, bytes]:  # noqa: N802
-        return self.OK, b"0000:00:00.0" + b"\0" * (n - 12)
-
-    def cudaDeviceGetByPCIBusId(self, bus: bytes) -> tuple[Any, int]:  # noqa: N802
-        return self.OK, 0
-
-    def cudaGetErrorName(self, err: Any) -> tuple[Any, bytes]:  # noqa: N802
-        return self.OK, _Err(err).name.encode()
-
-    def cudaGetErrorString(self, err: Any) -> tuple[Any, bytes]:  # noqa: N802
-        return self.OK, b"stand-in runtime"
-
-    def cudaMalloc(self, n: int) -> tuple[Any, int | None]:  # noqa: N802
-        used = sum(a[2] for a in self.allocs.values())
-        if self.limit is not None and used + n > self.limit:
-            return _Err.cudaErrorMemoryAllocation, None
-        name = uuid.uuid4().hex
-        fd = os.open(self.root / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(fd, n)
-        mm = mmap.mmap(fd, n)
-        os.close(fd)
-        ptr = self._addr(mm)
-        self.allocs[ptr] = (name, mm, n)
-        return self.OK, ptr
-
-    def cudaFree(self, ptr: int) -> tuple[Any]:  # noqa: N802
-        name, _, _ = self.allocs.pop(ptr)
-        os.unlink(self.root / name)
-        self.freed.append(name)
-        return (self.OK,)
-
-    def cudaIpcGetMemHandle(self, ptr: int) -> tuple[Any, _Handle]:  # noqa: N802
-        h = _Handle()
-        ctypes.memmove(h.getPtr(), self.allocs[ptr][0].encode(), 32)
-        return self.OK, h
-
-    def cudaIpcOpenMemHandle(self, h: _Handle, flags: int) -> tuple[Any, int | None]:  # noqa: N802
-        name = ctypes.string_at(h.getPtr(), 32).decode()
-        if any(a[0] == name for a in self.allocs.values()) or \
-                any(i[0] == name for i in self.imports.values()):
-            return _Err.cudaErrorInvalidResourceHandle, None
-        try:
-            fd = os.open(self.root / name, os.O_RDWR)
-        except FileNotFoundError:
-            return _Err.cudaErrorMapBufferObjectFailed, None
-        mm = mmap.mmap(fd, 0)
-        os.close(fd)
-        ptr = self._addr(mm)
-        self.imports[ptr] = (name, mm)
-        return self.OK, ptr
-
-    def cudaIpcCloseMemHandle(self, ptr: int) -> tuple[Any]:  # noqa: N802
-        self.closed.append(self.imports.pop(ptr)[0])
-        return (self.OK,)
-
-    def cudaMemcpy(self, dst: int, src: int, n: int, kind: Any) -> tuple[Any]:  # noqa: N802
-        ctypes.memmove(dst, src, n)
-        return (self.OK,)
-
-
-def _install_fake(root: Path, limit: int | None = None) -> FakeRuntime:
-    (root / "device").mkdir(parents=True, exist_ok=True)
-    fake = FakeRuntime(root / "device", limit)
-    _gpu._rt = fake
-    return fake
-
-
+# -- the stand-in runtime (cuda_standin) ---------------------------------------------
 @pytest.fixture
 def fake(tmp_path: Path) -> Iterator[FakeRuntime]:
-    saved = _gpu._rt
-    fake = _install_fake(tmp_path)
-    try:
+    with installed(tmp_path) as fake:
         yield fake
-    finally:
-        gc.collect()  # close the stand-in mappings while the stand-in is installed
-        _gpu._rt = saved
-        with _gpu._lock:
-            for key in [k for k in _gpu._owned if k.startswith(str(tmp_path))]:
-                os.close(_gpu._owned.pop(key).fd)
-            _gpu._imports.clear()
 
 
 @pytest.fixture
@@ -317,7 +180,7 @@ class TestGpuTierBookkeeping:
 
 # -- across processes, with the stand-in runtime ------------------------------------------
 def _importer(root: str, fake_root: str, sid: str, conn: mp.connection.Connection) -> None:
-    _install_fake(Path(fake_root))
+    install(Path(fake_root))
     tier = GpuTier(root)
     view = tier.open(sid)
     again = tier.open(sid)  # one mapping per process: CUDA opens a handle only once
@@ -335,7 +198,7 @@ def _importer(root: str, fake_root: str, sid: str, conn: mp.connection.Connectio
 
 
 def _owner_that_exits(root: str, fake_root: str, conn: mp.connection.Connection) -> None:
-    _install_fake(Path(fake_root))
+    install(Path(fake_root))
     tier = GpuTier(root)
     w = tier.create("dead", 32)
     w.finish()
