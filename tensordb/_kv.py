@@ -36,6 +36,7 @@ from storage_engine._kv import BlockStore, KVCorrupt, KVStats, KVStoreFull, bloo
 
 from ._dtypes import dtype_name, torch_dtype
 from ._names import check_name
+from ._snapshot import device_of
 from .catalog._engine import write_conn
 from .catalog._schema import kv_namespaces
 from .errors import CorruptData, InvalidInput, NotFound, StoreClosed, StoreFull
@@ -304,19 +305,9 @@ class KVCache:
         tier has no room, copies."""
         keys = self._check_keys(keys)
         if device is not None:
-            try:
-                dev = torch.device(device)
-            except (RuntimeError, TypeError) as exc:
-                raise InvalidInput(f"device must be 'cpu' or 'cuda[:N]', not {device!r}",
-                                   collection=self.namespace) from exc
-            if dev.type == "cuda":
-                if not torch.cuda.is_available():
-                    raise InvalidInput(f"device {device!r}: torch sees no CUDA device",
-                                       collection=self.namespace)
+            dev = device_of(device, self.namespace)  # InvalidInput: not cpu/cuda, no CUDA
+            if dev is not None and dev.type == "cuda":
                 return self._get_cuda(keys, verify, dev)
-            if dev.type != "cpu":
-                raise InvalidInput(f"device must be 'cpu' or 'cuda[:N]', not {device!r}",
-                                   collection=self.namespace)
         with self._typed_errors():
             views = self._store().get(keys, verify=verify)
         out = []
