@@ -262,6 +262,31 @@ def test_retention_gc_keeps_tagged_and_leased(db: tensordb.Database) -> None:
     assert db.verify() == []
 
 
+def test_head_and_numbered_snapshots_lease_alike(db: tensordb.Database) -> None:
+    # on SQLite the head is opened through the DBAPI cursor, a numbered version through
+    # SQLAlchemy: both must take the same lease and read the same rows
+    from sqlalchemy import select
+
+    from tensordb.catalog._schema import leases
+
+    db.commit("ls", {"a": torch.ones(3), "b": torch.zeros(2, 2)})
+    db.commit("ls", {"a": torch.full((3,), 2.0)})
+    head, numbered = db.snapshot("ls"), db.snapshot("ls", version=2)
+    assert head.version == numbered.version == 2
+    assert head._rows == numbered._rows and sorted(head) == ["a", "b"]
+    with db.catalog.engine.connect() as conn:
+        rows = conn.execute(select(leases.c.version, leases.c.holder, leases.c.created_at,
+                                   leases.c.expires_at)).all()
+    assert len(rows) == 2 and {r[0] for r in rows} == {2} and len({r[1] for r in rows}) == 1
+    for _, _, created, expires in rows:
+        assert created.tzinfo is not None and expires.tzinfo is not None
+        assert abs((expires - created).total_seconds() - db.config.lease_ttl) < 1e-3
+    assert {float(t[0]) for t in (head["a"], numbered["a"])} == {2.0}
+    head.close()
+    numbered.close()
+    assert db.catalog.lease_holders() == []
+
+
 def test_tensor_stays_valid_whatever_gc_does(db: tensordb.Database) -> None:
     db.commit("held", {"w": torch.arange(10000, dtype=torch.float32)})
     t = db.get("held", "w")

@@ -130,6 +130,19 @@ def parse_shape(s: str) -> tuple[int, ...]:
     return tuple(int(d) for d in s.split(",")) if s else ()
 
 
+def _tensor_rows(raw: Sequence[Sequence[Any]], tiers: dict[str, str]) -> list[TensorRow]:
+    """Manifest rows (the columns of ``_SQL_ROWS``) as TensorRows, ordered by name."""
+    rows = [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6],
+                      tiers.get(r[5]), r[7]) for r in raw]
+    rows.sort()
+    return rows
+
+
+def _sqlite_time(t: datetime) -> str:
+    """A UTC datetime as SQLAlchemy stores UTCDateTime in SQLite (naive, microseconds)."""
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def _in(conn: Connection, col: Any, values: Sequence[str]) -> Any:
     """``col IN values``; on PostgreSQL one array parameter instead of one per value."""
     if conn.dialect.name == "postgresql":
@@ -312,10 +325,7 @@ class Catalog:
         # every row (a third of the manifest's cost at 1,000 rows)
         seg_ids = list({r[5] for r in raw if r[5] is not None})
         tiers = dict(conn.execute(_SQL_TIERS, {"ids": seg_ids}).all()) if seg_ids else {}
-        rows = [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6],
-                          tiers.get(r[5]), r[7]) for r in raw]
-        rows.sort()
-        return rows
+        return _tensor_rows(raw, tiers)
 
     @retrying
     def manifest(self, cid: int, version: int, names: Sequence[str] | None = None,
@@ -543,6 +553,8 @@ class Catalog:
                        ) -> tuple[str, CollectionInfo, int, list[TensorRow]]:
         now = _now()
         with write_conn(self.lease_engine) as conn:
+            if version is None and tag is None and conn.dialect.name == "sqlite":
+                return self._open_head_sqlite(conn, lease_id, retry, name, holder, now, ttl)
             self._ephemeral(conn)
             self._gc_lock(conn, shared=True)
             if retry:  # an attempt whose answer was lost may have taken the lease
@@ -557,6 +569,38 @@ class Catalog:
             rows = self.manifest(info.id, v, None, conn,
                                  head=(v == info.head and conn.dialect.name == "sqlite"))
         return lease_id, info, v, rows
+
+    def _open_head_sqlite(self, conn: Connection, lease_id: str, retry: bool, name: str,
+                          holder: str, now: datetime, ttl: float
+                          ) -> tuple[str, CollectionInfo, int, list[TensorRow]]:
+        """``_open_snapshot`` of the head on SQLite, the reader's hot path: the same
+        statements in the same write transaction, through the DBAPI cursor. SQLAlchemy's
+        statement handling was most of a fresh process's first open (2 of 3.5 ms for a
+        221-tensor model); the raw statements take 0.4 ms."""
+        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            if retry:  # an attempt whose answer was lost may have taken the lease
+                cur.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+            row = cur.execute("SELECT id, name, head, retain_last FROM collections "
+                              "WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                raise NotFound(f"no collection {name!r}", collection=name)
+            info = CollectionInfo(*row)
+            if info.head == 0:
+                raise NotFound(f"collection {name!r} has no version yet", collection=name)
+            cur.execute("INSERT INTO leases (id, collection_id, version, holder, node, "
+                        "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (lease_id, info.id, info.head, holder, self.node, _sqlite_time(now),
+                         _sqlite_time(now + timedelta(seconds=ttl))))
+            raw = cur.execute(_SQL_ROWS.replace(":cid", "?") + "end_version IS NULL",
+                              (info.id,)).fetchall()
+            seg_ids = list({r[5] for r in raw if r[5] is not None})
+            tiers = dict(cur.execute(
+                f"SELECT id, tier FROM segments WHERE id IN ({','.join('?' * len(seg_ids))})",
+                seg_ids).fetchall()) if seg_ids else {}
+        finally:
+            cur.close()
+        return lease_id, info, info.head, _tensor_rows(raw, tiers)
 
     @retrying
     def release_lease(self, lease_id: str) -> None:
