@@ -31,7 +31,7 @@ import torch
 
 import storage_engine as se
 import tensordb
-from tensordb.errors import CorruptData, InvalidInput
+from tensordb.errors import CorruptData, InvalidInput, NotFound
 
 __all__ = [
     "INDEX_NAME",
@@ -456,9 +456,11 @@ def import_safetensors(db: tensordb.Database, collection: str, path: str | os.Pa
                                       ensure_ascii=False)
         source = index.path.parent if index is not None else files[0]
         stale: list[str] = []
-        if collection in db.collections():
+        try:  # one catalog look-up, not a listing of every collection
             with db.snapshot(collection) as snap:
                 stale = [n for n in snap if n not in owner]
+        except NotFound:  # a new collection (or one with no version yet)
+            pass
         total = sum(h.nbytes for h in headers)
         with _progress(progress, total, f"import {source.name}") as advance:
             chunk = _CHUNK if progress else 1 << 62

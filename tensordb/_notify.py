@@ -17,6 +17,7 @@ import contextlib
 import os
 import select
 import socket
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -89,13 +90,21 @@ class SocketNotifier(Notifier):
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._out: socket.socket | None = None
         self._pid = 0
+        self._lock = threading.Lock()
 
     def _sender(self) -> socket.socket:
-        if self._out is None or self._pid != os.getpid():
-            self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._out.setblocking(False)
-            self._pid = os.getpid()
-        return self._out
+        out = self._out
+        if out is not None and self._pid == os.getpid():
+            return out
+        # committing threads race here: one socket, or the others' are dropped unclosed
+        with self._lock:
+            if self._out is None or self._pid != os.getpid():
+                if self._out is not None:  # the parent's, inherited by fork: our fd copy
+                    self._out.close()
+                out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                out.setblocking(False)
+                self._out, self._pid = out, os.getpid()
+            return self._out
 
     def publish(self, collection: str, version: int) -> None:
         payload = f"{collection}\n{version}".encode()

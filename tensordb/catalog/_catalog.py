@@ -190,11 +190,16 @@ def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTen
             "b": [p.nbytes for p in puts], "k": [p.checksum for p in puts],
             "g": [p.segment_id for p in puts], "o": [p.offset for p in puts]})
         return
-    conn.execute(tensors.insert(), [
-        {"collection_id": cid, "name": p.name, "first_version": version, "end_version": None,
-         "dtype": p.dtype, "shape": shape_text(p.shape), "nbytes": p.nbytes,
-         "checksum": p.checksum, "segment_id": p.segment_id, "offset": p.offset}
-        for p in puts])
+    # elsewhere (SQLite) the DBAPI's executemany of plain tuples: SQLAlchemy's per-row
+    # parameter processing was most of an import's catalog time (2 of 4.8 ms, 221 rows)
+    conn.exec_driver_sql(_INSERT_ROWS, [
+        (cid, p.name, version, p.dtype, shape_text(p.shape), p.nbytes, p.checksum,
+         p.segment_id, p.offset) for p in puts])
+
+
+_INSERT_ROWS = ('INSERT INTO tensors (collection_id, name, first_version, end_version, dtype, '
+                'shape, nbytes, checksum, segment_id, "offset") '
+                "VALUES (?, ?, ?, NULL, ?, ?, ?, ?, ?, ?)")
 
 
 # The read path as plain text statements: a reader process pays SQLAlchemy's statement
