@@ -251,6 +251,25 @@ def _plain_look(root: str) -> tuple[bool, int, str]:
     return plain.gpu_enabled, plain.stats().gpu_capacity, ""
 
 
+def test_a_failed_copy_gives_its_chunks_back(make: object, fake: FakeRuntime) -> None:
+    from cuda_standin import _Err
+    from storage_engine._gpu import GpuError
+
+    store = make(gpu_capacity=2 * BLOCK, slab_bytes=2 * BLOCK)  # type: ignore[operator]
+    keys, blocks = _keys(2), _blocks(2, base=30)
+    store.put(keys, blocks)
+    real = fake.cudaMemcpy
+    fake.cudaMemcpy = lambda *a: (_Err.cudaErrorInvalidValue,)  # type: ignore[method-assign]
+    with pytest.raises(GpuError, match="cudaMemcpy"):
+        store.get_device(keys)
+    fake.cudaMemcpy = real  # type: ignore[method-assign]
+    st = store.stats()
+    assert st.gpu_blocks == 0 and store.match(keys) == 2  # nothing half-copied is indexed
+    views = store.get_device(keys)  # both chunks came back: the tier is not smaller
+    assert [_read(v.ptr, BLOCK) for v in views] == [b.tobytes() for b in blocks]
+    assert store.stats().gpu_evictions == 0
+
+
 # -- across processes ---------------------------------------------------------------------
 def _child(fn: object, args: tuple, conn: mp.connection.Connection) -> None:
     conn.send(fn(*args))  # type: ignore[operator]
@@ -342,6 +361,42 @@ def test_copies_in_the_slab_of_an_exited_owner_fall_back(make: object, tmp_path:
     assert st.gpu_blocks == 2 and st.gpu_arena_bytes == 64 << 10
     ((base, (_, _, size)),) = fake.allocs.items()  # the new slab is this process's
     assert all(base <= v.ptr < base + size for v in views)
+
+
+def _dies_mid_copy(root: str, standin: str, keys: list[bytes],
+                   conn: mp.connection.Connection) -> None:
+    fake = install(Path(standin))
+    store = BlockStore(Path(root), capacity_bytes=1 << 20, gpu_device=0,
+                       gpu_capacity=2 * BLOCK, slab_bytes=2 * BLOCK)
+
+    def die(*a: object) -> None:  # the chunks are reserved; the copy never ends
+        conn.send("reserved")
+        os._exit(0)
+
+    fake.cudaMemcpy = die  # type: ignore[method-assign]
+    store.get_device(keys)
+
+
+def test_chunks_reserved_by_a_dead_process_come_back(make: object, tmp_path: Path) -> None:
+    store = make(gpu_capacity=2 * BLOCK, slab_bytes=2 * BLOCK)  # type: ignore[operator]
+    keys, blocks = _keys(2), _blocks(2, base=77)
+    store.put(keys, blocks)
+    store.get_device(keys[:1])  # this process owns the one slab (the child dies)
+    gc.collect()
+    store.delete(keys[:1])
+    store.put(keys[:1], blocks[:1])
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=_dies_mid_copy, args=(str(store.root), str(tmp_path / "standin"),
+                                                 keys, child))
+    p.start()
+    assert parent.recv() == "reserved"
+    p.join(60)
+    # both chunks are held by the dead process's reservations: taking them back is the
+    # only way to make room, since no block has a GPU copy to evict
+    assert store.stats().gpu_blocks == 0
+    views = store.get_device(keys)
+    assert all(v is not None for v in views)
+    assert [_read(v.ptr, BLOCK) for v in views] == [b.tobytes() for b in blocks]
 
 
 # -- through db.kv --------------------------------------------------------------------------
