@@ -283,6 +283,11 @@ class KVCache:
                                 for _, t in on_gpu])
         return stored
 
+    @property
+    def gpu_enabled(self) -> bool:
+        """Whether this namespace has a GPU tier in this process (``gpu_capacity``)."""
+        return self._store().gpu_enabled
+
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (in memory or spilled to disk)."""
         return self._store().match(self._check_keys(keys))

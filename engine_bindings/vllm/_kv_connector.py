@@ -92,7 +92,7 @@ logger = logging.getLogger(__name__)
 #: what ``kv_connector`` names (with ``kv_connector_module_path: "engine_bindings.vllm"``)
 CONNECTOR_NAME = "TensorDBConnector"
 
-_OPTION_KEYS = ("namespace", "block_tokens", "capacity_bytes")
+_OPTION_KEYS = ("namespace", "block_tokens", "capacity_bytes", "gpu_capacity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +154,11 @@ class TensorDBConnector(KVConnectorBase_V1):
     ``kv_connector_extra_config`` keys: where the store is (``home``, or ``url`` with
     ``node`` and ``data_dir``; default ``$TENSORDB_HOME``), ``namespace`` (default:
     ``vllm/`` and the model's name), ``block_tokens``, ``capacity_bytes`` (of the
-    store's KV arena, when this process creates it). ``kv_role``: ``kv_both`` loads
-    and saves, ``kv_consumer`` only loads, ``kv_producer`` only saves.
+    store's KV arena, when this process creates it), ``gpu_capacity`` (a GPU tier of
+    that many bytes: blocks saved from the GPU keep a device copy there, and loads
+    copy device to device from it, shared with the host's other engines; needs
+    cuda-python). ``kv_role``: ``kv_both`` loads and saves, ``kv_consumer`` only loads,
+    ``kv_producer`` only saves.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -181,9 +184,8 @@ class TensorDBConnector(KVConnectorBase_V1):
             raise InvalidInput(f"block_tokens {self.block_tokens} must be a multiple of "
                                f"vLLM's block_size {self.block_size}")
         self.per_key = self.block_tokens // self.block_size  # vLLM blocks per stored block
-        capacity = extra.get("capacity_bytes")
-        self._opts = {} if capacity is None else \
-            {"capacity_bytes": _positive(capacity, "capacity_bytes")}
+        self._opts = {k: _positive(extra[k], k) for k in ("capacity_bytes", "gpu_capacity")
+                      if extra.get(k) is not None}
         namespace = extra.get("namespace")
         if namespace is None:
             model = os.path.basename(str(vllm_config.model_config.model).rstrip("/"))
@@ -400,10 +402,14 @@ class TensorDBConnector(KVConnectorBase_V1):
         if not meta.loads or not self._ensure_registered(forward_context):
             return
         kv = self.caches[0]
+        device = self._kv[0].device
+        # with a GPU tier: views of the blocks' device copies (copied up once, shared by
+        # the host's engines), so the copies below stay on the device
+        where = device if device.type == "cuda" and kv.gpu_enabled else None
         jobs = []
         for load in meta.loads:
             try:
-                views = kv.get(load.keys)
+                views = kv.get(load.keys, device=where)
             except (NotFound, CorruptData) as exc:
                 logger.warning("KV load of %s failed: %s", load.req_id, exc)
                 self._failed.update(load.block_ids)
@@ -419,7 +425,6 @@ class TensorDBConnector(KVConnectorBase_V1):
             jobs.append((views, slice(lo, lo + len(load.block_ids) * r), load.block_ids))
         if not jobs:
             return
-        device = self._kv[0].device
         jobs = [(views, rows, self._rows(ids, device)) for views, rows, ids in jobs]
         for layer, cache in enumerate(self._kv):
             for views, rows, ids in jobs:
@@ -469,8 +474,13 @@ class TensorDBConnector(KVConnectorBase_V1):
                            len(self._saved_layers), len(self._layers))
             return
         keys = [k for s in meta.saves for k in s.keys]
+        kv = self.caches[0]
+        # with a GPU tier the device blocks go in as they are (put copies each down, and
+        # keeps a device-to-device copy); else one copy down of them all
+        blocks = staging if staging.device.type == "cuda" and kv.gpu_enabled \
+            else staging.cpu()  # .cpu(): waits for the gathers
         try:
-            self.caches[0].put(keys, list(staging.cpu()))  # .cpu(): waits for the gathers
+            kv.put(keys, list(blocks))
         except StoreFull as exc:
             logger.warning("KV save of %d blocks skipped: %s", len(keys), exc)
 

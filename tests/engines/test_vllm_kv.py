@@ -332,16 +332,22 @@ def test_cache_salt_separates_prefixes(engines: list[Engine], store: tensordb.Da
     ({"block_tokens": 0}, "block_tokens"),
     ({"namespace": ""}, "namespace"),
     ({"capacity_bytes": "1G"}, "capacity_bytes"),
+    ({"gpu_capacity": 0}, "gpu_capacity"),
+    ({"gpu_capacity": 1 << 20}, "needs a CUDA device"),  # this CPU host has none
     ({"bucket": 1}, "'bucket'"),
     ({"home": 5}, "'home'"),
 ], ids=["block-tokens-not-multiple", "block-tokens-zero", "namespace-empty",
-        "capacity-str", "unknown-key", "home-int"])
+        "capacity-str", "gpu-capacity-zero", "gpu-tier-without-gpu", "unknown-key",
+        "home-int"])
 def test_bad_extra_config_is_a_typed_error(store: tensordb.Database, model_dir: Path,
                                            extra: dict[str, Any], needle: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from engine_bindings.vllm import TensorDBConnector
+    from storage_engine import GpuTier
 
+    if needle == "needs a CUDA device" and GpuTier.available():
+        pytest.skip("a CUDA device is present: the GPU tier opens")
     before = _namespaces(store)
     with pytest.raises(InvalidInput, match=needle):
         TensorDBConnector(_config(model_dir, {**_extra(store), **extra}),
