@@ -5,14 +5,17 @@ What it measures (one throwaway PostgreSQL catalog, node servers as processes):
 * ``tcp``: the physical limit of this host's loopback, same run: a sender process writes
   ``--gib`` GiB from a buffer into a plain TCP socket; this process ``recv_into``s them
   straight into a shared-memory file allocated and faulted in before the clock starts
-  (as a node's spare is). GB/s, best of ``--reps``;
+  (as a node's spare is), with the receive buffer the data plane asks for (4 MiB).
+  GB/s, best of ``--reps``;
 * ``memcpy``: numpy copy of the same bytes (the ceiling under both);
 * ``bare Flight``: a Flight server that only streams a shared-memory file the way a node
   serves a segment, and a client that copies and hashes each chunk into pre-faulted
-  memory as a pull does: the ceiling of the transport itself on this host;
+  memory: the ceiling of Flight itself on this host, which is why segment bytes take the
+  data plane (``transport._dataplane``) and Flight only the control;
 * ``transfer``: node b is told (Flight action ``pull``) to fetch a ``--gib`` GiB segment
-  node a wrote: streamed over Arrow Flight into b's host tier, every extent's xxh3
-  checked, the replica registered in the catalog. Timed by the caller from request to
+  node a wrote: its bytes over the data plane (a TCP stream from a's mapping straight
+  into b's host tier), every extent's xxh3 checked as it lands, the replica registered
+  in the catalog. Timed by the caller from request to
   answer; best of ``--reps``; the goal is >= 0.9 x raw TCP. Shown as the default
   (parallel byte-range streams, $TENSORDB_PULL_STREAMS) and as one stream;
 * ``fan-out``: ``--fanout-mib`` MiB from a to ``--targets`` nodes, (a) as the cascade of
@@ -85,6 +88,7 @@ def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
     """Seconds per ``nbytes`` received over loopback into a shared-memory file faulted in
     beforehand."""
     with socket.socket() as ls:
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MiB)  # inherited by conn
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
         child = subprocess.Popen([sys.executable, __file__, "--tcp-sender",
@@ -104,7 +108,7 @@ def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
             conn.send(b"g")
             pos = 0
             while pos < nbytes:
-                got = conn.recv_into(view[pos:], min(nbytes - pos, 4 * MiB))
+                got = conn.recv_into(view[pos:])
                 if not got:
                     raise RuntimeError("the sender hung up")
                 pos += got
@@ -333,9 +337,9 @@ def report(res: dict[str, Any]) -> None:
     print(f"  raw TCP socket copy        {tcp:8.2f} GB/s   (physical limit, same run)")
     bare = n / min(res["flight_bare_s"]) / GB
     print(f"  bare Flight do_get         {bare:8.2f} GB/s   = {bare / tcp:.2f} x raw TCP: "
-          f"the same stream and copy + hash, nothing else (the transport's own ceiling)")
+          f"the same stream and copy + hash, nothing else (Flight's own ceiling)")
     ratio = flight / tcp
-    print(f"  node-to-node pull (Flight) {flight:8.2f} GB/s   = {ratio:.2f} x raw TCP "
+    print(f"  node-to-node pull          {flight:8.2f} GB/s   = {ratio:.2f} x raw TCP "
           f"(goal >= {GOAL_VS_TCP}: {'met' if ratio >= GOAL_VS_TCP else 'NOT met'}); "
           f"{n / (1 << 30):g} GiB, checksummed and registered, "
           f"{DEFAULT_STREAMS} range stream(s) (the default on {os.cpu_count()} CPUs)")

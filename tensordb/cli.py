@@ -506,13 +506,17 @@ def serve_command(
         help="HOST[:PORT] other nodes reach this one at (default: the bound address).",
         show_default=False)] = None,
     heartbeat: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 1.0,
+    data_port: Annotated[int, typer.Option(
+        min=0, max=65535, help="TCP port of the data plane, the stream segment bytes take "
+        "to other nodes (0: any free port; nodes learn it from a ping).")] = 0,
     spare_bytes: Annotated[int | None, typer.Option(
         "--spare-bytes", min=0, help="Keep a pre-faulted shared-memory spare this large "
         "for incoming replicas: a pulled segment that fits lands at copy speed instead "
         "of faulting every page in (default: $TENSORDB_SPARE_BYTES, else none).",
         show_default=False)] = None,
 ) -> None:
-    """Run this host's node server: serve its store to other nodes over Arrow Flight.
+    """Run this host's node server: serve its store to other nodes over Arrow Flight
+    (segment bytes over a TCP data plane beside it, on --data-port).
 
     Registers the node in the catalog with a heartbeat, and deregisters it on SIGTERM
     or Ctrl-C. Prints one JSON line (node, address, metrics_port) once it answers.
@@ -525,7 +529,7 @@ def serve_command(
                  data_dir=data_dir or w.data_dir, **extra)
     try:
         running = start_node(db, host=host, port=port, token=token, metrics_port=metrics_port,
-                             advertise=advertise, heartbeat=heartbeat)
+                             advertise=advertise, heartbeat=heartbeat, data_port=data_port)
         running.wait(on_ready=lambda n: print(ready_line(n), flush=True))
     finally:
         db.close()

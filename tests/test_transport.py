@@ -270,6 +270,48 @@ def test_request_without_token_is_refused(cluster: Cluster) -> None:
     assert FlightTransport(TOKEN, timeout=5).ping("a", addr)["node"] == "a"
 
 
+def test_segment_bytes_take_the_data_plane(cluster: Cluster) -> None:
+    import numpy as np
+
+    from transport._dataplane import fetch_into
+
+    a = cluster.db("a")
+    w = torch.randn(1 << 18)  # 1 MiB: more than one report of received bytes
+    a.commit("plane", {"w": w})
+    (seg,) = {r for r, _ in NodeDirectory(a.catalog.engine).version_segments(
+        a.catalog.require("plane").id, 1)}
+    addr = cluster.nodes["a"].address
+    good = FlightTransport(TOKEN, timeout=5)
+    port = good.ping("a", addr)["data_port"]
+    assert isinstance(port, int) and port > 0
+    want = np.frombuffer(w.numpy().tobytes(), np.uint8)
+    for transport in (good, FlightTransport(TOKEN, timeout=5, data_plane=False)):
+        dst = np.zeros(want.size, np.uint8)
+        seen: list[int] = []
+        transport.read_segment_into("a", addr, seg, 0, dst, seen.append)
+        assert np.array_equal(dst, want) and sum(seen) == want.size
+    # a range from the middle, as a resumed stream asks
+    dst = np.zeros(1000, np.uint8)
+    good.read_segment_into("a", addr, seg, 4096, dst, lambda n: None)
+    assert np.array_equal(dst, want[4096:5096])
+
+    def errors(text: str) -> None:
+        raise RuntimeError(text)
+
+    host = addr.rsplit(":", 1)[0]
+    for token, sid, offset, needle in ((None, seg, 0, "Unauthorized"),
+                                       ("wrong", seg, 0, "Unauthorized"),
+                                       (TOKEN, "no-such-segment", 0, "NotFound"),
+                                       (TOKEN, seg, want.size, "InvalidInput")):
+        with pytest.raises(RuntimeError, match=needle):
+            fetch_into("a", host, port, token, sid, offset, np.zeros(16, np.uint8),
+                       lambda n: None, 5.0, errors)
+    with pytest.raises(NotFound):  # typed on the way out of the transport
+        good.read_segment_into("a", addr, "no-such-segment", 0, np.zeros(8, np.uint8),
+                               lambda n: None)
+    good.close()
+
+
 def test_dead_address_fails_fast(cluster: Cluster) -> None:
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))

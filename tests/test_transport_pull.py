@@ -210,3 +210,70 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
             db.replicate("nothing", to=["local"])
     finally:
         remove_store(db)
+
+
+# -- the data plane's stream, against a hand-written peer ----------------------------------
+def _peer(behave: Callable[[Any], None]) -> tuple[int, Any]:
+    import socket
+    import threading
+
+    from transport._dataplane import _recv_frame
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        try:
+            _recv_frame(conn)
+            behave(conn)
+        finally:
+            conn.close()
+            srv.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return srv.getsockname()[1], t
+
+
+def _no_error(text: str) -> None:
+    raise AssertionError(f"unexpected error answer {text!r}")
+
+
+def test_data_plane_cut_stream_hands_over_what_arrived() -> None:
+    import time
+
+    from transport._dataplane import _send_frame, fetch_into
+
+    def cut(conn: Any) -> None:
+        _send_frame(conn, {"ok": True})
+        conn.sendall(b"x" * 3000)
+
+    port, t = _peer(cut)
+    dst = np.zeros(10_000, np.uint8)
+    seen: list[int] = []
+    with pytest.raises(NodeUnavailable, match="after 3000 of 10000"):
+        fetch_into("n", "127.0.0.1", port, None, "s", 0, dst, seen.append, 5.0, _no_error)
+    assert sum(seen) == 3000 and bytes(dst[:3000]) == b"x" * 3000 and not dst[3000:].any()
+    t.join(5)
+
+    def stall(conn: Any) -> None:
+        _send_frame(conn, {"ok": True})
+        conn.sendall(b"y" * 10)
+        time.sleep(2.0)
+
+    port, t = _peer(stall)
+    t0 = time.monotonic()
+    with pytest.raises(NodeUnavailable, match="stalled"):
+        fetch_into("n", "127.0.0.1", port, None, "s", 0, np.zeros(100, np.uint8),
+                   lambda n: None, 0.5, _no_error)
+    assert time.monotonic() - t0 < 1.5
+    t.join(5)
+
+    def lies(conn: Any) -> None:
+        conn.sendall(b"\xff\xff\xff\xff")  # a header longer than any real one
+
+    port, t = _peer(lies)
+    with pytest.raises(InvalidInput, match="header"):
+        fetch_into("n", "127.0.0.1", port, None, "s", 0, np.zeros(8, np.uint8),
+                   lambda n: None, 5.0, _no_error)
+    t.join(5)

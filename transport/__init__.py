@@ -1,7 +1,8 @@
 """Node server and client on Arrow Flight: cluster mode.
 
 One ``NodeServer`` per host owns that host's store and serves its segments and KV
-blocks to other nodes; ``pull_segment`` brings a segment held elsewhere into a local
+blocks to other nodes (segment bytes over the TCP data plane of ``_dataplane``, set up
+through Flight); ``pull_segment`` brings a segment held elsewhere into a local
 tier (streamed, checksummed, then registered as a replica); ``cascade`` fans a version
 out to many nodes in O(log N) rounds. Every request carries the node's token when it
 has one. The client facade (``tensordb.Database``) imports this package only when a

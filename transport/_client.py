@@ -35,6 +35,7 @@ from tensordb.errors import (
 )
 
 from ._auth import auth_headers, unauthorized
+from ._dataplane import fetch_into
 
 __all__ = ["Transport", "FlightTransport", "KVBlock", "DEFAULT_TIMEOUT", "SEGMENT_SCHEMA",
            "CHANNEL_OPTIONS",
@@ -107,6 +108,26 @@ class Transport(ABC):
         ``sink``, chunk by chunk in order. On a failure mid-stream the chunks already
         given to the sink stay given."""
 
+    def read_segment_into(self, node: str, address: str, segment_id: str, offset: int,
+                          dst: np.ndarray, on_bytes: Callable[[int], None]) -> None:
+        """Receive bytes ``[offset, offset + len(dst))`` of a segment into ``dst`` (uint8,
+        contiguous); ``on_bytes(n)`` says the next ``n`` bytes of ``dst`` are in, in order
+        (also for what arrived before a failure). This default streams through
+        ``read_segment`` and copies; a transport with a faster path overrides it."""
+        pos = 0
+
+        def sink(view: memoryview) -> None:
+            nonlocal pos
+            n = len(view)
+            if pos + n > len(dst):
+                raise CorruptData(f"node {node!r} sent more of segment {segment_id} than "
+                                  f"asked", node=node)
+            np.copyto(dst[pos : pos + n], np.frombuffer(view, np.uint8))
+            pos += n
+            on_bytes(n)
+
+        self.read_segment(node, address, segment_id, offset, len(dst), sink)
+
     @abstractmethod
     def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
                      source: str | None, streams: int | None = None) -> dict[str, Any]:
@@ -152,11 +173,14 @@ class _Watchdog:
 class FlightTransport(Transport):
     """Arrow Flight (gRPC) transport with bearer-token auth and bounded waits."""
 
-    def __init__(self, token: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, token: str | None = None, timeout: float = DEFAULT_TIMEOUT, *,
+                 data_plane: bool = True) -> None:
         if not timeout or timeout <= 0:
             raise InvalidInput(f"the node timeout must be a positive number of seconds, "
                                f"not {timeout!r}")
         self.timeout = float(timeout)
+        self._token = token
+        self.data_plane = data_plane  # False: segment bytes through Flight only
         self._headers = auth_headers(token)
         self._clients: dict[str, fl.FlightClient] = {}
         self._lock = threading.Lock()
@@ -220,6 +244,24 @@ class FlightTransport(Transport):
         if got != length:
             raise NodeUnavailable(f"node {node!r} ended segment {segment_id} after {got} of "
                                   f"{length} bytes", node=node)
+
+    def read_segment_into(self, node: str, address: str, segment_id: str, offset: int,
+                          dst: np.ndarray, on_bytes: Callable[[int], None]) -> None:
+        """Over the node's data plane (``_dataplane``: a plain TCP stream straight into
+        ``dst``) when it has one, else through Flight."""
+        port = self.ping(node, address).get("data_port") if self.data_plane else None
+        if not isinstance(port, int) or port <= 0:
+            super().read_segment_into(node, address, segment_id, offset, dst, on_bytes)
+            return
+        host = address.rsplit(":", 1)[0].strip("[]")
+
+        def raise_error(text: str) -> None:
+            if text.startswith(f"{_PREFIX}Unauthorized"):
+                raise unauthorized(node, address)
+            raise_remote(RuntimeError(text), node, address)
+
+        fetch_into(node, host, port, self._token, segment_id, offset, dst, on_bytes,
+                   self.timeout, raise_error)
 
     def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
                      source: str | None, streams: int | None = None) -> dict[str, Any]:

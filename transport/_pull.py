@@ -177,14 +177,9 @@ def _fetch_range(transport: Transport, segment_id: str, dst: np.ndarray, lo: int
     pos = lo
     hasher = ExtentHasher(extents)
 
-    def sink(view: memoryview) -> None:
+    def arrived(n: int) -> None:  # bytes [pos, pos + n) of dst are in: hash them in cache
         nonlocal pos
-        n = len(view)
-        if pos + n > hi:
-            raise CorruptData(f"a holder sent more than asked of segment {segment_id}")
-        out = dst[pos : pos + n]
-        np.copyto(out, np.frombuffer(view, np.uint8))
-        hasher.feed(pos, out)
+        hasher.feed(pos, dst[pos : pos + n])
         pos += n
 
     failures: list[str] = []
@@ -192,7 +187,8 @@ def _fetch_range(transport: Transport, segment_id: str, dst: np.ndarray, lo: int
         if pos == hi:
             break
         try:
-            transport.read_segment(node, addresses[node], segment_id, pos, hi - pos, sink)
+            transport.read_segment_into(node, addresses[node], segment_id, pos, dst[pos:hi],
+                                        arrived)
         except (NodeUnavailable, NotFound) as exc:
             failures.append(str(exc))  # dead, or dropped its copy: the next one resumes
     return pos, hasher, failures

@@ -68,15 +68,17 @@ def _advertised(host: str, port: int, advertise: str | None) -> str:
 def start_node(db: Database, *, host: str = "127.0.0.1", port: int = 0,
                token: str | None = None, metrics_port: int | None = None,
                advertise: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
-               timeout: float | None = None) -> RunningNode:
+               timeout: float | None = None, data_port: int = 0) -> RunningNode:
     """Serve ``db``'s node: listen (refusing a non-loopback host without a token),
     register in the catalog with a heartbeat, and serve metrics on ``metrics_port``
-    (None: no endpoint; 0: any free port). Returns once all of it is up."""
+    (None: no endpoint; 0: any free port). Segment bytes go out on a data plane at
+    ``data_port`` (0: any free port), on the same host. Returns once all of it is up."""
     token = resolve_token(token)
     tiers = {n: db.tier(n) for n in ("host", "disk")}
     metrics = NodeMetrics(db.config.node, tiers, lambda: db.stats()["leases"])
     server = NodeServer(db, host, port, token=token, metrics=metrics,
-                        timeout=timeout or db.config.node_timeout or DEFAULT_TIMEOUT)
+                        timeout=timeout or db.config.node_timeout or DEFAULT_TIMEOUT,
+                        data_port=data_port)
     address = _advertised(host, server.port, advertise)
     registration = NodeRegistration(
         NodeDirectory(db.catalog.engine), db.config.node, address, sorted(tiers),

@@ -9,7 +9,9 @@ to other nodes, and pulls segments from others when told to (the cascade of
   from the segment's mapping (no copy in this process);
 - ``do_get`` ticket ``{"kind": "kv", "namespace", "block_tokens", "keys": [hex]}``: the
   blocks of those keys this node holds, with dtype, shape and checksum;
-- action ``ping``: the node's name and tiers (clients use it to fail fast);
+- action ``ping``: the node's name and tiers (clients use it to fail fast), and the
+  port of its data plane (``_dataplane``: segment ranges over a plain TCP stream, the
+  way clients read them when they can);
 - action ``pull`` ``{"segments": [...], "source": node}``: fetch and register replicas.
 
 Typed errors go back as ``FlightServerError("tensordb.<Kind>: ...")`` and are raised as
@@ -36,6 +38,7 @@ from tensordb.errors import InvalidInput, NotFound, TensorDBError
 
 from ._auth import TokenMiddlewareFactory, require_token_for
 from ._client import DEFAULT_TIMEOUT, SEGMENT_SCHEMA, FlightTransport, chunk_batch, error_kind
+from ._dataplane import DataPlaneServer
 from ._metrics import NodeMetrics
 from ._pull import pull_segment
 
@@ -66,7 +69,8 @@ class NodeServer(fl.FlightServerBase):
 
     def __init__(self, db: Database, host: str = "127.0.0.1", port: int = 0, *,
                  token: str | None = None, metrics: NodeMetrics | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
+                 data_plane: bool = True, data_port: int = 0) -> None:
         require_token_for(host, token)
         middleware = {"auth": TokenMiddlewareFactory(token)} if token else None
         super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
@@ -83,6 +87,10 @@ class NodeServer(fl.FlightServerBase):
                             if self.throttle else chunk_bytes)
         self._kv: dict[tuple[str, int], Any] = {}
         self._kv_lock = threading.Lock()
+        self.data_plane = DataPlaneServer(
+            host, data_port, token, timeout, self._segment_range, error_kind,
+            lambda status: self.metrics.request("segment", status),
+            chunk=self.chunk_bytes, throttle=self.throttle) if data_plane else None
 
     # -- requests ---------------------------------------------------------------------
     @staticmethod
@@ -129,7 +137,8 @@ class NodeServer(fl.FlightServerBase):
                 host = self.tiers.get("host")
                 spare = host.spare_ready() if isinstance(host, se.HostTier) else 0
                 return {"node": self.node, "tiers": sorted(self.tiers), "pid": os.getpid(),
-                        "spare_ready": spare}
+                        "spare_ready": spare,
+                        "data_port": self.data_plane.port if self.data_plane else None}
             if kind == "pull":
                 return self._pull(body)
             raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
@@ -142,6 +151,19 @@ class NodeServer(fl.FlightServerBase):
 
     # -- segments -------------------------------------------------------------------
     def _segment(self, req: dict[str, Any]) -> fl.FlightDataStream:
+        data, offset, length, tier = self._segment_bytes(req)
+        return fl.GeneratorStream(SEGMENT_SCHEMA, self._chunks(data, offset, length, tier))
+
+    def _segment_range(self, req: dict[str, Any]
+                       ) -> tuple[memoryview, Callable[[float], None]]:
+        """A data-plane request: the bytes to send, and what to count once they are."""
+        data, offset, length, tier = self._segment_bytes(req)
+        return data[offset : offset + length], \
+            lambda seconds: self.metrics.sent(tier, length, seconds)
+
+    def _segment_bytes(self, req: dict[str, Any]) -> tuple[memoryview, int, int, str]:
+        """The mapping of the segment a request names, the range asked and its tier;
+        InvalidInput or NotFound when the request is bad or the bytes are not here."""
         sid, offset, length = req.get("id"), req.get("offset", 0), req.get("length")
         if not isinstance(sid, str) or not isinstance(offset, int) or offset < 0 \
                 or not isinstance(length, int) or length < 0:
@@ -159,7 +181,7 @@ class NodeServer(fl.FlightServerBase):
         if offset + length > len(data):
             raise InvalidInput(f"segment {sid} has {len(data)} bytes; asked for "
                                f"[{offset}, {offset + length})", node=self.node)
-        return fl.GeneratorStream(SEGMENT_SCHEMA, self._chunks(data, offset, length, tier))
+        return data, offset, length, tier
 
     def _chunks(self, data: memoryview, offset: int, length: int, tier: str
                 ) -> Iterator[pa.RecordBatch]:
@@ -227,6 +249,8 @@ class NodeServer(fl.FlightServerBase):
     # -- life ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop serving (waits for calls in flight) and drop the KV handles. Idempotent."""
+        if self.data_plane is not None:
+            self.data_plane.close()
         self.shutdown()
         self.transport.close()
         with self._kv_lock:
