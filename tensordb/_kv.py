@@ -13,6 +13,7 @@ records each namespace per node (table ``kv_namespaces``) with its size as of th
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -31,7 +32,7 @@ import xxhash
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from storage_engine import GpuTier
+from storage_engine import GpuError, GpuTier
 from storage_engine._kv import BlockStore, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
 
 from ._dtypes import dtype_name, torch_dtype
@@ -39,12 +40,14 @@ from ._names import check_name
 from ._snapshot import device_of
 from .catalog._engine import write_conn
 from .catalog._schema import kv_namespaces
-from .errors import CorruptData, InvalidInput, NotFound, StoreClosed, StoreFull
+from .errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, StoreClosed, StoreFull
 
 if TYPE_CHECKING:
     from ._client import Database
 
 __all__ = ["KVCache", "KVNodeSummary", "DEFAULT_CAPACITY"]
+
+log = logging.getLogger("tensordb.kv")
 
 #: the arena size when neither the call, ``Config.kv_capacity`` nor
 #: $TENSORDB_KV_CAPACITY says: a quarter of the free shared memory, at most 4 GiB
@@ -278,9 +281,13 @@ class KVCache:
             raise StoreFull(f"KV namespace {self.namespace!r}: {exc}",
                             collection=self.namespace, node=self.node) from exc
         if on_gpu and store.gpu_enabled:  # .cpu() above synchronised their stream
-            store.admit_device([keys[i] for i, _ in on_gpu],
-                               [(t.data_ptr(), t.numel() * t.element_size(), t.device.index)
-                                for _, t in on_gpu])
+            try:
+                store.admit_device([keys[i] for i, _ in on_gpu],
+                                   [(t.data_ptr(), t.numel() * t.element_size(),
+                                     t.device.index) for _, t in on_gpu])
+            except GpuError as exc:  # the device copy is a cache: the blocks are stored
+                log.warning("KV namespace %r: no GPU copies of %d blocks: %s",
+                            self.namespace, len(on_gpu), exc)
         return stored
 
     @property
@@ -390,6 +397,10 @@ class KVCache:
                               collection=self.namespace, node=self.node) from exc
         except ValueError as exc:
             raise InvalidInput(str(exc), collection=self.namespace) from exc
+        except GpuError as exc:  # as a snapshot's GPU reads report it
+            raise NodeUnavailable(f"KV namespace {self.namespace!r}: the GPU tier failed: "
+                                  f"{exc}", collection=self.namespace,
+                                  node=self.node) from exc
 
     def _found_all(self, keys: list[bytes], metas: list[bytes | None]) -> None:
         for k, m in zip(keys, metas):
