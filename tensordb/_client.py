@@ -418,34 +418,37 @@ class Database:
         out: dict[str, torch.Tensor] = {}
         if maps is None:
             maps = {}
-        bases: dict[tuple[str, str], torch.Tensor] = {}
-        for r in rows:
-            dt = torch_dtype(r.dtype)
-            if r.segment_id is None:
-                out[r.name] = torch.empty(r.shape, dtype=dt)
+        bases: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
+        # a fresh process's state_dict of a whole model runs this per tensor: fields are
+        # unpacked once, not read through the row's attributes (a fifth of its time)
+        for name, dtype, shape, nbytes, csum, segment_id, offset, tier, _ in rows:
+            if segment_id is None:
+                out[name] = torch.empty(shape, dtype=torch_dtype(dtype))
                 continue
-            mm = maps.get(r.segment_id)
-            if mm is None:
-                mm = maps[r.segment_id] = self._map(r.segment_id, r.tier or "host", collection,
-                                                    r.name)
-            if verify:
-                got = se.checksum(mm.to_host(r.offset, r.nbytes) if isinstance(mm, se.GpuView)
-                                  else np.frombuffer(mm, np.uint8, count=r.nbytes,
-                                                     offset=r.offset))
-                if got != r.checksum:
-                    raise CorruptData(
-                        f"{collection}/{r.name}: stored bytes fail their checksum (expected "
-                        f"{r.checksum}, found {got}); not served", collection=collection,
-                        tensor=r.name)
-            key = (r.segment_id, r.dtype)
-            base = bases.get(key)
-            if base is None:
+            found = bases.get((segment_id, dtype))
+            if found is None or verify:
+                mm = maps.get(segment_id)
+                if mm is None:
+                    mm = maps[segment_id] = self._map(segment_id, tier or "host", collection,
+                                                      name)
+                if verify:
+                    got = se.checksum(mm.to_host(offset, nbytes) if isinstance(mm, se.GpuView)
+                                      else np.frombuffer(mm, np.uint8, count=nbytes,
+                                                         offset=offset))
+                    if got != csum:
+                        raise CorruptData(
+                            f"{collection}/{name}: stored bytes fail their checksum (expected "
+                            f"{csum}, found {got}); not served", collection=collection,
+                            tensor=name)
+            if found is None:
+                dt = torch_dtype(dtype)
                 if isinstance(mm, se.GpuView):  # the IPC mapping itself: no copy
                     base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
                 else:
                     base = torch.frombuffer(mm, dtype=dt)
-                bases[key] = base
-            out[r.name] = base.as_strided(r.shape, _strides(r.shape), r.offset // dt.itemsize)
+                found = bases[(segment_id, dtype)] = (base, dt.itemsize)
+            base, size = found
+            out[name] = base.as_strided(shape, _strides(shape), offset // size)
         return out
 
     def _read_into(self, collection: str, pairs: list[tuple[TensorRow, np.ndarray]], *,
