@@ -251,6 +251,36 @@ def _plain_look(root: str) -> tuple[bool, int, str]:
     return plain.gpu_enabled, plain.stats().gpu_capacity, ""
 
 
+def test_a_copy_that_loses_the_race_gives_its_chunk_back(make: object,
+                                                        fake: FakeRuntime) -> None:
+    # another writer publishes a copy of the block while this one is copying it (here:
+    # from inside the copy, on the same thread): one copy is indexed, the loser's chunk
+    # goes back to the free list
+    store = make(gpu_capacity=2 * BLOCK, slab_bytes=2 * BLOCK)  # type: ignore[operator]
+    keys, blocks = _keys(2), _blocks(2, base=12)
+    store.put(keys, blocks)
+    src = _device_buffer(fake, BLOCK)
+    ctypes.memmove(src, blocks[0].ctypes.data, BLOCK)
+    real = fake.cudaMemcpy
+    raced: list[int] = []
+
+    def racing(dst: int, s: int, n: int, kind: object) -> tuple[object]:
+        fake.cudaMemcpy = real  # type: ignore[method-assign]
+        raced.append(store.admit_device(keys[:1], [(src, BLOCK, 0)]))
+        return real(dst, s, n, kind)
+
+    fake.cudaMemcpy = racing  # type: ignore[method-assign]
+    (view,) = store.get_device(keys[:1])
+    assert raced == [1] and view is not None
+    assert _read(view.ptr, BLOCK) == blocks[0].tobytes()
+    assert store.stats().gpu_blocks == 1
+    del view
+    gc.collect()
+    (other,) = store.get_device(keys[1:])  # the loser's chunk is free again: no eviction
+    assert other is not None and store.stats().gpu_evictions == 0
+    assert store.stats().gpu_blocks == 2
+
+
 def test_a_failed_copy_gives_its_chunks_back(make: object, fake: FakeRuntime) -> None:
     from cuda_standin import _Err
     from storage_engine._gpu import GpuError
