@@ -27,7 +27,6 @@ import queue
 import shutil
 import tempfile
 import threading
-import time
 import zlib
 from collections.abc import Hashable, Sequence
 from pathlib import Path

@@ -76,8 +76,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from tensordb._kv import KVCache
-
 __all__ = [
     "CONNECTOR_NAME",
     "KVLoad",
