@@ -184,6 +184,10 @@ def fetch_into(node: str, host: str, port: int, token: str | None, segment_id: s
         except (OSError, ConnectionError) as exc:
             raise NodeUnavailable(f"node {node!r} dropped the request for segment "
                                   f"{segment_id}: {exc}", node=node) from exc
+        except InvalidInput as exc:  # a broken or hostile holder: the next one may serve
+            raise NodeUnavailable(f"node {node!r} answered the request for segment "
+                                  f"{segment_id} with a malformed header: {exc}",
+                                  node=node) from exc
         if "error" in answer:
             raise_error(str(answer["error"]))
         if answer.get("ok") is not True:
