@@ -186,11 +186,15 @@ class FileTier(Tier):
         """A writer of this tier let go of its segment (hook for spare refills)."""
 
     # -- reading -------------------------------------------------------------------
-    def open(self, segment_id: str) -> mmap.mmap:
+    def _open_ro(self, segment_id: str) -> int:
+        """A read-only descriptor of the segment's file; SegmentMissing when it is gone."""
         try:
-            fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise SegmentMissing(self.name, segment_id) from exc
+
+    def open(self, segment_id: str) -> mmap.mmap:
+        fd = self._open_ro(segment_id)
         try:
             return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         except ValueError as exc:  # an empty file: truncated under us
@@ -199,10 +203,7 @@ class FileTier(Tier):
             os.close(fd)
 
     def peek(self, segment_id: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        try:
-            fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise SegmentMissing(self.name, segment_id) from exc
+        fd = self._open_ro(segment_id)
         try:
             return [os.pread(fd, n, off) for off, n in ranges]
         finally:
@@ -215,10 +216,7 @@ class FileTier(Tier):
     def read_into(self, segment_id: str, items: list[tuple[int, np.ndarray]]) -> bool:
         """``preadv`` straight into the buffers: the kernel copies from the file's pages,
         the GIL is released, and pieces run in parallel on the I/O pool."""
-        try:
-            fd = os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise SegmentMissing(self.name, segment_id) from exc
+        fd = self._open_ro(segment_id)
         try:
             size = os.fstat(fd).st_size
             piece = self.READ_PIECE

@@ -88,6 +88,13 @@ class Corruption:
     reason: str
 
 
+def _corrupt(collection: str, tensor: str, expected: str, found: str) -> CorruptData:
+    """The error of a read whose bytes fail the catalog's checksum."""
+    return CorruptData(f"{collection}/{tensor}: stored bytes fail their checksum (expected "
+                       f"{expected}, found {found}); not served", collection=collection,
+                       tensor=tensor)
+
+
 @lru_cache(maxsize=4096)
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Contiguous strides of ``shape``, in elements."""
@@ -436,10 +443,7 @@ class Database:
                                       else np.frombuffer(mm, np.uint8, count=nbytes,
                                                          offset=offset))
                     if got != csum:
-                        raise CorruptData(
-                            f"{collection}/{name}: stored bytes fail their checksum (expected "
-                            f"{csum}, found {got}); not served", collection=collection,
-                            tensor=name)
+                        raise _corrupt(collection, name, csum, got)
             if found is None:
                 dt = torch_dtype(dtype)
                 if isinstance(mm, se.GpuView):  # the IPC mapping itself: no copy
@@ -475,10 +479,7 @@ class Database:
                 for r, out in group:
                     got = se.checksum(out)
                     if got != r.checksum:
-                        raise CorruptData(
-                            f"{collection}/{r.name}: stored bytes fail their checksum "
-                            f"(expected {r.checksum}, found {got}); not served",
-                            collection=collection, tensor=r.name)
+                        raise _corrupt(collection, r.name, r.checksum, got)
         return left
 
     def get(self, collection: str, name: str, *, version: int | None = None,

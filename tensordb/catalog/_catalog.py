@@ -216,6 +216,7 @@ _SQL_LEASE = text(
 _SQL_ROWS = ('SELECT name, dtype, shape, nbytes, checksum, segment_id, "offset", first_version '
              "FROM tensors WHERE collection_id = :cid AND ")
 _SQL_HEAD_ROWS = text(_SQL_ROWS + "end_version IS NULL")
+_DBAPI_HEAD_ROWS = _SQL_ROWS.replace(":cid", "?") + "end_version IS NULL"  # qmark style
 _SQL_VERSION_ROWS = text(_SQL_ROWS + "first_version <= :v AND (end_version IS NULL OR end_version > :v)")
 _SQL_TIERS = text("SELECT id, tier FROM segments WHERE id IN :ids").bindparams(
     bindparam("ids", expanding=True))
@@ -595,8 +596,7 @@ class Catalog:
                         "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         (lease_id, info.id, info.head, holder, self.node, _sqlite_time(now),
                          _sqlite_time(now + timedelta(seconds=ttl))))
-            raw = cur.execute(_SQL_ROWS.replace(":cid", "?") + "end_version IS NULL",
-                              (info.id,)).fetchall()
+            raw = cur.execute(_DBAPI_HEAD_ROWS, (info.id,)).fetchall()
             seg_ids = list({r[5] for r in raw if r[5] is not None})
             tiers = dict(cur.execute(
                 f"SELECT id, tier FROM segments WHERE id IN ({','.join('?' * len(seg_ids))})",
