@@ -70,6 +70,15 @@ class Cluster:
 SPARE = 4 << 20  # node b keeps a pre-faulted spare this large for incoming replicas
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+DATA_PORT_A = _free_port()  # node a's data plane listens where --data-port says
+
+
 def _spawn(url: str, name: str, root: Path, env: dict[str, str], *extra: str) -> Node:
     home = root / name
     home.mkdir(parents=True)
@@ -111,7 +120,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = {**os.environ, "TENSORDB_KV_CAPACITY": str(16 << 20)}
     base.pop(THROTTLE_ENV, None)
     tensordb.connect(url, node="setup", home=root / "setup").close()  # migrate once
-    nodes = {"a": _spawn(url, "a", root, base),
+    nodes = {"a": _spawn(url, "a", root, base, "--data-port", str(DATA_PORT_A)),
              "b": _spawn(url, "b", root, base, "--spare-bytes", str(SPARE))}
     nodes["c"] = _spawn(url, "c", root, {**base, THROTTLE_ENV: str(THROTTLE)})
     cl = Cluster(url, nodes, {})
@@ -283,7 +292,7 @@ def test_segment_bytes_take_the_data_plane(cluster: Cluster) -> None:
     addr = cluster.nodes["a"].address
     good = FlightTransport(TOKEN, timeout=5)
     port = good.ping("a", addr)["data_port"]
-    assert isinstance(port, int) and port > 0
+    assert port == DATA_PORT_A
     want = np.frombuffer(w.numpy().tobytes(), np.uint8)
     for transport in (good, FlightTransport(TOKEN, timeout=5, data_plane=False)):
         dst = np.zeros(want.size, np.uint8)
