@@ -29,8 +29,8 @@ least_load, the baseline a user would pick.
 
 Run:  .venv/bin/python benchmarks/routing.py [--sessions 2000] [--gap-median 8.2]
           [--load-sweep 0.2,0.4,0.5,0.6,0.7] [--json] [--png routing.png]
-      .venv/bin/python benchmarks/routing.py --engine real [--instances 3]
-          [--sessions 12] [--load-sweep 0.3,0.6] [--no-store] [--png real.png]
+      .venv/bin/python benchmarks/routing.py --engine real [--instances 2]
+          [--sessions 24] [--load-sweep 0.3,0.6] [--no-store] [--png real.png]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=("sim", "real"), default="sim",
                    help="sim: the simulator at paper scale; real: engine processes at "
                         "small scale beside the simulator calibrated on them")
-    p.add_argument("--instances", type=int, default=None, help="[sim 4, real 3]")
-    p.add_argument("--sessions", type=int, default=None, help="[sim 2000, real 12]")
+    p.add_argument("--instances", type=int, default=None, help="[sim 4, real 2: one per core here]")
+    p.add_argument("--sessions", type=int, default=None, help="[sim 2000, real 24]")
     p.add_argument("--gap-median", type=float, default=None,
                    help="median seconds between a session's requests (paper: 8.2, 20.1, "
                         "60.3) [sim 8.2, real 0.5]")
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-prompt", type=int, default=None,
                    help="shared system-prompt tokens [sim 4096, real 256]")
     p.add_argument("--cache-blocks", type=int, default=None,
-                   help="KV cache capacity per instance, in blocks [sim 8192, real 64]")
+                   help="KV cache capacity per instance, in blocks [sim 8192, real 256]")
     p.add_argument("--block-tokens", type=int, default=None, help="[sim 256, real 32]")
     p.add_argument("--d-model", type=int, default=128, help="real engine: model width")
     p.add_argument("--layers", type=int, default=2, help="real engine: model depth")
@@ -104,9 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 #: the defaults that differ between the engines: (sim, real)
 ENGINE_DEFAULTS: dict[str, tuple[Any, Any]] = {
-    "instances": (4, 3), "sessions": (2000, 12), "gap_median": (8.2, 0.5),
+    "instances": (4, 2), "sessions": (2000, 24), "gap_median": (8.2, 0.5),
     "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.3,0.6"), "system_prompt": (4096, 256),
-    "cache_blocks": (8192, 64), "block_tokens": (256, 32),
+    "cache_blocks": (8192, 256), "block_tokens": (256, 32),
 }
 
 
@@ -270,6 +270,8 @@ def write_png(out: dict[str, Any], path: str) -> None:
 
 
 GOAL_SIM_ERROR = 0.20
+#: simulated medians closer than this are a tie when orders are compared
+ORDER_MARGIN = 0.10
 
 
 def run_real(a: argparse.Namespace) -> dict[str, Any]:
@@ -308,12 +310,15 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             for name in policies:
                 now, drift = recalibrate(cluster, costs, measured)
                 t = time.perf_counter()
-                real = cluster.run(reqs, policy(name, a), seed=a.seed,
-                                   ewma_tau=ewma_tau(a)).summary()
+                real_res = cluster.run(reqs, policy(name, a), seed=a.seed,
+                                       ewma_tau=ewma_tau(a))
                 wall = time.perf_counter() - t
-                sim = simulate(reqs, policy(name, a), instances=a.instances, costs=now,
-                               shared_store=not a.no_store, cache_output=False,
-                               ewma_tau=ewma_tau(a)).summary()
+                sim_res = simulate(reqs, policy(name, a), instances=a.instances, costs=now,
+                                   shared_store=not a.no_store, cache_output=False,
+                                   ewma_tau=ewma_tau(a))
+                real, sim = real_res.summary(), sim_res.summary()
+                real["utilization"] = utilization(real_res, a.instances)
+                sim["utilization"] = utilization(sim_res, a.instances)
                 rows.append({"load": f"{load:.2f}", "rate": load * sat, "policy": name,
                              "requests": real["requests"], "real": real, "sim": sim,
                              "span_s": reqs[-1].arrival if reqs else 0.0, "run_s": wall,
@@ -331,15 +336,39 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def ordering(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per load, the policies by median TTFT on the engines and in the simulator."""
+    """Per load, the policies by median TTFT on the engines and in the simulator, and
+    whether the engines order every pair of policies the simulator separates by more
+    than ``ORDER_MARGIN`` the same way (a closer pair is a tie: one run of a few hundred
+    requests cannot order it)."""
     out: dict[str, Any] = {}
     for load in dict.fromkeys(r["load"] for r in rows):
         at = [r for r in rows if r["load"] == load]
         real = [r["policy"] for r in sorted(at, key=lambda r: r["real"]["ttft_median"])]
         sim = [r["policy"] for r in sorted(at, key=lambda r: r["sim"]["ttft_median"])]
+        pairs, wrong = 0, []
+        for i, a in enumerate(at):
+            for b in at[i + 1:]:
+                sa, sb = a["sim"]["ttft_median"], b["sim"]["ttft_median"]
+                if max(sa, sb) < (1 + ORDER_MARGIN) * min(sa, sb):
+                    continue
+                pairs += 1
+                ra, rb = a["real"]["ttft_median"], b["real"]["ttft_median"]
+                if (sa < sb) != (ra < rb):
+                    wrong.append((a["policy"], b["policy"]))
         out[load] = {"real": real, "sim": sim, "same": real == sim,
-                     "same_best": real[0] == sim[0]}
+                     "same_best": real[0] == sim[0], "separated_pairs": pairs,
+                     "misordered_pairs": wrong}
     return out
+
+
+def utilization(res: Any, instances: int) -> float:
+    """The fraction of the instances' time spent loading KV and prefilling, from the
+    first arrival to the last first token: the load a run really put on them."""
+    recs = res.records
+    if not recs:
+        return 0.0
+    span = max(r.arrival + r.ttft for r in recs) - min(r.arrival for r in recs)
+    return sum(r.kv_load + r.prefill for r in recs) / (instances * span) if span > 0 else 0.0
 
 
 def print_real(out: dict[str, Any]) -> None:
@@ -368,22 +397,27 @@ def print_real(out: dict[str, Any]) -> None:
     print(f"  all instances prefilling at once: {m.get('contended_prefill', 0) * 1e3:.1f} ms "
           f"for the longest point -> contention {k['contention']:.2f} (a prefill's time "
           f"grows by that fraction per other instance prefilling)")
-    print(f"  a request beyond its prefill (router -> instance hand-off, bookkeeping), "
-          f"end to end with nothing queued: {m.get('dispatch_overhead', 0) * 1e3:.2f} ms")
+    print(f"  a request beyond its prefill, end to end with nothing queued: the router -> "
+          f"instance hand-off {m.get('dispatch_latency', 0) * 1e3:.2f} ms (a delay), "
+          f"bookkeeping {m.get('dispatch_overhead', 0) * 1e3:.2f} ms (busy time)")
     print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
-          f"{'hit':>5} {'migr':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} {'migr':>4} | "
+          f"{'hit':>5} {'migr':>4} {'busy':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} "
+          f"{'migr':>4} | "
           f"{'err med':>7} {'err p90':>7} {'speed':>5} {'run s':>5}")
     for r in out["rows"]:
         re_, si = r["real"], r["sim"]
         print(f"{r['load']:>5} {r['policy']:<12} {r['requests']:>4} | "
               f"{ms(re_['ttft_median']):>11} {ms(re_['ttft_p90']):>9} "
-              f"{re_['local_hit_rate']:>5.0%} {re_['migrations']:>4} | "
+              f"{re_['local_hit_rate']:>5.0%} {re_['migrations']:>4} "
+              f"{re_['utilization']:>4.0%} | "
               f"{ms(si['ttft_median']):>10} {ms(si['ttft_p90']):>9} "
               f"{si['local_hit_rate']:>5.0%} {si['migrations']:>4} | "
               f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['speed_factor']:>5.2f} "
               f"{r['run_s']:>5.1f}")
-    print(f"\n(hit: prompt tokens from the instance's own cache or migrated there; err: "
+    print(f"\n(hit: prompt tokens from the instance's own cache or migrated there; busy: "
+          f"the instances' time spent loading KV and prefilling, first arrival to last "
+          f"first token; err: "
           f"simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%}; speed: the host's "
           f"prefill time just before the run / at calibration, which the simulator's "
           f"compute costs are scaled by)")
@@ -391,6 +425,11 @@ def print_real(out: dict[str, Any]) -> None:
         print(f"load {load}: by median TTFT, real {' < '.join(o['real'])}; simulator "
               f"{' < '.join(o['sim'])}: " + ("same order" if o["same"] else
                                              "same best" if o["same_best"] else "differ"))
+        wrong = ", ".join(f"{x} / {y}" for x, y in o["misordered_pairs"])
+        print(f"  pairs the simulator separates by more than {ORDER_MARGIN:.0%}: "
+              f"{o['separated_pairs']}, ordered alike on the engines: "
+              f"{o['separated_pairs'] - len(o['misordered_pairs'])}"
+              + (f" (not: {wrong})" if wrong else ""))
     errs = [abs(r[k]) for r in out["rows"] for k in ("err_median", "err_p90")]
     within = sum(1 for x in errs if x <= GOAL_SIM_ERROR)
     print(f"{within} of {len(errs)} median/p90 figures within {GOAL_SIM_ERROR:.0%}")

@@ -452,5 +452,31 @@ def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
     real = bench.parse_args(["--engine", "real", "--sessions", "5"])
     assert (real.instances, real.sessions, real.block_tokens, real.load_sweep) == (
-        3, 5, 32, "0.3,0.6")
+        2, 5, 32, "0.3,0.6")
     assert bench.policy("migrate", real).abs_gap == 1024  # scaled to a 256-token prompt
+
+
+def test_benchmark_ordering_counts_only_pairs_the_simulator_separates() -> None:
+    """Medians (ms) real / sim: a 10/10, b 12/10.5 (a tie in the simulator: within
+    10%), c 20/30, d 25/15. Separated pairs: a-c, a-d, b-c, b-d, c-d; the engines
+    order c-d the other way."""
+    bench = _bench_module()
+    med = {"a": (10, 10), "b": (12, 10.5), "c": (20, 30), "d": (25, 15)}
+    rows = [{"load": "0.50", "policy": p, "real": {"ttft_median": r / 1e3},
+             "sim": {"ttft_median": m / 1e3}} for p, (r, m) in med.items()]
+    o = bench.ordering(rows)["0.50"]
+    assert o["real"] == ["a", "b", "c", "d"] and o["sim"] == ["a", "b", "d", "c"]
+    assert (o["same"], o["same_best"]) == (False, True)
+    assert o["separated_pairs"] == 5 and o["misordered_pairs"] == [("c", "d")]
+
+
+def test_benchmark_utilization_is_work_over_instance_time() -> None:
+    """Two instances; requests at 0 s and 1 s, each 0.25 s of KV load + prefill, the
+    last first token at 1.5 s: 0.5 s of work over 2 x 1.5 s."""
+    from types import SimpleNamespace
+
+    bench = _bench_module()
+    recs = [SimpleNamespace(arrival=0.0, ttft=0.3, kv_load=0.05, prefill=0.2),
+            SimpleNamespace(arrival=1.0, ttft=0.5, kv_load=0.0, prefill=0.25)]
+    assert bench.utilization(SimpleNamespace(records=recs), 2) == pytest.approx(0.5 / 3.0)
+    assert bench.utilization(SimpleNamespace(records=[]), 2) == 0.0

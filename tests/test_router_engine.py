@@ -237,20 +237,41 @@ def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None
     seen: list[tuple[int, str]] = []
 
     def run(requests, policy):  # type: ignore[no-untyped-def]
-        # the "real" engine: the simulator's times plus 3 ms on most requests, one outlier
+        # the "real" engine: the simulator's times plus a 1 ms hand-off (a wait before
+        # the start) and 2 ms of bookkeeping on most requests, one outlier
         seen.append((len(requests), policy))
         recs = simulate(requests, policy, instances=2, costs=costs, cache_output=False).records
-        late = [dataclasses.replace(r, ttft=r.ttft + (0.003 if i else 0.5))
+        late = [dataclasses.replace(r, queue=r.queue + (0.001 if i else 0.2),
+                                    ttft=r.ttft + (0.003 if i else 0.5))
                 for i, r in enumerate(recs)]
         return SimpleNamespace(records=late)
 
     fake = SimpleNamespace(cfg=cfg, n=2, run=run)
-    assert math.isclose(dispatch_overhead(fake, costs), 0.003, rel_tol=1e-9)
+    latency, busy = dispatch_overhead(fake, costs)
+    assert math.isclose(latency, 0.001, rel_tol=1e-9)
+    assert math.isclose(busy, 0.002, rel_tol=1e-9)
     assert seen == [(12, "round_robin")]
     faster = SimpleNamespace(cfg=cfg, n=2, run=lambda reqs, pol: SimpleNamespace(records=[
         dataclasses.replace(r, ttft=r.ttft / 2) for r in simulate(
             reqs, pol, instances=2, costs=costs, cache_output=False).records]))
-    assert dispatch_overhead(faster, costs) == 0.0  # never negative
+    assert dispatch_overhead(faster, costs) == (0.0, 0.0)  # never negative
+
+
+def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:
+    """One instance, 1 ms per token, a 2 ms hand-off: A (10 tokens at t=0) starts at
+    2 ms and ends at 12; B (10 tokens at 5 ms) reached the instance at 7 ms, waits for
+    A and runs 12-22 ms. Without the latency being busy time, B does not wait 2 ms more
+    after A. A negative latency is refused."""
+
+    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=10,
+                  dispatch_latency=2e-3)
+    reqs = [Request("a", 0.0, 10), Request("b", 0.005, 10)]
+    a, b = simulate(reqs, "round_robin", instances=1, costs=costs, shared_store=False,
+                    cache_output=False).records
+    assert (a.start, a.ttft, a.queue) == pytest.approx((0.002, 0.012, 0.002))
+    assert (b.start, b.ttft, b.queue) == pytest.approx((0.012, 0.017, 0.007))
+    with pytest.raises(InvalidInput, match="dispatch_latency"):
+        Costs(dispatch_latency=-1e-3)
 
 
 def test_calibrated_simulator_hand_checked_schedule() -> None:

@@ -40,24 +40,29 @@ if TYPE_CHECKING:
 __all__ = ["calibrate", "dispatch_overhead", "fit_costs", "measure_engine", "recalibrate"]
 
 
-def _timed(fn: Any, reps: int) -> float:
-    """The mean of ``reps`` timings of ``fn()`` after one warm-up call: the mean, not
-    the median, because a queue of requests feels the slow ones too."""
+def _timed(fn: Any, reps: int, stat: Any = statistics.mean) -> float:
+    """``stat`` (default the mean) of ``reps`` timings of ``fn()`` after one warm-up
+    call. The cost grid takes the mean, not the median, because a queue of requests
+    feels the slow ones too; a speed probe takes the fastest, because it compares the
+    host with itself, and repetitions slowed by something passing (a preemption, the
+    allocator faulting pages back in after a cache was emptied) must not rescale a
+    whole run."""
     fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.mean(ts)
+    return float(stat(ts))
 
 
 def measure_engine(engine: Engine, *, new_tokens: Sequence[int] = (32, 128, 384),
                    past_tokens: Sequence[int] = (0, 256, 1024), reps: int = 3,
-                   blocks: int = 16, seed: int = 0) -> dict[str, Any]:
+                   blocks: int = 16, seed: int = 0, probe: bool = False) -> dict[str, Any]:
     """Time ``engine``'s parts (see the module doc). Runs in the calling thread for a
     few seconds; touches the engine's store only under keys of its own, removed
-    before it returns, and leaves the local cache as it was."""
+    before it returns, and leaves the local cache as it was. ``probe``: only the
+    prefill grid, each point the fastest of its repetitions (a speed probe)."""
     if reps < 1 or blocks < 1 or not new_tokens or not past_tokens:
         raise InvalidInput("calibration needs reps >= 1, blocks >= 1 and token grids")
     cfg = engine.cfg
@@ -73,8 +78,11 @@ def measure_engine(engine: Engine, *, new_tokens: Sequence[int] = (32, 128, 384)
         for n in new_tokens:
             toks = prefix[nb * bt:nb * bt + n]
             past = torch.stack(cached[:nb]) if nb else None
-            t = _timed(lambda: model.prefill(toks, past), reps)
+            t = _timed(lambda: model.prefill(toks, past), reps,
+                       min if probe else statistics.mean)
             prefill.append((n, nb * bt, t))
+    if probe:
+        return {"prefill": prefill}
     shape = cfg.model.block_shape(bt)
     data = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
             for i in range(blocks)]
@@ -159,9 +167,16 @@ def fit_error(measured: dict[str, Any], costs: Costs) -> float:
     return max(abs(costs.prefill(int(p), int(n)) - t) / t for n, p, t in measured["prefill"])
 
 
+#: repetitions of a speed probe (the fastest is taken): about half a second at the
+#: default grid's longest point, longer than the slow spells seen on a shared host
+PROBE_REPS = 15
+
+
 def _probe(cluster: Cluster, n: int, p: int, spec: dict[str, Any]) -> tuple[float, float]:
-    """One grid point's prefill time in instance 0 alone, then in all at once."""
-    probe = {**spec, "new_tokens": (n,), "past_tokens": (p,)}
+    """One grid point's prefill time (the fastest of ``PROBE_REPS``) in instance 0
+    alone, then in all at once (the mean over the instances of each one's fastest)."""
+    probe = {**spec, "new_tokens": (n,), "past_tokens": (p,), "probe": True,
+             "reps": max(PROBE_REPS, spec.get("reps", 0))}
     alone = cluster.calibrate(0, **probe)["prefill"][0][2]
     if cluster.n == 1:
         return alone, alone
@@ -182,20 +197,23 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
                   if cluster.n > 1 else 0.0)
     costs = fit_costs(m, cluster.cfg, contention)
     m["fit_max_rel_error"] = fit_error(m, costs)
-    extra = dispatch_overhead(cluster, costs)
-    m["dispatch_overhead"] = extra
-    costs = dataclasses.replace(costs, request_overhead=costs.request_overhead + extra)
+    latency, extra = dispatch_overhead(cluster, costs)
+    m["dispatch_latency"], m["dispatch_overhead"] = latency, extra
+    costs = dataclasses.replace(costs, request_overhead=costs.request_overhead + extra,
+                                dispatch_latency=latency)
     return costs, m
 
 
 def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
-                      spacing: float = 0.05) -> float:
+                      spacing: float = 0.05) -> tuple[float, float]:
     """What a request costs beyond its prefill, measured end to end: a few requests
     that never queue (``spacing`` apart, round robin, fresh sessions: nothing cached)
-    through the router into the instance processes, their real TTFT against the
-    simulator's for the same requests with ``costs``. The median difference (never
-    below 0) is the hand-off from the router to an instance's worker thread and the
-    engine's bookkeeping around the prefill, which the prefill grid does not see."""
+    through the router into the instance processes, against the simulator's TTFT for
+    the same requests with ``costs``. Returns ``(latency, busy)``: ``latency``, the
+    median wait before an idle instance starts a request (the hand-off from the router
+    to its worker thread: a delay, not work), and ``busy``, the median of what the
+    rest of the real TTFT exceeds the simulator's by (the engine's bookkeeping around
+    the prefill, which the prefill grid does not see), never below 0."""
     from ._policy import Request
     from ._sim import simulate
 
@@ -206,7 +224,9 @@ def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
     real = cluster.run(probe, "round_robin").records
     sim = simulate(probe, "round_robin", instances=cluster.n, costs=costs,
                    shared_store=cluster.cfg.use_store, cache_output=False).records
-    return max(0.0, statistics.median(r.ttft - s.ttft for r, s in zip(real, sim)))
+    latency = max(0.0, statistics.median(r.queue for r in real))
+    busy = max(0.0, statistics.median(r.ttft - r.queue - s.ttft for r, s in zip(real, sim)))
+    return latency, busy
 
 
 def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any]
@@ -215,7 +235,10 @@ def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any]
     :func:`calibrate` measured again (a second or two), the compute terms scaled by
     how much slower or faster it runs alone, the contention measured afresh. On a
     host whose other load changes, this keeps the simulator on the machine it is
-    compared with, without looking at any request of the run."""
+    compared with, without looking at any request of the run. The instances are reset
+    first (queues drained, blocks still being saved in the store, caches emptied), so
+    the probe sees the host as a run starts, not the tail of the last one."""
+    cluster.reset()
     n, p = measured["probe"]
     alone, together = _probe(cluster, n, p, measured.get("spec", {}))
     f = alone / measured["probe_alone"]

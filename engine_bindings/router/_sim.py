@@ -7,7 +7,9 @@ tier (the tensordb KV store), from which any instance can load a block it lacks.
 
 A request's time to first token is::
 
-    TTFT = wait (queue; a migration's transfer overlaps it)
+    TTFT = dispatch_latency (the router's hand-off: it delays the request but does
+                              not occupy the instance)
+         + wait (queue; a migration's transfer overlaps it)
          + request_overhead
          + hit_per_block     * blocks in the instance's cache (or migrated there)
          + kv_load_per_block * further blocks loaded from the shared store
@@ -69,6 +71,7 @@ class Costs:
     prefill_per_token_ctx: float = 0.0  # per (new token, token before it) pair: attention
     request_overhead: float = 0.0       # per prefill, whatever its length
     contention: float = 0.0             # service stretch per other instance prefilling
+    dispatch_latency: float = 0.0       # router -> instance hand-off; not busy time
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.cache_capacity_blocks < 0:
@@ -76,7 +79,7 @@ class Costs:
                                f"got {self.block_tokens}, {self.cache_capacity_blocks}")
         for name in ("prefill_per_token", "kv_load_per_block", "transfer_per_block",
                      "decode_per_token", "hit_per_block", "prefill_per_token_ctx",
-                     "request_overhead", "contention"):
+                     "request_overhead", "contention", "dispatch_latency"):
             v = getattr(self, name)
             if not v >= 0 or math.isinf(v):
                 raise InvalidInput(f"cost {name} must be a finite number >= 0, got {v}")
@@ -412,13 +415,16 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
                 dec.migrate_from is not None and not 0 <= dec.migrate_from < instances):
             raise InvalidInput(f"policy {pol.name!r} chose instance {target} (migrating "
                                f"from {dec.migrate_from}) of {instances}")
-        cover, moved, ready = matches[target], 0, now
+        cover, moved, ready = matches[target], 0, now + costs.dispatch_latency
         if dec.migrate_from is not None:
             moved = max(0, matches[dec.migrate_from] - cover)
             if dec.blocks:
                 moved = min(moved, dec.blocks)
             cover += moved
-            ready = now + moved * costs.transfer_per_block
+            # the source is told, publishes, the router hears and tells the target,
+            # which prefetches: three hand-offs beside the transfer
+            ready = now + (3 * costs.dispatch_latency if moved else costs.dispatch_latency) \
+                + moved * costs.transfer_per_block
         est = req.input_tokens - cover * bt
         inst = insts[target]
         inst.queued += est
