@@ -52,6 +52,52 @@ def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
     return {"memcpy_1t_s": min(one), "memcpy_2t_s": min(two)}
 
 
+def measure_shm_write(nbytes: int, reps: int) -> dict[str, float]:
+    """What writing into the store's memory allows, nothing else (no catalog, no
+    allocation): from torch tensors (the allocator's 4 KiB pages, as a model's are) into
+    a pre-faulted shared-memory file (4 KiB pages too: this host's ``shmem_enabled`` is
+    read into ``shmem_thp``), on two threads, a plain copy and the store's copy with its
+    xxh3 checksum (``copy_and_checksum``). The memcpy of ``measure_memcpy`` runs between
+    numpy buffers that the kernel may back with huge pages, which shared memory may not
+    get."""
+    import mmap
+    import os
+    import torch
+
+    from storage_engine._checksum import copy_and_checksum
+
+    src = torch.ones(nbytes, dtype=torch.uint8).numpy()
+    fd, path = tempfile.mkstemp(prefix="tensordb-bench-shm-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        dst = np.frombuffer(mm, np.uint8)
+        dst[:: 4096] = 0  # pre-faulted, as a spare is
+        half = nbytes // 2
+        parts = [slice(0, half), slice(half, None)]
+        plain, hashed = [], []
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                list(pool.map(lambda s: np.copyto(dst[s], src[s]), parts))
+                plain.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                list(pool.map(lambda s: copy_and_checksum(dst[s], src[s]), parts))
+                hashed.append(time.perf_counter() - t0)
+        del dst
+        mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            thp = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), "?")
+    except OSError:
+        thp = "unknown"
+    return {"shm_copy_2t_s": min(plain), "shm_copy_checksum_2t_s": min(hashed),
+            "shmem_thp": thp}
+
+
 class PgUnavailable(Exception):
     """No PostgreSQL server answers; the message says why (the benchmark skips it)."""
 

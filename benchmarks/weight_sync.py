@@ -6,6 +6,9 @@ processes, compared across a pipe):
 
 * ``memcpy``: numpy ``copyto`` of the model's byte count into a pre-touched
   destination, 1 thread, best of ``--reps``: the physical limit of moving the bytes once;
+  beside it, what writing into the store's shared memory allows (``_common.
+  measure_shm_write``: from torch tensors into a pre-faulted shared-memory file on two
+  threads, a plain copy and the store's copy + checksum, the bound of a commit);
 * ``copy mode``: commit start in the publisher (``db.commit`` into a spare pre-faulted by
   ``db.prefault``) to ``apply()`` done in a subscriber whose ``WeightUpdater(mode="copy")``
   follows the collection (``db.watch``) and copies every tensor into its module;
@@ -261,6 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "dtypes": sorted({d for _, d, _ in spec}),
                            "loadavg_before": os.getloadavg()[0]}
     res["memcpy_s"] = measure_memcpy(nbytes, args.reps)
+    res["shm_write"] = _common.measure_shm_write(nbytes, args.reps + 1)
     ctx = mp.get_context("spawn")
     home = tempfile.mkdtemp(prefix="tensordb-bench-sync-", dir=args.tmp_dir)
     disk_dir = tempfile.mkdtemp(prefix="tensordb-bench-sync-disk-", dir=args.disk_dir)
@@ -326,6 +330,14 @@ def print_report(res: dict[str, Any]) -> None:
         t.add_column(col, justify="left" if col in ("path", "goal") else "right")
     t.add_row("memcpy of the model's bytes, 1 thread", f"{mc * 1e3:.1f} ms", "", "", "",
               "1.00", "", f"{res['bytes'] / mc / GB:.2f} GB/s")
+    w = res.get("shm_write")
+    if w:
+        for key, label in (("shm_copy_2t_s", "copy into shared memory, 2 threads"),
+                           ("shm_copy_checksum_2t_s",
+                            "copy + checksum into shared memory, 2 threads (a commit's "
+                            "bound)")):
+            t.add_row(label, f"{w[key] * 1e3:.1f} ms", "", "", "", f"{w[key] / mc:.2f}", "",
+                      f"{res['bytes'] / w[key] / GB:.2f} GB/s")
 
     def ms(x: float) -> str:
         return f"{x * 1e3:.1f} ms"
@@ -357,6 +369,9 @@ def print_report(res: dict[str, Any]) -> None:
                   f"(whole model, cold) {ms(r['first_apply_s'])}; bytes copied per version "
                   f"{r['runs'][0]['bytes_copied']:,}; tensors changed {r['runs'][0]['changed']}")
     con.print(f"every applied module held exactly its version's values: {g['values_ok']}")
+    if w:
+        con.print(f"shared memory here gets 4 KiB pages (transparent huge pages for shmem: "
+                  f"{w['shmem_thp']}); the memcpy row's buffers may get huge pages")
     con.print("publisher's background refill of its next spare during the window: "
               + ("on" if res["publisher_refill"] else "off (pre-faulted before each commit)"))
     if "disk_dir" in res:
