@@ -79,10 +79,10 @@ def measure_shm_write(nbytes: int, reps: int) -> dict[str, float]:
         with ThreadPoolExecutor(2) as pool:
             for _ in range(reps):
                 t0 = time.perf_counter()
-                list(pool.map(lambda s: np.copyto(dst[s], src[s]), parts))
+                list(pool.map(lambda s, d=dst: np.copyto(d[s], src[s]), parts))
                 plain.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                list(pool.map(lambda s: copy_and_checksum(dst[s], src[s]), parts))
+                list(pool.map(lambda s, d=dst: copy_and_checksum(d[s], src[s]), parts))
                 hashed.append(time.perf_counter() - t0)
         del dst
         mm.close()
