@@ -30,7 +30,7 @@ least_load, the baseline a user would pick.
 Run:  .venv/bin/python benchmarks/routing.py [--sessions 2000] [--gap-median 8.2]
           [--load-sweep 0.2,0.4,0.5,0.6,0.7] [--json] [--png routing.png]
       .venv/bin/python benchmarks/routing.py --engine real [--instances 2]
-          [--sessions 24] [--load-sweep 0.3,0.6] [--no-store] [--png real.png]
+          [--sessions 96] [--load-sweep 0.5,0.8] [--no-store] [--png real.png]
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sim: the simulator at paper scale; real: engine processes at "
                         "small scale beside the simulator calibrated on them")
     p.add_argument("--instances", type=int, default=None, help="[sim 4, real 2: one per core here]")
-    p.add_argument("--sessions", type=int, default=None, help="[sim 2000, real 24]")
+    p.add_argument("--sessions", type=int, default=None, help="[sim 2000, real 96: enough that the instances are really loaded]")
     p.add_argument("--gap-median", type=float, default=None,
                    help="median seconds between a session's requests (paper: 8.2, 20.1, "
-                        "60.3) [sim 8.2, real 0.5]")
+                        "60.3) [sim 8.2, real 0.25]")
     p.add_argument("--load-sweep", default=None,
                    help="loads, as fractions of the saturation rate [sim "
                         "0.2,0.4,0.5,0.6,0.7; real 0.3,0.6]")
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-prompt", type=int, default=None,
                    help="shared system-prompt tokens [sim 4096, real 256]")
     p.add_argument("--cache-blocks", type=int, default=None,
-                   help="KV cache capacity per instance, in blocks [sim 8192, real 256]")
+                   help="KV cache capacity per instance, in blocks [sim 8192, real 512]")
     p.add_argument("--block-tokens", type=int, default=None, help="[sim 256, real 32]")
     p.add_argument("--d-model", type=int, default=128, help="real engine: model width")
     p.add_argument("--layers", type=int, default=2, help="real engine: model depth")
@@ -104,9 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 #: the defaults that differ between the engines: (sim, real)
 ENGINE_DEFAULTS: dict[str, tuple[Any, Any]] = {
-    "instances": (4, 2), "sessions": (2000, 24), "gap_median": (8.2, 0.5),
-    "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.3,0.6"), "system_prompt": (4096, 256),
-    "cache_blocks": (8192, 256), "block_tokens": (256, 32),
+    "instances": (4, 2), "sessions": (2000, 96), "gap_median": (8.2, 0.25),
+    "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.5,0.8"), "system_prompt": (4096, 256),
+    "cache_blocks": (8192, 512), "block_tokens": (256, 32),
 }
 
 

@@ -452,7 +452,7 @@ def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
     real = bench.parse_args(["--engine", "real", "--sessions", "5"])
     assert (real.instances, real.sessions, real.block_tokens, real.load_sweep) == (
-        2, 5, 32, "0.3,0.6")
+        2, 5, 32, "0.5,0.8")
     assert bench.policy("migrate", real).abs_gap == 1024  # scaled to a 256-token prompt
 
 
