@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ms to move a block between instances")
     p.add_argument("--decode-ms", type=float, default=5.0, help="decode ms per token")
     p.add_argument("--no-store", action="store_true", help="no shared KV store tier")
+    p.add_argument("--rescale", action="store_true",
+                   help="real engine: scale the simulator's compute costs before each run "
+                        "by the host's speed then (a probe of the longest grid point); on "
+                        "a quiet host the probe's own noise outweighs what it corrects")
+    p.add_argument("--probe-contention", action="store_true",
+                   help="real engine: take the instances' contention from two bare "
+                        "prefills side by side instead of fitting it on a loaded run of "
+                        "other sessions")
     p.add_argument("--policies", default="round_robin,least_load,cache_aware,migrate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -285,6 +293,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
         EngineConfig,
         ModelConfig,
         calibrate,
+        fit_contention,
         recalibrate,
     )
 
@@ -301,6 +310,11 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
     with Cluster(a.instances, engine) as cluster:
         started = time.perf_counter() - t0
         costs, measured = calibrate(cluster)
+        if not a.probe_contention:  # fitted on a loaded run of other sessions (seed + 1)
+            sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
+            peak = max(float(x) for x in a.load_sweep.split(","))
+            held_out = generate(dataclasses.replace(cfg, seed=cfg.seed + 1, rate=peak * sat))
+            costs = fit_contention(cluster, costs, measured, held_out)
         calibrated = time.perf_counter() - t0 - started
         sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
         rows: list[dict[str, Any]] = []
@@ -308,7 +322,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             load = float(x)
             reqs = generate(dataclasses.replace(cfg, rate=load * sat))
             for name in policies:
-                now, drift = recalibrate(cluster, costs, measured)
+                now, drift = recalibrate(cluster, costs, measured, rescale=a.rescale)
                 t = time.perf_counter()
                 real_res = cluster.run(reqs, policy(name, a), seed=a.seed,
                                        ewma_tau=ewma_tau(a))
@@ -395,8 +409,14 @@ def print_real(out: dict[str, Any]) -> None:
           f" us ({gb(m['load_per_block']):.2f} GB/s), migration {m['transfer_per_block'] * 1e6:.0f}"
           f" us; memcpy on this machine {out['memcpy_gbps']:.1f} GB/s")
     print(f"  all instances prefilling at once: {m.get('contended_prefill', 0) * 1e3:.1f} ms "
-          f"for the longest point -> contention {k['contention']:.2f} (a prefill's time "
-          f"grows by that fraction per other instance prefilling)")
+          f"for the longest point -> contention {m.get('contention_probe', k['contention']):.2f}"
+          f" (a prefill's time grows by that fraction per other instance prefilling)")
+    fit = m.get("contention_fit")
+    if fit:
+        print(f"  contention fitted on a loaded run of other sessions ({fit['requests']} "
+              f"requests, {fit['policy']}): {fit['contention']:.2f}; real median / p90 "
+              f"{ms(fit['real_median'])} / {ms(fit['real_p90'])}, simulator "
+              f"{ms(fit['sim_median'])} / {ms(fit['sim_p90'])}")
     print(f"  a request beyond its prefill, end to end with nothing queued: the router -> "
           f"instance hand-off {m.get('dispatch_latency', 0) * 1e3:.2f} ms (a delay), "
           f"bookkeeping {m.get('dispatch_overhead', 0) * 1e3:.2f} ms (busy time)")
@@ -419,8 +439,9 @@ def print_real(out: dict[str, Any]) -> None:
           f"the instances' time spent loading KV and prefilling, first arrival to last "
           f"first token; err: "
           f"simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%}; speed: the host's "
-          f"prefill time just before the run / at calibration, which the simulator's "
-          f"compute costs are scaled by)")
+          f"prefill time just before the run / at calibration, "
+          + ("which the simulator's compute costs are scaled by)" if c.get("rescale") else
+             "reported only (--rescale scales the simulator's compute costs by it))"))
     for load, o in out["ordering"].items():
         print(f"load {load}: by median TTFT, real {' < '.join(o['real'])}; simulator "
               f"{' < '.join(o['sim'])}: " + ("same order" if o["same"] else

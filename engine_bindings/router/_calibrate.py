@@ -36,8 +36,10 @@ from ._sim import Costs
 if TYPE_CHECKING:
     from ._cluster import Cluster
     from ._engine import Engine, EngineConfig
+    from ._policy import Request
 
-__all__ = ["calibrate", "dispatch_overhead", "fit_costs", "measure_engine", "recalibrate"]
+__all__ = ["calibrate", "dispatch_overhead", "fit_contention", "fit_costs", "measure_engine",
+           "recalibrate"]
 
 
 def _timed(fn: Any, reps: int, stat: Any = statistics.mean) -> float:
@@ -188,7 +190,8 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     measurements)``. The grid is measured in instance 0 alone; then its longest point
     (the least noisy) alone and in every instance at once: how much slower the latter
     is, spread over the other instances, is ``Costs.contention`` (the host's CPU as the
-    instances really get it, other processes on it included)."""
+    instances really get it, other processes on it included); :func:`fit_contention`
+    can then refine it on a loaded run."""
     m = cluster.calibrate(0, **spec)
     n, p, _ = max(m["prefill"], key=lambda r: r[2])
     alone, together = _probe(cluster, n, p, spec)
@@ -229,23 +232,65 @@ def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
     return latency, busy
 
 
-def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any]
-                ) -> tuple[Costs, dict[str, float]]:
+#: contention values tried by :func:`fit_contention`
+CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
+
+
+def fit_contention(cluster: Cluster, costs: Costs, measured: dict[str, Any],
+                   workload: Sequence[Request], *, policy: str = "round_robin"
+                   ) -> Costs:
+    """``costs`` with the ``contention`` under which the simulator best reproduces a
+    loaded real run. On a host with no core to spare, the router and the engines'
+    saving threads take CPU from the prefills too, which two bare prefills side by side
+    (:func:`calibrate`'s probe) do not show. ``workload`` (a calibration workload, not
+    one that will be compared) goes through ``cluster`` with ``policy``, then through
+    the simulator with each value of ``CONTENTION_GRID``; the value whose median and p90
+    TTFT come closest to the real ones (sum of the absolute log ratios) wins. The fit
+    is recorded in ``measured["contention_fit"]``, and :func:`recalibrate` keeps it."""
+    from ._sim import simulate
+
+    cluster.reset()
+    real = cluster.run(workload, policy).summary()
+    best: tuple[float, float, dict[str, Any]] | None = None
+    for c in CONTENTION_GRID:
+        sim = simulate(workload, policy, instances=cluster.n,
+                       costs=dataclasses.replace(costs, contention=c),
+                       shared_store=cluster.cfg.use_store, cache_output=False).summary()
+        err = sum(abs(float(np.log(sim[k] / real[k]))) for k in ("ttft_median", "ttft_p90"))
+        if best is None or err < best[0]:
+            best = (err, c, sim)
+    assert best is not None
+    err, c, sim = best
+    measured["contention_probe"] = costs.contention
+    measured["contention_fit"] = {
+        "policy": policy, "requests": len(workload), "contention": c,
+        "real_median": real["ttft_median"], "real_p90": real["ttft_p90"],
+        "sim_median": sim["ttft_median"], "sim_p90": sim["ttft_p90"], "log_error": err}
+    return dataclasses.replace(costs, contention=c)
+
+
+def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,
+                rescale: bool = True) -> tuple[Costs, dict[str, float]]:
     """``costs`` brought up to the host's speed now: the probe point of
     :func:`calibrate` measured again (a second or two), the compute terms scaled by
     how much slower or faster it runs alone, the contention measured afresh. On a
     host whose other load changes, this keeps the simulator on the machine it is
     compared with, without looking at any request of the run. The instances are reset
     first (queues drained, blocks still being saved in the store, caches emptied), so
-    the probe sees the host as a run starts, not the tail of the last one."""
+    the probe sees the host as a run starts, not the tail of the last one. Without
+    ``rescale`` the speed is measured and reported but the costs keep their speed."""
     cluster.reset()
     n, p = measured["probe"]
     alone, together = _probe(cluster, n, p, measured.get("spec", {}))
     f = alone / measured["probe_alone"]
     contention = (max(0.0, (together / alone - 1) / (cluster.n - 1))
                   if cluster.n > 1 else 0.0)
+    if "contention_fit" in measured:  # fitted on a loaded run: a bare probe cannot see it
+        contention = costs.contention
+    g = f if rescale else 1.0
     return dataclasses.replace(
-        costs, request_overhead=costs.request_overhead * f,
-        prefill_per_token=costs.prefill_per_token * f,
-        prefill_per_token_ctx=costs.prefill_per_token_ctx * f,
-        contention=contention), {"speed_factor": f, "contention": contention}
+        costs, request_overhead=costs.request_overhead * g,
+        prefill_per_token=costs.prefill_per_token * g,
+        prefill_per_token_ctx=costs.prefill_per_token_ctx * g,
+        contention=contention), {"speed_factor": f, "rescaled": rescale,
+                                 "contention": contention}
