@@ -96,9 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "by the host's speed then (a probe of the longest grid point); on "
                         "a quiet host the probe's own noise outweighs what it corrects")
     p.add_argument("--probe-contention", action="store_true",
-                   help="real engine: take the instances' contention from two bare "
-                        "prefills side by side instead of fitting it on a loaded run of "
-                        "other sessions")
+                   help="real engine: keep the contention of two bare prefills side by "
+                        "side and the probed bookkeeping instead of fitting both on a "
+                        "loaded run of other sessions")
     p.add_argument("--policies", default="round_robin,least_load,cache_aware,migrate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -293,7 +293,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
         EngineConfig,
         ModelConfig,
         calibrate,
-        fit_contention,
+        fit_under_load,
         recalibrate,
     )
 
@@ -312,9 +312,10 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
         costs, measured = calibrate(cluster)
         if not a.probe_contention:  # fitted on a loaded run of other sessions (seed + 1)
             sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
-            peak = max(float(x) for x in a.load_sweep.split(","))
-            held_out = generate(dataclasses.replace(cfg, seed=cfg.seed + 1, rate=peak * sat))
-            costs = fit_contention(cluster, costs, measured, held_out)
+            held_out = [generate(dataclasses.replace(cfg, seed=cfg.seed + 1,
+                                                     rate=float(x) * sat))
+                        for x in a.load_sweep.split(",")]
+            costs = fit_under_load(cluster, costs, measured, held_out)
         calibrated = time.perf_counter() - t0 - started
         sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
         rows: list[dict[str, Any]] = []
@@ -411,15 +412,19 @@ def print_real(out: dict[str, Any]) -> None:
     print(f"  all instances prefilling at once: {m.get('contended_prefill', 0) * 1e3:.1f} ms "
           f"for the longest point -> contention {m.get('contention_probe', k['contention']):.2f}"
           f" (a prefill's time grows by that fraction per other instance prefilling)")
-    fit = m.get("contention_fit")
-    if fit:
-        print(f"  contention fitted on a loaded run of other sessions ({fit['requests']} "
-              f"requests, {fit['policy']}): {fit['contention']:.2f}; real median / p90 "
-              f"{ms(fit['real_median'])} / {ms(fit['real_p90'])}, simulator "
-              f"{ms(fit['sim_median'])} / {ms(fit['sim_p90'])}")
     print(f"  a request beyond its prefill, end to end with nothing queued: the router -> "
           f"instance hand-off {m.get('dispatch_latency', 0) * 1e3:.2f} ms (a delay), "
           f"bookkeeping {m.get('dispatch_overhead', 0) * 1e3:.2f} ms (busy time)")
+    fit = m.get("load_fit")
+    if fit:
+        runs = "; ".join(f"{ms(r['real_median'])} / {ms(r['real_p90'])} real, "
+                         f"{ms(r['sim_median'])} / {ms(r['sim_p90'])} simulated"
+                         for r in fit["runs"])
+        print(f"  fitted on loaded runs of other sessions ({', '.join(map(str, fit['requests']))}"
+              f" requests, {fit['policy']}, at each load of the sweep): contention "
+              f"{fit['contention']:.2f}, bookkeeping {fit['bookkeeping'] * 1e3:.2f} ms a "
+              f"request (probed: {fit['bookkeeping_probe'] * 1e3:.2f} ms); median / p90 "
+              f"{runs}")
     print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
           f"{'hit':>5} {'migr':>4} {'busy':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} "

@@ -60,8 +60,8 @@ def test_public_surface() -> None:
         "scaled_policy", "simulate", "write_trace",
         # the real engine, loaded on first use
         "Cluster", "Engine", "EngineConfig", "Job", "LocalCache", "ModelConfig",
-        "PromptTokens", "Served", "TinyDecoder", "calibrate", "fit_contention",
-        "fit_costs", "measure_engine", "recalibrate"])
+        "PromptTokens", "Served", "TinyDecoder", "calibrate", "fit_costs",
+        "fit_under_load", "measure_engine", "recalibrate"])
     for name in router.__all__:
         assert getattr(router, name) is not None
 

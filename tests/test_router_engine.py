@@ -257,25 +257,26 @@ def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None
     assert dispatch_overhead(faster, costs) == (0.0, 0.0)  # never negative
 
 
-def test_fit_contention_recovers_the_contention_of_a_loaded_run() -> None:
-    """The "real" cluster is the simulator with contention 0.4 on a loaded workload:
-    the fit finds 0.4 (a grid value) exactly, records the fit, and recalibrate keeps
-    it rather than the bare probe's value; without rescale the costs keep their speed."""
+def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() -> None:
+    """The "real" cluster is the simulator with contention 0.4 and half the probed 2 ms
+    of bookkeeping on a loaded workload: the fit finds both (grid values) exactly,
+    records them, and recalibrate keeps the contention rather than the bare probe's;
+    without rescale the costs keep their speed."""
     import dataclasses
     from types import SimpleNamespace
 
-    from engine_bindings.router import WorkloadConfig, fit_contention, generate, recalibrate
+    from engine_bindings.router import WorkloadConfig, fit_under_load, generate, recalibrate
 
     cfg = EngineConfig(block_tokens=32, cache_blocks=64)
-    costs = Costs(prefill_per_token=2e-4, request_overhead=1e-3, block_tokens=32,
+    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
                   cache_capacity_blocks=64, kv_load_per_block=1e-4)
+    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
     work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
     calls: list[str] = []
 
     def run(requests, policy):  # type: ignore[no-untyped-def]
         calls.append(policy)
-        return simulate(requests, policy, instances=2, cache_output=False,
-                        costs=dataclasses.replace(costs, contention=0.4))
+        return simulate(requests, policy, instances=2, costs=truth, cache_output=False)
 
     def calibrate(_i, **spec):  # type: ignore[no-untyped-def]  # the probe: 20 ms alone
         return {"prefill": [(spec["new_tokens"][0], spec["past_tokens"][0], 0.02)]}
@@ -283,11 +284,17 @@ def test_fit_contention_recovers_the_contention_of_a_loaded_run() -> None:
     fake = SimpleNamespace(cfg=cfg, n=2, run=run, reset=lambda: calls.append("reset"),
                            calibrate=calibrate,
                            calibrate_all=lambda **spec: [calibrate(0, **spec)] * 2)
-    measured: dict = {"probe": (384, 1024), "probe_alone": 0.01, "spec": {}}
-    fitted = fit_contention(fake, costs, measured, work)
-    assert fitted.contention == 0.4 and calls == ["reset", "round_robin"]
-    fit = measured["contention_fit"]
-    assert fit["contention"] == 0.4 and fit["log_error"] == pytest.approx(0.0, abs=1e-12)
+    measured: dict = {"probe": (384, 1024), "probe_alone": 0.01, "spec": {},
+                      "dispatch_overhead": 2e-3}
+    light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
+    fitted = fit_under_load(fake, costs, measured, [light, work])
+    assert calls == ["reset", "round_robin"] * 2
+    assert fitted.contention == 0.4
+    assert fitted.request_overhead == pytest.approx(2e-3)
+    fit = measured["load_fit"]
+    assert (fit["contention"], fit["bookkeeping"]) == (0.4, pytest.approx(1e-3))
+    assert len(fit["runs"]) == 2 and fit["requests"] == [len(light), len(work)]
+    assert fit["log_error"] == pytest.approx(0.0, abs=1e-12)
     assert measured["contention_probe"] == 0.0
     now, drift = recalibrate(fake, fitted, measured)  # the host is now twice as slow
     assert drift["speed_factor"] == pytest.approx(2.0) and now.contention == 0.4
@@ -295,6 +302,8 @@ def test_fit_contention_recovers_the_contention_of_a_loaded_run() -> None:
     same, drift = recalibrate(fake, fitted, measured, rescale=False)
     assert drift["speed_factor"] == pytest.approx(2.0) and not drift["rescaled"]
     assert same.prefill_per_token == pytest.approx(2e-4) and same.contention == 0.4
+    with pytest.raises(InvalidInput, match="non-empty workload"):
+        fit_under_load(fake, costs, measured, [])
 
 
 def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:

@@ -54,7 +54,7 @@ _LAZY = {
     "Engine": "._engine", "EngineConfig": "._engine", "Job": "._engine",
     "LocalCache": "._engine", "Served": "._engine",
     "ModelConfig": "._model", "TinyDecoder": "._model",
-    "calibrate": "._calibrate", "fit_contention": "._calibrate", "fit_costs": "._calibrate",
+    "calibrate": "._calibrate", "fit_costs": "._calibrate", "fit_under_load": "._calibrate",
     "measure_engine": "._calibrate", "recalibrate": "._calibrate",
 }
 
@@ -96,8 +96,8 @@ __all__ = [
     "WorkloadConfig",
     "available_policies",
     "calibrate",
-    "fit_contention",
     "fit_costs",
+    "fit_under_load",
     "generate",
     "get_policy",
     "measure_engine",

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ._engine import Engine, EngineConfig
     from ._policy import Request
 
-__all__ = ["calibrate", "dispatch_overhead", "fit_contention", "fit_costs", "measure_engine",
+__all__ = ["calibrate", "dispatch_overhead", "fit_costs", "fit_under_load", "measure_engine",
            "recalibrate"]
 
 
@@ -190,7 +190,7 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     measurements)``. The grid is measured in instance 0 alone; then its longest point
     (the least noisy) alone and in every instance at once: how much slower the latter
     is, spread over the other instances, is ``Costs.contention`` (the host's CPU as the
-    instances really get it, other processes on it included); :func:`fit_contention`
+    instances really get it, other processes on it included); :func:`fit_under_load`
     can then refine it on a loaded run."""
     m = cluster.calibrate(0, **spec)
     n, p, _ = max(m["prefill"], key=lambda r: r[2])
@@ -232,41 +232,58 @@ def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
     return latency, busy
 
 
-#: contention values tried by :func:`fit_contention`
+#: contention values tried by :func:`fit_under_load`
 CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
+#: multiples of the probed bookkeeping (``dispatch_overhead``'s busy part) tried by it
+BOOKKEEPING_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
-def fit_contention(cluster: Cluster, costs: Costs, measured: dict[str, Any],
-                   workload: Sequence[Request], *, policy: str = "round_robin"
+def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
+                   workloads: Sequence[Sequence[Request]], *, policy: str = "round_robin"
                    ) -> Costs:
-    """``costs`` with the ``contention`` under which the simulator best reproduces a
-    loaded real run. On a host with no core to spare, the router and the engines'
+    """``costs`` with the two terms a bare probe sees worst fitted on loaded real runs:
+    the ``contention`` (on a host with no core to spare, the router and the engines'
     saving threads take CPU from the prefills too, which two bare prefills side by side
-    (:func:`calibrate`'s probe) do not show. ``workload`` (a calibration workload, not
-    one that will be compared) goes through ``cluster`` with ``policy``, then through
-    the simulator with each value of ``CONTENTION_GRID``; the value whose median and p90
-    TTFT come closest to the real ones (sum of the absolute log ratios) wins. The fit
-    is recorded in ``measured["contention_fit"]``, and :func:`recalibrate` keeps it."""
+    do not show) and the per-request bookkeeping (a dozen unqueued probe requests are a
+    noisy measure of it). Each of ``workloads`` (calibration workloads, never ones that
+    are compared; two loads or more keep the two terms from trading off against each
+    other) goes through ``cluster`` with ``policy``, then through the simulator with
+    each pair from ``CONTENTION_GRID`` x ``BOOKKEEPING_GRID`` (times the probed
+    bookkeeping); the pair whose median and p90 TTFT come closest to the real ones over
+    all the runs (sum of the absolute log ratios) wins. The fit is recorded in
+    ``measured["load_fit"]``, and :func:`recalibrate` keeps it."""
     from ._sim import simulate
 
-    cluster.reset()
-    real = cluster.run(workload, policy).summary()
-    best: tuple[float, float, dict[str, Any]] | None = None
-    for c in CONTENTION_GRID:
-        sim = simulate(workload, policy, instances=cluster.n,
-                       costs=dataclasses.replace(costs, contention=c),
-                       shared_store=cluster.cfg.use_store, cache_output=False).summary()
-        err = sum(abs(float(np.log(sim[k] / real[k]))) for k in ("ttft_median", "ttft_p90"))
-        if best is None or err < best[0]:
-            best = (err, c, sim)
+    if not workloads or not all(workloads):
+        raise InvalidInput("fit_under_load needs at least one non-empty workload")
+    reals = []
+    for work in workloads:
+        cluster.reset()
+        reals.append(cluster.run(work, policy).summary())
+    probed = float(measured.get("dispatch_overhead", 0.0))
+    base = costs.request_overhead - probed
+    best: tuple[float, float, float, list[dict[str, Any]]] | None = None
+    for scale in BOOKKEEPING_GRID if probed > 0 else (0.0,):
+        for c in CONTENTION_GRID:
+            trial = dataclasses.replace(costs, contention=c,
+                                        request_overhead=base + scale * probed)
+            sims = [simulate(work, policy, instances=cluster.n, costs=trial,
+                             shared_store=cluster.cfg.use_store,
+                             cache_output=False).summary() for work in workloads]
+            err = sum(abs(float(np.log(sim[k] / real[k])))
+                      for sim, real in zip(sims, reals) for k in ("ttft_median", "ttft_p90"))
+            if best is None or err < best[0]:
+                best = (err, c, scale * probed, sims)
     assert best is not None
-    err, c, sim = best
+    err, c, extra, sims = best
     measured["contention_probe"] = costs.contention
-    measured["contention_fit"] = {
-        "policy": policy, "requests": len(workload), "contention": c,
-        "real_median": real["ttft_median"], "real_p90": real["ttft_p90"],
-        "sim_median": sim["ttft_median"], "sim_p90": sim["ttft_p90"], "log_error": err}
-    return dataclasses.replace(costs, contention=c)
+    measured["load_fit"] = {
+        "policy": policy, "requests": [len(w) for w in workloads], "contention": c,
+        "bookkeeping": extra, "bookkeeping_probe": probed, "log_error": err,
+        "runs": [{"real_median": r["ttft_median"], "real_p90": r["ttft_p90"],
+                  "sim_median": s_["ttft_median"], "sim_p90": s_["ttft_p90"]}
+                 for r, s_ in zip(reals, sims)]}
+    return dataclasses.replace(costs, contention=c, request_overhead=base + extra)
 
 
 def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,
@@ -285,7 +302,7 @@ def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,
     f = alone / measured["probe_alone"]
     contention = (max(0.0, (together / alone - 1) / (cluster.n - 1))
                   if cluster.n > 1 else 0.0)
-    if "contention_fit" in measured:  # fitted on a loaded run: a bare probe cannot see it
+    if "load_fit" in measured:  # fitted on a loaded run: a bare probe cannot see it
         contention = costs.contention
     g = f if rescale else 1.0
     return dataclasses.replace(
