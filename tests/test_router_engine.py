@@ -203,6 +203,10 @@ def test_cluster_migrates_through_the_store_and_the_target_hits(tmp_path: Path) 
         assert cluster.kv.match(keys) == 0
     with pytest.raises(InvalidInput, match="instances"):
         Cluster(0, cfg)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidInput, match="warm_bytes"):
+            Cluster(1, cfg, home=tmp_path / "never", warm_bytes=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "never").exists()  # refused before anything was made
 
 
 # -- calibration and the calibrated simulator -----------------------------------------
@@ -288,7 +292,7 @@ def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() ->
                       "dispatch_overhead": 2e-3}
     light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
     fitted = fit_under_load(fake, costs, measured, [light, work])
-    assert calls == ["reset", "round_robin"] * 2
+    assert calls == ["reset", "round_robin"] * 3  # a warm-up, then one run per workload
     assert fitted.contention == 0.4
     assert fitted.request_overhead == pytest.approx(2e-3)
     fit = measured["load_fit"]
