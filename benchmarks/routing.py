@@ -65,14 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=("sim", "real"), default="sim",
                    help="sim: the simulator at paper scale; real: engine processes at "
                         "small scale beside the simulator calibrated on them")
-    p.add_argument("--instances", type=int, default=None, help="[sim 4, real 2: one per core here]")
-    p.add_argument("--sessions", type=int, default=None, help="[sim 2000, real 96: enough that the instances are really loaded]")
+    p.add_argument("--instances", type=int, default=None,
+                   help="[sim 4, real 2: one per core here]")
+    p.add_argument("--sessions", type=int, default=None,
+                   help="[sim 2000, real 96: enough that the instances are really loaded]")
     p.add_argument("--gap-median", type=float, default=None,
                    help="median seconds between a session's requests (paper: 8.2, 20.1, "
                         "60.3) [sim 8.2, real 0.25]")
     p.add_argument("--load-sweep", default=None,
                    help="loads, as fractions of the saturation rate [sim "
-                        "0.2,0.4,0.5,0.6,0.7; real 0.3,0.6]")
+                        "0.2,0.4,0.5,0.6,0.7; real 0.5,0.8]")
     p.add_argument("--rate", type=float, default=None,
                    help="one session arrival rate (sessions/s) instead of the sweep")
     p.add_argument("--trace", default=None,

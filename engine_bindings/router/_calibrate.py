@@ -174,15 +174,24 @@ def fit_error(measured: dict[str, Any], costs: Costs) -> float:
 PROBE_REPS = 15
 
 
-def _probe(cluster: Cluster, n: int, p: int, spec: dict[str, Any]) -> tuple[float, float]:
+def _probe(cluster: Cluster, n: int, p: int, spec: dict[str, Any], *,
+           together: bool = True) -> tuple[float, float | None]:
     """One grid point's prefill time (the fastest of ``PROBE_REPS``) in instance 0
-    alone, then in all at once (the mean over the instances of each one's fastest)."""
+    alone, then (``together``) in all at once: the mean over the instances of each
+    one's fastest; None without ``together``."""
     probe = {**spec, "new_tokens": (n,), "past_tokens": (p,), "probe": True,
              "reps": max(PROBE_REPS, spec.get("reps", 0))}
     alone = cluster.calibrate(0, **probe)["prefill"][0][2]
+    if not together:
+        return alone, None
     if cluster.n == 1:
         return alone, alone
     return alone, statistics.mean(x["prefill"][0][2] for x in cluster.calibrate_all(**probe))
+
+
+def _contention(instances: int, alone: float, together: float) -> float:
+    """How much longer a prefill takes per other instance prefilling beside it."""
+    return max(0.0, (together / alone - 1) / (instances - 1)) if instances > 1 else 0.0
 
 
 def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
@@ -195,10 +204,9 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     m = cluster.calibrate(0, **spec)
     n, p, _ = max(m["prefill"], key=lambda r: r[2])
     alone, together = _probe(cluster, n, p, spec)
+    assert together is not None
     m.update(probe=(n, p), probe_alone=alone, contended_prefill=together, spec=spec)
-    contention = (max(0.0, (together / alone - 1) / (cluster.n - 1))
-                  if cluster.n > 1 else 0.0)
-    costs = fit_costs(m, cluster.cfg, contention)
+    costs = fit_costs(m, cluster.cfg, _contention(cluster.n, alone, together))
     m["fit_max_rel_error"] = fit_error(m, costs)
     latency, extra = dispatch_overhead(cluster, costs)
     m["dispatch_latency"], m["dispatch_overhead"] = latency, extra
@@ -295,7 +303,8 @@ def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,
                 rescale: bool = True) -> tuple[Costs, dict[str, float]]:
     """``costs`` brought up to the host's speed now: the probe point of
     :func:`calibrate` measured again (a second or two), the compute terms scaled by
-    how much slower or faster it runs alone, the contention measured afresh. On a
+    how much slower or faster it runs alone, the contention measured afresh (unless
+    :func:`fit_under_load` fitted it: then it is kept, and not probed). On a
     host whose other load changes, this keeps the simulator on the machine it is
     compared with, without looking at any request of the run. The instances are reset
     first (queues drained, blocks still being saved in the store, caches emptied), so
@@ -303,12 +312,11 @@ def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,
     ``rescale`` the speed is measured and reported but the costs keep their speed."""
     cluster.reset()
     n, p = measured["probe"]
-    alone, together = _probe(cluster, n, p, measured.get("spec", {}))
+    fitted = "load_fit" in measured  # fitted on loaded runs: a bare probe cannot see it
+    alone, together = _probe(cluster, n, p, measured.get("spec", {}), together=not fitted)
     f = alone / measured["probe_alone"]
-    contention = (max(0.0, (together / alone - 1) / (cluster.n - 1))
-                  if cluster.n > 1 else 0.0)
-    if "load_fit" in measured:  # fitted on a loaded run: a bare probe cannot see it
-        contention = costs.contention
+    contention = costs.contention if together is None else \
+        _contention(cluster.n, alone, together)
     g = f if rescale else 1.0
     return dataclasses.replace(
         costs, request_overhead=costs.request_overhead * g,
