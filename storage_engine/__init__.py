@@ -5,7 +5,8 @@ Imports nothing else of tensordb. See ``_tier.Tier`` for the protocol every tier
 
 from __future__ import annotations
 
-from ._checksum import ALGORITHM, HASH_PIECE, Hasher, checksum, copy_and_checksum
+from ._checksum import (ALGORITHM, HASH_PIECE, STREAMING, Hasher, checksum, copy,
+                        copy_and_checksum)
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, shm_root
 from ._gpu import GpuError, GpuTier, GpuView
@@ -33,6 +34,7 @@ __all__ = [
     "GpuTier",
     "GpuView",
     "HASH_PIECE",
+    "STREAMING",
     "Hasher",
     "HostTier",
     "SegmentMissing",
@@ -43,6 +45,7 @@ __all__ = [
     "TierFull",
     "boot_id",
     "checksum",
+    "copy",
     "copy_and_checksum",
     "current_holder",
     "fill_segment",

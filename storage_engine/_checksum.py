@@ -1,8 +1,15 @@
 """Extent checksums: xxh3-64 over the tensor's bytes, written as 16 hex digits.
 
-The write path copies and hashes in one pass: each chunk is copied into the extent and
-hashed straight from the destination while it is still in cache, so the checksum costs
-no second trip through memory and vouches for the bytes as stored.
+The write path copies and hashes in one pass over memory. Where the streaming copy is
+built (``storage_engine._stream``, x86-64), each piece of the source is hashed, which
+leaves it in cache, and then streamed into the extent around the cache: the source is
+read from memory once and the destination is never read at all. Measured on a 2-core
+host, two threads, per 512 MiB: 36-37 ms, against 52 ms for copying with memcpy and
+hashing the destination while it is still in cache (memcpy's ordinary stores first read
+every destination line). A source changed by another thread while it is copied can
+leave a piece whose stored bytes differ from the bytes hashed; reads that verify then
+report the extent as corrupt, which is what it is. Without the extension each chunk is
+copied with numpy and hashed straight from the destination while it is still in cache.
 """
 
 from __future__ import annotations
@@ -10,15 +17,30 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["ALGORITHM", "HASH_PIECE", "Hasher", "checksum", "copy_and_checksum"]
+try:
+    from ._stream import stream_copy as _stream_copy
+except ImportError:  # built without a C compiler, or a platform without the extension
+    _stream_copy = None
+
+__all__ = ["ALGORITHM", "HASH_PIECE", "Hasher", "checksum", "copy", "copy_and_checksum",
+           "STREAMING"]
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 1 << 20  # half an L2 (2 MiB here): 512 KiB-1 MiB measured best, 64 KiB half as fast
+#: hash-then-stream pieces: small enough to stay in cache between the two passes on
+#: every core at once, large enough that the per-call cost vanishes
+_STREAM_PIECE = 2 << 20
 #: bytes to write before hashing them while still in cache, for writers that fill
 #: extents themselves (``Source`` callables that return the checksum)
 HASH_PIECE = _CHUNK
 #: an incremental hasher whose ``hexdigest`` equals ``checksum`` of the bytes fed to it
 Hasher = xxhash.xxh3_64
+#: whether copies stream around the cache (the compiled extension is present)
+STREAMING = _stream_copy is not None
+
+
+def _streamable(dst: np.ndarray, src: np.ndarray) -> bool:
+    return bool(dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
 
 
 def checksum(buf: np.ndarray | memoryview | bytes) -> str:
@@ -26,9 +48,29 @@ def checksum(buf: np.ndarray | memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(buf)
 
 
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy the uint8 array ``src`` into ``dst`` (same length, both contiguous), streamed
+    around the cache where the extension is built (releases the GIL)."""
+    if _stream_copy is None or not _streamable(dst, src):
+        np.copyto(dst, src)
+    else:
+        _stream_copy(dst, src)
+
+
 def copy_and_checksum(dst: np.ndarray, src: np.ndarray) -> str:
     """Copy the uint8 array ``src`` into ``dst`` (same length) and return its checksum."""
     n = src.shape[0]
+    if _stream_copy is not None and _streamable(dst, src):
+        if n <= _STREAM_PIECE:
+            digest = xxhash.xxh3_64_hexdigest(src)
+            _stream_copy(dst, src)
+            return digest
+        h = xxhash.xxh3_64()
+        for lo in range(0, n, _STREAM_PIECE):
+            s = src[lo : lo + _STREAM_PIECE]
+            h.update(s)
+            _stream_copy(dst[lo : lo + _STREAM_PIECE], s)
+        return h.hexdigest()
     if n <= _CHUNK:
         np.copyto(dst, src)
         return xxhash.xxh3_64_hexdigest(dst)

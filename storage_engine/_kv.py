@@ -49,7 +49,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from ._checksum import checksum, copy_and_checksum
+from ._checksum import checksum, copy, copy_and_checksum
 from ._kv_arena import _Arena
 from ._kv_gpu import GPU_DB_NAMES, GpuBlockView, _GpuArena
 from ._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_policy
@@ -523,7 +523,7 @@ class BlockStore(_GpuArena, _Arena):
                         if f is not None and bytes.fromhex(next(sums)) != f[4]:
                             bad.append((key, f[:2]))
                 else:
-                    _each(np.copyto, jobs, total)
+                    _each(copy, jobs, total)
             finally:
                 self._end_reads(found, bad)
             return metas

@@ -192,6 +192,56 @@ def test_fill_segment_parallel_checksums(tmp_path: Path) -> None:
     tier.close()
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "numpy"])
+def test_copy_and_checksum_every_size_and_alignment(streamed: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed copy (whole 64-byte lines around the cache, the rest with memcpy) and
+    the numpy fallback store the same bytes and the same checksum, at every length around
+    the streaming threshold and the piece size, from and to unaligned addresses."""
+    from storage_engine import _checksum
+
+    if streamed and not se.STREAMING:
+        pytest.skip("storage_engine._stream is not built here (no C compiler at install)")
+    if not streamed:
+        monkeypatch.setattr(_checksum, "_stream_copy", None)
+    rng = np.random.default_rng(1)
+    src_all = rng.integers(0, 256, (5 << 20) + 200, dtype=np.uint8)
+    for n in (0, 1, 63, 64, (64 << 10) - 1, 64 << 10, (64 << 10) + 65, (2 << 20) + 7,
+              (4 << 20) + 100):
+        for so, do in ((0, 0), (3, 0), (0, 5), (7, 61)):
+            src = src_all[so : so + n]
+            dst_all = np.zeros(n + 128, np.uint8)
+            dst = dst_all[do : do + n]
+            assert _checksum.copy_and_checksum(dst, src) == se.checksum(src)
+            assert np.array_equal(dst, src)
+            assert not dst_all[:do].any() and not dst_all[do + n :].any()  # no overrun
+            dst[:] = 0
+            se.copy(dst, src)
+            assert np.array_equal(dst, src)
+            assert not dst_all[:do].any() and not dst_all[do + n :].any()
+    # a strided view is copied right (through numpy: the extension takes contiguous bytes)
+    a = np.zeros(1 << 20, np.uint8)
+    se.copy(a[::2], src_all[: 1 << 19])
+    assert np.array_equal(a[::2], src_all[: 1 << 19]) and not a[1::2].any()
+
+
+def test_streaming_copy_built_where_a_compiler_is() -> None:
+    """`make test` installs the project with its extension; on x86-64 with a C compiler it
+    must have been built (else every store write silently runs at half speed)."""
+    import platform
+    import shutil
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
+        pytest.skip("no streaming copy on this platform or no C compiler")
+    assert se.STREAMING
+    from storage_engine import _stream
+
+    with pytest.raises(ValueError, match="dst holds 5 bytes, src 4"):
+        _stream.stream_copy(bytearray(5), b"abcd")
+    with pytest.raises(TypeError):
+        _stream.stream_copy(b"read-only", b"read-only")
+
+
 def test_holder_liveness() -> None:
     me = se.current_holder()
     assert se.holder_alive(me) is True
