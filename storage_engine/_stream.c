@@ -11,9 +11,16 @@
  * stream_copy(dst, src): dst a writable contiguous buffer, src a contiguous buffer of
  * the same length; the GIL is released during the copy. On CPUs other than x86-64 it
  * is memcpy.
+ *
+ * stream_copy_hash(dst, src): the same, returning the xxh3-64 of src, computed in the
+ * same pass: each small piece is hashed (which brings it into L1) and then streamed
+ * from there, so the bytes cross the memory bus once. The hash is the xxhash
+ * package's own: bind_xxhash(path) resolves its XXH3 functions from the extension
+ * module that package ships (they are exported), so the digests are its digests.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -27,9 +34,10 @@
 /* below this a copy stays in cache: the caller is likely to touch it again */
 #define STREAM_MIN (64 * 1024)
 
-static void stream_copy(char *d, const char *s, size_t n) {
+/* whole 64-byte lines streamed, the rest copied; no fence: the caller fences once */
+static void stream_lines(char *d, const char *s, size_t n) {
 #if STREAMS
-    if (n >= STREAM_MIN) {
+    if (n >= 128) {
         size_t head = (64 - ((uintptr_t)d & 63)) & 63;
         memcpy(d, s, head);
         d += head; s += head; n -= head;
@@ -44,11 +52,116 @@ static void stream_copy(char *d, const char *s, size_t n) {
             _mm_stream_si128((__m128i *)(d + 48), e);
             s += 64; d += 64;
         }
-        _mm_sfence(); /* the streamed lines are visible before the caller publishes */
         n %= 64;
     }
 #endif
     memcpy(d, s, n);
+}
+
+static void fence(void) {
+#if STREAMS
+    _mm_sfence(); /* the streamed lines are visible before the caller publishes */
+#endif
+}
+
+static void stream_copy(char *d, const char *s, size_t n) {
+    if (n < STREAM_MIN) {
+        memcpy(d, s, n);
+        return;
+    }
+    stream_lines(d, s, n);
+    fence();
+}
+
+/* the XXH3 streaming API of the xxhash package's extension (opaque state) */
+typedef void *(*create_fn)(void);
+typedef int (*free_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+static create_fn xxh_create;
+static free_fn xxh_free;
+static reset_fn xxh_reset;
+static update_fn xxh_update;
+static digest_fn xxh_digest;
+
+/* piece hashed then streamed while it is in L1 (4 KiB measured best, 16 KiB 6% slower) */
+#define HASH_PIECE (4 * 1024)
+
+static PyObject *py_bind_xxhash(PyObject *self, PyObject *args) {
+    const char *path;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "s:bind_xxhash", &path))
+        return NULL;
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (h == NULL)
+        h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL) {
+        PyErr_Format(PyExc_ImportError, "bind_xxhash: %s", dlerror());
+        return NULL;
+    }
+    create_fn c = (create_fn)dlsym(h, "XXH3_createState");
+    free_fn f = (free_fn)dlsym(h, "XXH3_freeState");
+    reset_fn r = (reset_fn)dlsym(h, "XXH3_64bits_reset");
+    update_fn u = (update_fn)dlsym(h, "XXH3_64bits_update");
+    digest_fn d = (digest_fn)dlsym(h, "XXH3_64bits_digest");
+    if (!c || !f || !r || !u || !d) {
+        PyErr_SetString(PyExc_ImportError, "bind_xxhash: the XXH3 functions are not exported");
+        return NULL;
+    }
+    xxh_create = c; xxh_free = f; xxh_reset = r; xxh_update = u; xxh_digest = d;
+    Py_RETURN_NONE;
+}
+
+static int same_length(Py_buffer *dst, Py_buffer *src, const char *what) {
+    if (dst->len == src->len)
+        return 1;
+    PyErr_Format(PyExc_ValueError, "%s: dst holds %zd bytes, src %zd", what, dst->len,
+                 src->len);
+    PyBuffer_Release(dst);
+    PyBuffer_Release(src);
+    return 0;
+}
+
+static PyObject *py_stream_copy_hash(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    (void)self;
+    if (xxh_update == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "stream_copy_hash: call bind_xxhash first");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "w*y*:stream_copy_hash", &dst, &src))
+        return NULL;
+    if (!same_length(&dst, &src, "stream_copy_hash"))
+        return NULL;
+    void *state = xxh_create();
+    if (state == NULL) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    char *d = (char *)dst.buf;
+    const char *s = (const char *)src.buf;
+    size_t n = (size_t)src.len;
+    int streamed = n >= STREAM_MIN;
+    xxh_reset(state);
+    for (size_t lo = 0; lo < n; lo += HASH_PIECE) {
+        size_t m = n - lo < HASH_PIECE ? n - lo : HASH_PIECE;
+        xxh_update(state, s + lo, m);
+        if (streamed)
+            stream_lines(d + lo, s + lo, m);
+        else
+            memcpy(d + lo, s + lo, m);
+    }
+    fence();
+    digest = xxh_digest(state);
+    xxh_free(state);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyLong_FromUnsignedLongLong(digest);
 }
 
 static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
@@ -56,13 +169,8 @@ static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "w*y*:stream_copy", &dst, &src))
         return NULL;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "stream_copy: dst holds %zd bytes, src %zd",
-                     dst.len, src.len);
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
+    if (!same_length(&dst, &src, "stream_copy"))
         return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     Py_END_ALLOW_THREADS
@@ -74,6 +182,10 @@ static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"stream_copy", py_stream_copy, METH_VARARGS,
      "stream_copy(dst, src): copy src into dst (same length) around the cache."},
+    {"stream_copy_hash", py_stream_copy_hash, METH_VARARGS,
+     "stream_copy_hash(dst, src) -> int: stream_copy, returning the xxh3-64 of src."},
+    {"bind_xxhash", py_bind_xxhash, METH_VARARGS,
+     "bind_xxhash(path): take the XXH3 functions of the xxhash extension at path."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -192,22 +192,27 @@ def test_fill_segment_parallel_checksums(tmp_path: Path) -> None:
     tier.close()
 
 
-@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "numpy"])
-def test_copy_and_checksum_every_size_and_alignment(streamed: bool,
+@pytest.mark.parametrize("path", ["one-pass", "streamed", "numpy"])
+def test_copy_and_checksum_every_size_and_alignment(path: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The streamed copy (whole 64-byte lines around the cache, the rest with memcpy) and
-    the numpy fallback store the same bytes and the same checksum, at every length around
-    the streaming threshold and the piece size, from and to unaligned addresses."""
+    """The one-pass copy + hash of the extension, the hash-then-stream path and the numpy
+    fallback store the same bytes and the same checksum as xxhash, at every length
+    around the streaming threshold and the piece sizes, from and to unaligned
+    addresses, and write nothing outside the destination."""
     from storage_engine import _checksum
 
-    if streamed and not se.STREAMING:
+    if path != "numpy" and not se.STREAMING:
         pytest.skip("storage_engine._stream is not built here (no C compiler at install)")
-    if not streamed:
+    if path == "one-pass" and not _checksum.ONE_PASS:
+        pytest.skip("the xxhash package here does not export its XXH3 functions")
+    if path != "one-pass":
+        monkeypatch.setattr(_checksum, "_copy_hash", None)
+    if path == "numpy":
         monkeypatch.setattr(_checksum, "_stream_copy", None)
     rng = np.random.default_rng(1)
     src_all = rng.integers(0, 256, (5 << 20) + 200, dtype=np.uint8)
-    for n in (0, 1, 63, 64, (64 << 10) - 1, 64 << 10, (64 << 10) + 65, (2 << 20) + 7,
-              (4 << 20) + 100):
+    for n in (0, 1, 63, 64, 127, 128, 4095, 4097, (64 << 10) - 1, 64 << 10,
+              (64 << 10) + 65, (2 << 20) + 7, (4 << 20) + 100):
         for so, do in ((0, 0), (3, 0), (0, 5), (7, 61)):
             src = src_all[so : so + n]
             dst_all = np.zeros(n + 128, np.uint8)
@@ -240,6 +245,8 @@ def test_streaming_copy_built_where_a_compiler_is() -> None:
         _stream.stream_copy(bytearray(5), b"abcd")
     with pytest.raises(TypeError):
         _stream.stream_copy(b"read-only", b"read-only")
+    with pytest.raises(ValueError, match="dst holds 3 bytes, src 4"):
+        _stream.stream_copy_hash(bytearray(3), b"abcd")
 
 
 def test_holder_liveness() -> None:
