@@ -609,8 +609,8 @@ class Database:
             return False
         writer = self._store(dst).create(segment_id, len(mm))
         try:
-            np.copyto(writer.buffer, mm.to_host() if isinstance(mm, se.GpuView)
-                      else np.frombuffer(mm, np.uint8))
+            se.copy(writer.buffer, mm.to_host() if isinstance(mm, se.GpuView)
+                    else np.frombuffer(mm, np.uint8))
             del mm
             writer.finish()
             moved = self.catalog.move_segment(segment_id, src, dst)

@@ -356,7 +356,9 @@ class Catalog:
     def live(self, cid: int) -> dict[str, TensorRow]:
         """The head's rows by name."""
         with self.engine.connect() as conn:
-            return {r.name: r for r in self._rows(conn, conn.execute(self._manifest_query(cid, None)))}
+            # the text statement: a Core construct's cache-key walk was most of this call
+            return {r.name: r for r in self._rows(conn, conn.execute(_SQL_HEAD_ROWS,
+                                                                     {"cid": cid}))}
 
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
