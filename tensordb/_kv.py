@@ -259,21 +259,29 @@ class KVCache:
                                collection=self.namespace)
         bufs, metas = [], []
         on_gpu: list[tuple[int, torch.Tensor]] = []
+        # a batch's blocks share dtype and shape: their record is built once (the checks
+        # and the string were a quarter of a 64 KiB block's put)
+        seen: dict[tuple[torch.dtype, torch.Size], bytes] = {}
         for i, b in enumerate(blocks):
             if not isinstance(b, torch.Tensor) or b.layout != torch.strided or b.is_meta:
                 raise InvalidInput(f"block {i} must be a dense torch.Tensor, not "
                                    f"{type(b).__name__}", collection=self.namespace)
-            if b.numel() == 0:
-                raise InvalidInput(f"block {i} is empty", collection=self.namespace)
-            name = dtype_name(b.dtype, tensor=f"block {i}")
-            t = b.detach()
-            if t.device.type == "cuda":
-                on_gpu.append((i, t.contiguous()))
+            t = b.detach() if b.requires_grad else b
             if t.device.type != "cpu":
+                if t.device.type == "cuda":
+                    on_gpu.append((i, t.contiguous()))
                 t = t.cpu()
-            t = t.contiguous()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            meta = seen.get((t.dtype, t.shape))
+            if meta is None:
+                if t.numel() == 0:
+                    raise InvalidInput(f"block {i} is empty", collection=self.namespace)
+                name = dtype_name(t.dtype, tensor=f"block {i}")
+                meta = seen[(t.dtype, t.shape)] = \
+                    f"{name}|{','.join(map(str, t.shape))}".encode()
             bufs.append(_byte_view(t))
-            metas.append(f"{name}|{','.join(map(str, t.shape))}".encode())
+            metas.append(meta)
         store = self._store()
         try:
             stored = sum(store.put(keys, bufs, metas))

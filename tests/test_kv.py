@@ -136,6 +136,13 @@ def test_put_get_roundtrip_dtypes_shapes(kv: KVCache) -> None:
     assert kv.get_into([b"o" * 16, b"z" * 16], outs) == 2
     assert all(torch.equal(o, b) for o, b in zip(outs, odd))
     assert [tuple(g.shape) for g in kv.get([b"o" * 16, b"z" * 16])] == [(4, 1), ()]
+    # a block that requires grad, and blocks of one shape in other dtypes in one batch
+    mixed = [torch.ones(2, 3, requires_grad=True), torch.full((2, 3), 2, dtype=torch.int32),
+             torch.full((2, 3), 3.0, dtype=torch.float16)]
+    mkeys = [bytes([0x80 + i]) * 16 for i in range(3)]
+    assert kv.put(mkeys, mixed) == 3
+    for g, b in zip(kv.get(mkeys), mixed):
+        assert g.dtype == b.dtype and g.shape == b.shape and torch.equal(g, b.detach())
     with pytest.raises(NotFound):
         kv.get([b"\xff" * 16])
     with pytest.raises(NotFound):
@@ -538,6 +545,8 @@ def test_bad_inputs_give_typed_errors_and_change_nothing(kv: KVCache,
         (keys[1:2], [np.zeros(4)]),
         (keys[1:2], [torch.empty(0)]),
         (keys[1:3], [_block(2.0), "x"]),  # the first is valid: still nothing stored
+        (keys[1:3], [_block(2.0), torch.empty(0)]),
+        (keys[1:4], [_block(2.0), _block(3.0), torch.empty(2, 0)]),
     ]
     for ks, bs in bad_puts:
         with pytest.raises(InvalidInput):
