@@ -4,9 +4,11 @@ files that must give a typed error and leave the store unchanged."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -329,6 +331,34 @@ def test_hostile_files_give_typed_errors_and_no_collection(db: tensordb.Database
         assert [c.version for c in db.history("existing")] == [1], case
     assert db.collections() == before
     assert db.stats()["host_bytes"] == used  # not even orphan bytes
+
+
+def test_file_truncated_during_import(db: tensordb.Database, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file cut short while its tensors are being read (another process rewriting it):
+    CorruptData naming the file and the tensor, no collection, no bytes left."""
+    src = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(1 << 20), "b": torch.full((1 << 20,), 2.0),
+               "c": torch.full((1 << 20,), 3.0)}, str(src))
+    db.commit("existing", {"x": torch.ones(2)})
+    before, used = db.collections(), db.stats()["host_bytes"]
+    real_preadv = os.preadv
+    reads = {"n": 0}
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        if len(buffers[0]) >= 4096:  # a tensor's read, not the header's
+            reads["n"] += 1
+            if reads["n"] == 2:  # the second one: the file is cut to its header first
+                with open(src, "r+b") as f:
+                    f.truncate(64)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with pytest.raises(CorruptData, match="shrank") as info:
+        import_safetensors(db, "victim", src)
+    assert str(src) in str(info.value) and info.value.tensor in ("a", "b", "c")
+    assert db.collections() == before
+    assert db.stats()["host_bytes"] == used
 
 
 def test_hostile_sharded_folders(db: tensordb.Database, tmp_path: Path) -> None:
