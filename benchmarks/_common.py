@@ -52,50 +52,67 @@ def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
     return {"memcpy_1t_s": min(one), "memcpy_2t_s": min(two)}
 
 
-def measure_shm_write(nbytes: int, reps: int) -> dict[str, float]:
-    """What writing into the store's memory allows, nothing else (no catalog, no
-    allocation): from torch tensors (the allocator's 4 KiB pages, as a model's are) into
-    a pre-faulted shared-memory file (4 KiB pages too: this host's ``shmem_enabled`` is
-    read into ``shmem_thp``), on two threads, a plain copy and the store's copy with its
-    xxh3 checksum (``copy_and_checksum``). The memcpy of ``measure_memcpy`` runs between
-    numpy buffers that the kernel may back with huge pages, which shared memory may not
-    get."""
+@contextmanager
+def shm_scratch(nbytes: int) -> Iterator[np.ndarray]:
+    """A pre-faulted shared-memory file of ``nbytes`` as a uint8 array, as a store spare
+    is (4 KiB pages: see ``shmem_thp``); the file is removed afterwards, and the mapping
+    goes with the last view of it."""
     import mmap
     import os
-    import torch
 
-    from storage_engine._checksum import copy_and_checksum
-
-    src = torch.ones(nbytes, dtype=torch.uint8).numpy()
     fd, path = tempfile.mkstemp(prefix="tensordb-bench-shm-", dir="/dev/shm")
     try:
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes)
         dst = np.frombuffer(mm, np.uint8)
-        dst[:: 4096] = 0  # pre-faulted, as a spare is
-        half = nbytes // 2
-        parts = [slice(0, half), slice(half, None)]
-        plain, hashed = [], []
-        with ThreadPoolExecutor(2) as pool:
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                list(pool.map(lambda s, d=dst: np.copyto(d[s], src[s]), parts))
-                plain.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                list(pool.map(lambda s, d=dst: copy_and_checksum(d[s], src[s]), parts))
-                hashed.append(time.perf_counter() - t0)
-        del dst
-        mm.close()
+        dst[:: mmap.PAGESIZE] = 0
+        try:
+            yield dst
+        finally:
+            del dst
+            try:
+                mm.close()
+            except BufferError:  # the caller still holds a view: unmapped when it goes
+                pass
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def shmem_thp() -> str:
+    """This host's transparent-huge-page mode for shared memory."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            thp = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), "?")
+            return next((w.strip("[]") for w in f.read().split() if w.startswith("[")), "?")
     except OSError:
-        thp = "unknown"
+        return "unknown"
+
+
+def measure_shm_write(nbytes: int, reps: int) -> dict[str, float]:
+    """What writing into the store's memory allows, nothing else (no catalog, no
+    allocation): from torch tensors (the allocator's 4 KiB pages, as a model's are) into
+    a pre-faulted shared-memory file (``shm_scratch``), on two threads, a plain copy and
+    the store's copy with its xxh3 checksum (``copy_and_checksum``). The memcpy of
+    ``measure_memcpy`` runs between numpy buffers that the kernel may back with huge
+    pages, which shared memory may not get."""
+    import torch
+
+    from storage_engine._checksum import copy_and_checksum
+
+    src = torch.ones(nbytes, dtype=torch.uint8).numpy()
+    half = nbytes // 2
+    parts = [slice(0, half), slice(half, None)]
+    plain, hashed = [], []
+    with shm_scratch(nbytes) as dst, ThreadPoolExecutor(2) as pool:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(pool.map(lambda s: np.copyto(dst[s], src[s]), parts))
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            list(pool.map(lambda s: copy_and_checksum(dst[s], src[s]), parts))
+            hashed.append(time.perf_counter() - t0)
     return {"shm_copy_2t_s": min(plain), "shm_copy_checksum_2t_s": min(hashed),
-            "shmem_thp": thp}
+            "shmem_thp": shmem_thp()}
 
 
 class PgUnavailable(Exception):

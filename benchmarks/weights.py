@@ -206,34 +206,27 @@ def measure_file_read(path: Path, reps: int) -> dict[str, float]:
     page and writes with ordinary stores, so it is slower per thread than a memcpy
     between two mapped buffers. (Into numpy memory, which the kernel backs with huge
     pages, the same reads ran 2-5 x slower here: the destination matters.)"""
-    import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import xxhash
 
     n = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    sfd, spath = tempfile.mkstemp(prefix="tensordb-bench-read-", dir="/dev/shm")
     step = -(-n // 2)
     out: dict[str, float] = {}
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.ftruncate(sfd, n)
-        mm = mmap.mmap(sfd, n)
-        dst = np.frombuffer(mm, np.uint8)
-        dst[::4096] = 0  # pre-faulted, as a spare is
-
-        def part(lo: int, hashed: bool, dst: np.ndarray = dst) -> None:
+        with _common.shm_scratch(n) as dst, ThreadPoolExecutor(2) as pool:
             view = memoryview(dst)
-            h = xxhash.xxh3_64()
-            off, hi = lo, min(n, lo + step)
-            while off < hi:
-                got = os.preadv(fd, [view[off : min(hi, off + (1 << 20))]], off)
-                if hashed:
-                    h.update(view[off : off + got])
-                off += got
 
-        with ThreadPoolExecutor(2) as pool:
+            def part(lo: int, hashed: bool) -> None:
+                h = xxhash.xxh3_64()
+                off, hi = lo, min(n, lo + step)
+                while off < hi:
+                    got = os.preadv(fd, [view[off : min(hi, off + (1 << 20))]], off)
+                    if hashed:
+                        h.update(view[off : off + got])
+                    off += got
+
             for hashed in (False, True):
                 best = float("inf")
                 for _ in range(reps + 1):
@@ -241,12 +234,8 @@ def measure_file_read(path: Path, reps: int) -> dict[str, float]:
                     list(pool.map(part, range(0, n, step), [hashed] * 2))
                     best = min(best, time.perf_counter() - t0)
                 out["hashed" if hashed else "bare"] = best
-        del part, dst  # the mapping closes only once no array views it
-        mm.close()
     finally:
         os.close(fd)
-        os.close(sfd)
-        os.unlink(spath)
     return out
 
 
