@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py storage_engine/_stream.c
+$(STAMP): $(BIN)/python pyproject.toml storage_engine/_stream.c
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
