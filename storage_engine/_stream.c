@@ -194,10 +194,5 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__stream(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "STREAMS", STREAMS) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_Create(&module);
 }
