@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -102,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "side and the probed bookkeeping instead of fitting both on a "
                         "loaded run of other sessions")
     p.add_argument("--policies", default="round_robin,least_load,cache_aware,migrate")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="real engine: runs of each policy at each load, interleaved; the "
+                        "engines' figures are the medians over them [sim 1, real 3]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--png", default=None, help="write a chart of TTFT against load here")
@@ -109,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, (sim, real) in ENGINE_DEFAULTS.items():
         if getattr(a, name) is None:
             setattr(a, name, real if a.engine == "real" else sim)
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
     return a
 
 
@@ -116,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 ENGINE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "instances": (4, 2), "sessions": (2000, 96), "gap_median": (8.2, 0.25),
     "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.5,0.8"), "system_prompt": (4096, 256),
-    "cache_blocks": (8192, 512), "block_tokens": (256, 32),
+    "cache_blocks": (8192, 512), "block_tokens": (256, 32), "repeats": (1, 3),
 }
 
 
@@ -319,30 +325,45 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             held_out = [generate(dataclasses.replace(cfg, seed=cfg.seed + 1,
                                                      rate=float(x) * sat))
                         for x in a.load_sweep.split(",")]
-            costs = fit_under_load(cluster, costs, measured, held_out)
+            costs = fit_under_load(cluster, costs, measured, held_out,
+                                   repeats=a.repeats)
         calibrated = time.perf_counter() - t0 - started
         sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
         rows: list[dict[str, Any]] = []
         for x in a.load_sweep.split(","):
             load = float(x)
             reqs = generate(dataclasses.replace(cfg, rate=load * sat))
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+            # repeats interleave the policies, so a slow spell of the host falls on all
+            for _ in range(a.repeats):
+                for name in policies:
+                    now, drift = recalibrate(cluster, costs, measured, rescale=a.rescale)
+                    t = time.perf_counter()
+                    real_res = cluster.run(reqs, policy(name, a), seed=a.seed,
+                                           ewma_tau=ewma_tau(a))
+                    wall = time.perf_counter() - t
+                    real = real_res.summary()
+                    real["utilization"] = utilization(real_res, a.instances)
+                    runs[name].append({"real": real, "run_s": wall, "costs": now,
+                                       "speed_factor": drift["speed_factor"],
+                                       "contention": drift["contention"]})
             for name in policies:
-                now, drift = recalibrate(cluster, costs, measured, rescale=a.rescale)
-                t = time.perf_counter()
-                real_res = cluster.run(reqs, policy(name, a), seed=a.seed,
-                                       ewma_tau=ewma_tau(a))
-                wall = time.perf_counter() - t
-                sim_res = simulate(reqs, policy(name, a), instances=a.instances, costs=now,
-                                   shared_store=not a.no_store, cache_output=False,
-                                   ewma_tau=ewma_tau(a))
-                real, sim = real_res.summary(), sim_res.summary()
-                real["utilization"] = utilization(real_res, a.instances)
+                got = runs[name]
+                real = median_summary([g["real"] for g in got])
+                # the simulator is deterministic: one run, on the last calibration
+                sim_res = simulate(reqs, policy(name, a), instances=a.instances,
+                                   costs=got[-1]["costs"], shared_store=not a.no_store,
+                                   cache_output=False, ewma_tau=ewma_tau(a))
+                sim = sim_res.summary()
                 sim["utilization"] = utilization(sim_res, a.instances)
                 rows.append({"load": f"{load:.2f}", "rate": load * sat, "policy": name,
                              "requests": real["requests"], "real": real, "sim": sim,
-                             "span_s": reqs[-1].arrival if reqs else 0.0, "run_s": wall,
-                             "speed_factor": drift["speed_factor"],
-                             "contention": drift["contention"],
+                             "real_runs": [g["real"] for g in got],
+                             "real_spread": spread([g["real"]["ttft_median"] for g in got]),
+                             "span_s": reqs[-1].arrival if reqs else 0.0,
+                             "run_s": sum(g["run_s"] for g in got) / len(got),
+                             "speed_factor": statistics.median(g["speed_factor"] for g in got),
+                             "contention": got[-1]["contention"],
                              "err_median": sim["ttft_median"] / real["ttft_median"] - 1,
                              "err_p90": sim["ttft_p90"] / real["ttft_p90"] - 1})
     mem = measure_memcpy(64 << 20, 5)
@@ -352,6 +373,23 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             "memcpy_gbps": (64 << 20) / mem["memcpy_1t_s"] / 1e9,
             "start_s": started, "calibrate_s": calibrated, "rows": rows,
             "ordering": ordering(rows)}
+
+
+def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeated runs of one workload and policy on the engines as one summary: each
+    numeric figure is its median over the runs (one run of a few hundred requests on a
+    shared 2-core host varies by more than the simulator's error goal)."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = statistics.median(r[k] for r in runs)
+    return out
+
+
+def spread(values: list[float]) -> float:
+    """(largest - smallest) / median of repeated figures: 0 for one run."""
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid else 0.0
 
 
 def ordering(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -433,7 +471,7 @@ def print_real(out: dict[str, Any]) -> None:
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
           f"{'hit':>5} {'migr':>4} {'busy':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} "
           f"{'migr':>4} | "
-          f"{'err med':>7} {'err p90':>7} {'speed':>5} {'run s':>5}")
+          f"{'err med':>7} {'err p90':>7} {'spread':>6} {'speed':>5} {'run s':>5}")
     for r in out["rows"]:
         re_, si = r["real"], r["sim"]
         print(f"{r['load']:>5} {r['policy']:<12} {r['requests']:>4} | "
@@ -442,9 +480,12 @@ def print_real(out: dict[str, Any]) -> None:
               f"{re_['utilization']:>4.0%} | "
               f"{ms(si['ttft_median']):>10} {ms(si['ttft_p90']):>9} "
               f"{si['local_hit_rate']:>5.0%} {si['migrations']:>4} | "
-              f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['speed_factor']:>5.2f} "
+              f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['real_spread']:>6.0%} "
+              f"{r['speed_factor']:>5.2f} "
               f"{r['run_s']:>5.1f}")
-    print(f"\n(hit: prompt tokens from the instance's own cache or migrated there; busy: "
+    print(f"\n(real: medians over {c['repeats']} runs of each policy, interleaved; spread: "
+          f"(largest - smallest) / median of the runs' median TTFTs; hit: prompt tokens "
+          f"from the instance's own cache or migrated there; busy: "
           f"the instances' time spent loading KV and prefilling, first arrival to last "
           f"first token; err: "
           f"simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%}; speed: the host's "

@@ -451,8 +451,11 @@ def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
         for p in ("round_robin", "least_load", "cache_aware", "migrate")]
     assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
     real = bench.parse_args(["--engine", "real", "--sessions", "5"])
-    assert (real.instances, real.sessions, real.block_tokens, real.load_sweep) == (
-        2, 5, 32, "0.5,0.8")
+    assert (real.instances, real.sessions, real.block_tokens, real.load_sweep,
+            real.repeats) == (2, 5, 32, "0.5,0.8", 3)
+    assert bench.parse_args([]).repeats == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine", "real", "--repeats", "0"])
     assert bench.policy("migrate", real).abs_gap == 1024  # scaled to a 256-token prompt
 
 
@@ -468,6 +471,19 @@ def test_benchmark_ordering_counts_only_pairs_the_simulator_separates() -> None:
     assert o["real"] == ["a", "b", "c", "d"] and o["sim"] == ["a", "b", "d", "c"]
     assert (o["same"], o["same_best"]) == (False, True)
     assert o["separated_pairs"] == 5 and o["misordered_pairs"] == [("c", "d")]
+
+
+def test_benchmark_repeats_median_and_spread() -> None:
+    """Three runs of a policy: every numeric figure is the median over them, the rest
+    is the first run's; the spread is (largest - smallest) / median."""
+    bench = _bench_module()
+    runs = [{"policy": "a", "requests": 10, "ttft_median": 0.010, "ttft_p90": 0.030},
+            {"policy": "a", "requests": 10, "ttft_median": 0.020, "ttft_p90": 0.025},
+            {"policy": "a", "requests": 10, "ttft_median": 0.012, "ttft_p90": 0.090}]
+    assert bench.median_summary(runs) == {"policy": "a", "requests": 10,
+                                          "ttft_median": 0.012, "ttft_p90": 0.030}
+    assert bench.spread([0.010, 0.020, 0.012]) == pytest.approx(0.010 / 0.012)
+    assert bench.spread([0.5]) == 0.0
 
 
 def test_benchmark_utilization_is_work_over_instance_time() -> None:

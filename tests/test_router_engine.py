@@ -310,6 +310,43 @@ def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() ->
         fit_under_load(fake, costs, measured, [])
 
 
+def test_fit_under_load_takes_the_median_of_repeated_runs() -> None:
+    """Each workload's runs on the "real" cluster come out 0.5 x, 1 x and 3 x the truth
+    in turn (a noisy host): with repeats=3 the fit sees the medians, the truth, and
+    finds the same contention and bookkeeping exactly. Bad repeat counts are refused before anything runs."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from engine_bindings.router import WorkloadConfig, fit_under_load, generate
+
+    cfg = EngineConfig(block_tokens=32, cache_blocks=64)
+    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
+                  cache_capacity_blocks=64, kv_load_per_block=1e-4)
+    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
+    light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
+    work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
+    noise = {id(light): [0.5, 0.5, 1.0, 3.0], id(work): [0.5, 0.5, 1.0, 3.0]}
+
+    def run(requests, policy):  # type: ignore[no-untyped-def]
+        f = noise[id(requests)].pop(0)  # the warm-up takes the first
+        res = simulate(requests, policy, instances=2, costs=truth, cache_output=False)
+        return SimpleNamespace(summary=lambda: {
+            **res.summary(), "ttft_median": res.summary()["ttft_median"] * f,
+            "ttft_p90": res.summary()["ttft_p90"] * f})
+
+    fake = SimpleNamespace(cfg=cfg, n=2, run=run, reset=lambda: None)
+    measured: dict = {"dispatch_overhead": 2e-3}
+    with pytest.raises(InvalidInput, match="repeats"):
+        fit_under_load(fake, costs, measured, [light, work], repeats=0)
+    assert "load_fit" not in measured and len(noise[id(work)]) == 4
+    noise[id(light)].pop(0)  # only the last workload is warmed up
+    fitted = fit_under_load(fake, costs, measured, [light, work], repeats=3)
+    assert noise == {id(light): [], id(work): []}
+    assert (fitted.contention, fitted.request_overhead) == (0.4, pytest.approx(2e-3))
+    assert measured["load_fit"]["repeats"] == 3
+    assert measured["load_fit"]["log_error"] == pytest.approx(0.0, abs=1e-12)
+
+
 def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:
     """One instance, 1 ms per token, a 2 ms hand-off: A (10 tokens at t=0) starts at
     2 ms and ends at 12; B (10 tokens at 5 ms) reached the instance at 7 ms, waits for

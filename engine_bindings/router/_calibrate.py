@@ -247,8 +247,8 @@ BOOKKEEPING_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
 def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
-                   workloads: Sequence[Sequence[Request]], *, policy: str = "round_robin"
-                   ) -> Costs:
+                   workloads: Sequence[Sequence[Request]], *, policy: str = "round_robin",
+                   repeats: int = 1) -> Costs:
     """``costs`` with the two terms a bare probe sees worst fitted on loaded real runs:
     the ``contention`` (on a host with no core to spare, the router and the engines'
     saving threads take CPU from the prefills too, which two bare prefills side by side
@@ -259,20 +259,27 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
     each pair from ``CONTENTION_GRID`` x ``BOOKKEEPING_GRID`` (times the probed
     bookkeeping); the pair whose median and p90 TTFT come closest to the real ones over
     all the runs (sum of the absolute log ratios) wins. The last workload runs once
-    untimed first, as a warm-up. The fit is recorded in
+    untimed first, as a warm-up. With ``repeats`` > 1 the workloads run that many times
+    in turn and the real median and p90 are the medians over the runs (one run on a busy
+    host is off by more than the simulator is). The fit is recorded in
     ``measured["load_fit"]``, and :func:`recalibrate` keeps it."""
     from ._sim import simulate
 
     if not workloads or not all(workloads):
         raise InvalidInput("fit_under_load needs at least one non-empty workload")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidInput(f"repeats must be an integer >= 1, got {repeats!r}")
     # one untimed run first: the engines' first loaded run fault in the memory their
     # caches and the store's slabs will reuse, which every later run finds ready
     cluster.reset()
     cluster.run(workloads[-1], policy)
-    reals = []
-    for work in workloads:
-        cluster.reset()
-        reals.append(cluster.run(work, policy).summary())
+    runs: list[list[dict[str, Any]]] = [[] for _ in workloads]
+    for _ in range(repeats):
+        for i, work in enumerate(workloads):
+            cluster.reset()
+            runs[i].append(cluster.run(work, policy).summary())
+    reals = [{k: float(np.median([r[k] for r in got])) for k in ("ttft_median", "ttft_p90")}
+             for got in runs]
     probed = float(measured.get("dispatch_overhead", 0.0))
     base = costs.request_overhead - probed
     best: tuple[float, float, float, list[dict[str, Any]]] | None = None
@@ -291,7 +298,8 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
     err, c, extra, sims = best
     measured["contention_probe"] = costs.contention
     measured["load_fit"] = {
-        "policy": policy, "requests": [len(w) for w in workloads], "contention": c,
+        "policy": policy, "requests": [len(w) for w in workloads], "repeats": repeats,
+        "contention": c,
         "bookkeeping": extra, "bookkeeping_probe": probed, "log_error": err,
         "runs": [{"real_median": r["ttft_median"], "real_p90": r["ttft_p90"],
                   "sim_median": s_["ttft_median"], "sim_p90": s_["ttft_p90"]}
