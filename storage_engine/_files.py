@@ -313,6 +313,11 @@ class DiskTier(FileTier):
         super().__init__("disk", root, capacity=capacity, persistent=True)
 
 
+#: a spare is faulted in pieces of this size, so closing the tier stops a refill early
+#: (a process that commits and exits does not wait a second for a spare it drops)
+_FAULT_PIECE = 64 << 20
+
+
 class HostTier(FileTier):
     """Segments in POSIX shared memory (tmpfs), with a pre-faulted spare per process."""
 
@@ -324,6 +329,7 @@ class HostTier(FileTier):
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+        self._closing = threading.Event()  # a refill still faulting stops early
         self.spare_bytes = spare_bytes
         if spare_bytes:
             self.prefault(spare_bytes, wait=False)
@@ -333,7 +339,14 @@ class HostTier(FileTier):
         # runs beside the caller's threads: fallocate and numpy's page walk release the
         # GIL, MAP_POPULATE would not
         fd, mm = self._new_file(path, nbytes, populate=False)
-        np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        pages = np.frombuffer(mm, dtype=np.uint8)
+        for lo in range(0, nbytes, _FAULT_PIECE):
+            if self._closing.is_set():  # closed meanwhile: the spare would only be dropped
+                del pages
+                self._drop((path, fd, mm, nbytes))
+                return
+            pages[lo : lo + _FAULT_PIECE : mmap.PAGESIZE] = 0
+        del pages
         with self._lock:
             old, self._spare = self._spare, (path, fd, mm, nbytes)
         if old is not None:
@@ -413,6 +426,7 @@ class HostTier(FileTier):
             self.prefault(self.spare_bytes, wait=False)
 
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:

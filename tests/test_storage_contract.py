@@ -141,6 +141,37 @@ class TestHostTier(TierContract):
         assert [bytes(tier.open(f"seg{i}")[:1]) for i in range(3)] == [b"\0", b"\1", b"\2"]
         tier.close()
 
+    def test_close_stops_a_refill_that_is_still_faulting(self, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+        # the refill faults its spare piece by piece and looks at the tier between
+        # pieces: once the tier is closed it stops and removes the file, instead of
+        # faulting the rest of a spare that close() would only drop
+        from storage_engine import _files
+
+        monkeypatch.setattr(_files, "_FAULT_PIECE", 1 << 20)
+        tier = se.HostTier(tmp_path / "stop")
+        walked: list[int] = []
+        real_set = tier._closing.is_set
+
+        def is_set() -> bool:  # the tier is closed while the third piece is due
+            walked.append(1)
+            if len(walked) == 3:
+                tier._closing.set()
+            return real_set()
+
+        monkeypatch.setattr(tier._closing, "is_set", is_set)
+        tier._make_spare(8 << 20)
+        assert len(walked) == 3  # stopped at the third of eight pieces
+        assert tier.spare_ready() == 0
+        assert not [n for n in os.listdir(tier.root) if n.startswith("spare-")]
+        tier.close()
+        # and a refill started by a tier with spare_bytes leaves nothing after close()
+        busy = se.HostTier(tmp_path / "busy", spare_bytes=64 << 20)
+        busy.close()
+        assert busy.spare_ready() == 0
+        assert not [n for n in os.listdir(busy.root) if n.startswith("spare-")]
+
     def test_spare_ready_says_what_the_next_segment_can_take(self, tmp_path: Path) -> None:
         tier = se.HostTier(tmp_path / "ready")
         assert tier.spare_ready() == 0
