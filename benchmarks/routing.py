@@ -103,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "side and the probed bookkeeping instead of fitting both on a "
                         "loaded run of other sessions")
     p.add_argument("--policies", default="round_robin,least_load,cache_aware,migrate")
+    p.add_argument("--fit-policies", default="round_robin",
+                   help="real engine: the policies the load fit runs the held-out sessions "
+                        "with (one that balances load, one that keeps sessions on their "
+                        "instance)")
     p.add_argument("--repeats", type=int, default=None,
                    help="real engine: runs of each policy at each load, interleaved; the "
                         "engines' figures are the medians over them [sim 1, real 3]")
@@ -326,7 +330,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
                                                      rate=float(x) * sat))
                         for x in a.load_sweep.split(",")]
             costs = fit_under_load(cluster, costs, measured, held_out,
-                                   repeats=a.repeats)
+                                   policy=fit_policies(a), repeats=a.repeats)
         calibrated = time.perf_counter() - t0 - started
         sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
         rows: list[dict[str, Any]] = []
@@ -350,9 +354,11 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             for name in policies:
                 got = runs[name]
                 real = median_summary([g["real"] for g in got])
-                # the simulator is deterministic: one run, on the last calibration
+                # the simulator is deterministic: one run, on the calibration of the run
+                # whose host speed was the median (with --rescale, costs at that speed)
+                mid = sorted(got, key=lambda g: g["speed_factor"])[(len(got) - 1) // 2]
                 sim_res = simulate(reqs, policy(name, a), instances=a.instances,
-                                   costs=got[-1]["costs"], shared_store=not a.no_store,
+                                   costs=mid["costs"], shared_store=not a.no_store,
                                    cache_output=False, ewma_tau=ewma_tau(a))
                 sim = sim_res.summary()
                 sim["utilization"] = utilization(sim_res, a.instances)
@@ -362,7 +368,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
                              "real_spread": spread([g["real"]["ttft_median"] for g in got]),
                              "span_s": reqs[-1].arrival if reqs else 0.0,
                              "run_s": sum(g["run_s"] for g in got) / len(got),
-                             "speed_factor": statistics.median(g["speed_factor"] for g in got),
+                             "speed_factor": mid["speed_factor"],
                              "contention": got[-1]["contention"],
                              "err_median": sim["ttft_median"] / real["ttft_median"] - 1,
                              "err_p90": sim["ttft_p90"] / real["ttft_p90"] - 1})
@@ -373,6 +379,13 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
             "memcpy_gbps": (64 << 20) / mem["memcpy_1t_s"] / 1e9,
             "start_s": started, "calibrate_s": calibrated, "rows": rows,
             "ordering": ordering(rows)}
+
+
+def fit_policies(a: argparse.Namespace) -> list[str]:
+    names = [s.strip() for s in a.fit_policies.split(",") if s.strip()]
+    for name in names:
+        get_policy(name)
+    return names
 
 
 def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -459,11 +472,13 @@ def print_real(out: dict[str, Any]) -> None:
           f"bookkeeping {m.get('dispatch_overhead', 0) * 1e3:.2f} ms (busy time)")
     fit = m.get("load_fit")
     if fit:
-        runs = "; ".join(f"{ms(r['real_median'])} / {ms(r['real_p90'])} real, "
+        runs = "; ".join(f"{r.get('policy', '')} {ms(r['real_median'])} / "
+                         f"{ms(r['real_p90'])} real, "
                          f"{ms(r['sim_median'])} / {ms(r['sim_p90'])} simulated"
                          for r in fit["runs"])
+        pols = fit["policy"] if isinstance(fit["policy"], str) else ", ".join(fit["policy"])
         print(f"  fitted on loaded runs of other sessions ({', '.join(map(str, fit['requests']))}"
-              f" requests, {fit['policy']}, at each load of the sweep): contention "
+              f" requests, {pols}, at each load of the sweep): contention "
               f"{fit['contention']:.2f}, bookkeeping {fit['bookkeeping'] * 1e3:.2f} ms a "
               f"request (probed: {fit['bookkeeping_probe'] * 1e3:.2f} ms); median / p90 "
               f"{runs}")

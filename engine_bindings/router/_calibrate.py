@@ -247,15 +247,17 @@ BOOKKEEPING_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
 def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
-                   workloads: Sequence[Sequence[Request]], *, policy: str = "round_robin",
-                   repeats: int = 1) -> Costs:
+                   workloads: Sequence[Sequence[Request]], *,
+                   policy: str | Sequence[str] = "round_robin", repeats: int = 1) -> Costs:
     """``costs`` with the two terms a bare probe sees worst fitted on loaded real runs:
     the ``contention`` (on a host with no core to spare, the router and the engines'
     saving threads take CPU from the prefills too, which two bare prefills side by side
     do not show) and the per-request bookkeeping (a dozen unqueued probe requests are a
     noisy measure of it). Each of ``workloads`` (calibration workloads, never ones that
     are compared; two loads or more keep the two terms from trading off against each
-    other) goes through ``cluster`` with ``policy``, then through the simulator with
+    other) goes through ``cluster`` with ``policy`` (or with each of several policies:
+    ones that balance load and ones that pile sessions onto their instance load the
+    cores differently, and a fit on both holds for both), then through the simulator with
     each pair from ``CONTENTION_GRID`` x ``BOOKKEEPING_GRID`` (times the probed
     bookkeeping); the pair whose median and p90 TTFT come closest to the real ones over
     all the runs (sum of the absolute log ratios) wins. The last workload runs once
@@ -269,15 +271,19 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
         raise InvalidInput("fit_under_load needs at least one non-empty workload")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise InvalidInput(f"repeats must be an integer >= 1, got {repeats!r}")
+    policies = [policy] if isinstance(policy, str) else list(policy)
+    if not policies or not all(isinstance(p, str) for p in policies):
+        raise InvalidInput(f"policy must be a policy name or a list of them, got {policy!r}")
     # one untimed run first: the engines' first loaded run fault in the memory their
     # caches and the store's slabs will reuse, which every later run finds ready
     cluster.reset()
-    cluster.run(workloads[-1], policy)
-    runs: list[list[dict[str, Any]]] = [[] for _ in workloads]
+    cluster.run(workloads[-1], policies[0])
+    cases = [(work, pol) for work in workloads for pol in policies]
+    runs: list[list[dict[str, Any]]] = [[] for _ in cases]
     for _ in range(repeats):
-        for i, work in enumerate(workloads):
+        for i, (work, pol) in enumerate(cases):
             cluster.reset()
-            runs[i].append(cluster.run(work, policy).summary())
+            runs[i].append(cluster.run(work, pol).summary())
     reals = [{k: float(np.median([r[k] for r in got])) for k in ("ttft_median", "ttft_p90")}
              for got in runs]
     probed = float(measured.get("dispatch_overhead", 0.0))
@@ -287,9 +293,9 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
         for c in CONTENTION_GRID:
             trial = dataclasses.replace(costs, contention=c,
                                         request_overhead=base + scale * probed)
-            sims = [simulate(work, policy, instances=cluster.n, costs=trial,
+            sims = [simulate(work, pol, instances=cluster.n, costs=trial,
                              shared_store=cluster.cfg.use_store,
-                             cache_output=False).summary() for work in workloads]
+                             cache_output=False).summary() for work, pol in cases]
             err = sum(abs(float(np.log(sim[k] / real[k])))
                       for sim, real in zip(sims, reals) for k in ("ttft_median", "ttft_p90"))
             if best is None or err < best[0]:
@@ -298,12 +304,14 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
     err, c, extra, sims = best
     measured["contention_probe"] = costs.contention
     measured["load_fit"] = {
-        "policy": policy, "requests": [len(w) for w in workloads], "repeats": repeats,
+        "policy": policies[0] if len(policies) == 1 else policies,
+        "requests": [len(w) for w in workloads], "repeats": repeats,
         "contention": c,
         "bookkeeping": extra, "bookkeeping_probe": probed, "log_error": err,
-        "runs": [{"real_median": r["ttft_median"], "real_p90": r["ttft_p90"],
+        "runs": [{"policy": pol, "requests": len(work),
+                  "real_median": r["ttft_median"], "real_p90": r["ttft_p90"],
                   "sim_median": s_["ttft_median"], "sim_p90": s_["ttft_p90"]}
-                 for r, s_ in zip(reals, sims)]}
+                 for (work, pol), r, s_ in zip(cases, reals, sims)]}
     return dataclasses.replace(costs, contention=c, request_overhead=base + extra)
 
 
