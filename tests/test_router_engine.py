@@ -347,6 +347,41 @@ def test_fit_under_load_takes_the_median_of_repeated_runs() -> None:
     assert measured["load_fit"]["log_error"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_fit_under_load_over_several_policies() -> None:
+    """Each workload runs under each policy (after one warm-up of the first); the fit
+    holds for all of them and records each run; an empty or non-string policy list is
+    refused before anything runs."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from engine_bindings.router import WorkloadConfig, fit_under_load, generate
+
+    cfg = EngineConfig(block_tokens=32, cache_blocks=64)
+    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
+                  cache_capacity_blocks=64, kv_load_per_block=1e-4)
+    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
+    work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
+    calls: list[str] = []
+
+    def run(requests, policy):  # type: ignore[no-untyped-def]
+        calls.append(policy)
+        return simulate(requests, policy, instances=2, costs=truth, cache_output=False)
+
+    fake = SimpleNamespace(cfg=cfg, n=2, run=run, reset=lambda: None)
+    measured: dict = {"dispatch_overhead": 2e-3}
+    for bad in ([], ["round_robin", 3]):
+        with pytest.raises(InvalidInput, match="policy"):
+            fit_under_load(fake, costs, measured, [work], policy=bad)
+    assert calls == []
+    fitted = fit_under_load(fake, costs, measured, [work],
+                            policy=["round_robin", "cache_aware"])
+    assert calls == ["round_robin", "round_robin", "cache_aware"]
+    assert (fitted.contention, fitted.request_overhead) == (0.4, pytest.approx(2e-3))
+    fit = measured["load_fit"]
+    assert fit["policy"] == ["round_robin", "cache_aware"]
+    assert [r["policy"] for r in fit["runs"]] == ["round_robin", "cache_aware"]
+
+
 def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:
     """One instance, 1 ms per token, a 2 ms hand-off: A (10 tokens at t=0) starts at
     2 ms and ends at 12; B (10 tokens at 5 ms) reached the instance at 7 ms, waits for
