@@ -261,21 +261,30 @@ def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None
     assert dispatch_overhead(faster, costs) == (0.0, 0.0)  # never negative
 
 
+def _fit_case() -> tuple[EngineConfig, Costs, Costs, list]:  # type: ignore[type-arg]
+    """The load fit's test case: an engine config, the probed costs, the "real" costs
+    (contention 0.4, half the probed 2 ms of bookkeeping) and a loaded workload."""
+    import dataclasses
+
+    from engine_bindings.router import WorkloadConfig, generate
+
+    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
+                  cache_capacity_blocks=64, kv_load_per_block=1e-4)
+    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
+    work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
+    return EngineConfig(block_tokens=32, cache_blocks=64), costs, truth, work
+
+
 def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() -> None:
     """The "real" cluster is the simulator with contention 0.4 and half the probed 2 ms
     of bookkeeping on a loaded workload: the fit finds both (grid values) exactly,
     records them, and recalibrate keeps the contention rather than the bare probe's;
     without rescale the costs keep their speed."""
-    import dataclasses
     from types import SimpleNamespace
 
     from engine_bindings.router import WorkloadConfig, fit_under_load, generate, recalibrate
 
-    cfg = EngineConfig(block_tokens=32, cache_blocks=64)
-    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
-                  cache_capacity_blocks=64, kv_load_per_block=1e-4)
-    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
-    work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
+    cfg, costs, truth, work = _fit_case()
     calls: list[str] = []
 
     def run(requests, policy):  # type: ignore[no-untyped-def]
@@ -313,18 +322,14 @@ def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() ->
 def test_fit_under_load_takes_the_median_of_repeated_runs() -> None:
     """Each workload's runs on the "real" cluster come out 0.5 x, 1 x and 3 x the truth
     in turn (a noisy host): with repeats=3 the fit sees the medians, the truth, and
-    finds the same contention and bookkeeping exactly. Bad repeat counts are refused before anything runs."""
-    import dataclasses
+    finds the same contention and bookkeeping exactly. Bad repeat counts are refused
+    before anything runs."""
     from types import SimpleNamespace
 
     from engine_bindings.router import WorkloadConfig, fit_under_load, generate
 
-    cfg = EngineConfig(block_tokens=32, cache_blocks=64)
-    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
-                  cache_capacity_blocks=64, kv_load_per_block=1e-4)
-    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
+    cfg, costs, truth, work = _fit_case()
     light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
-    work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
     noise = {id(light): [0.5, 0.5, 1.0, 3.0], id(work): [0.5, 0.5, 1.0, 3.0]}
 
     def run(requests, policy):  # type: ignore[no-untyped-def]
@@ -351,16 +356,11 @@ def test_fit_under_load_over_several_policies() -> None:
     """Each workload runs under each policy (after one warm-up of the first); the fit
     holds for all of them and records each run; an empty or non-string policy list is
     refused before anything runs."""
-    import dataclasses
     from types import SimpleNamespace
 
-    from engine_bindings.router import WorkloadConfig, fit_under_load, generate
+    from engine_bindings.router import fit_under_load
 
-    cfg = EngineConfig(block_tokens=32, cache_blocks=64)
-    costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
-                  cache_capacity_blocks=64, kv_load_per_block=1e-4)
-    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
-    work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
+    cfg, costs, truth, work = _fit_case()
     calls: list[str] = []
 
     def run(requests, policy):  # type: ignore[no-untyped-def]
