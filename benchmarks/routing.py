@@ -46,6 +46,7 @@ from typing import Any
 from engine_bindings.router import (
     Costs,
     RoutingPolicy,
+    SimResult,
     WorkloadConfig,
     generate,
     get_policy,
@@ -369,7 +370,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
                              "span_s": reqs[-1].arrival if reqs else 0.0,
                              "run_s": sum(g["run_s"] for g in got) / len(got),
                              "speed_factor": mid["speed_factor"],
-                             "contention": got[-1]["contention"],
+                             "contention": mid["contention"],
                              "err_median": sim["ttft_median"] / real["ttft_median"] - 1,
                              "err_p90": sim["ttft_p90"] / real["ttft_p90"] - 1})
     mem = measure_memcpy(64 << 20, 5)
@@ -388,15 +389,8 @@ def fit_policies(a: argparse.Namespace) -> list[str]:
     return names
 
 
-def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Repeated runs of one workload and policy on the engines as one summary: each
-    numeric figure is its median over the runs (one run of a few hundred requests on a
-    shared 2-core host varies by more than the simulator's error goal)."""
-    out = dict(runs[0])
-    for k, v in runs[0].items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = statistics.median(r[k] for r in runs)
-    return out
+#: repeated runs of a policy on the engines as one summary (medians of the figures)
+median_summary = SimResult.median_summary
 
 
 def spread(values: list[float]) -> float:

@@ -31,7 +31,7 @@ import torch
 from tensordb.errors import InvalidInput
 
 from ._model import split_blocks
-from ._sim import Costs
+from ._sim import Costs, SimResult
 
 if TYPE_CHECKING:
     from ._cluster import Cluster
@@ -284,8 +284,7 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
         for i, (work, pol) in enumerate(cases):
             cluster.reset()
             runs[i].append(cluster.run(work, pol).summary())
-    reals = [{k: float(np.median([r[k] for r in got])) for k in ("ttft_median", "ttft_p90")}
-             for got in runs]
+    reals = [SimResult.median_summary(got) for got in runs]
     probed = float(measured.get("dispatch_overhead", 0.0))
     base = costs.request_overhead - probed
     best: tuple[float, float, float, list[dict[str, Any]]] | None = None

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -205,6 +206,18 @@ class SimResult:
             "migrations": sum(1 for r in self.records if r.migrated_blocks),
             "migrated_blocks": sum(r.migrated_blocks for r in self.records),
         }
+
+
+    @staticmethod
+    def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Summaries of repeated runs of one workload and policy as one: each numeric
+        figure is its median over the runs, the rest is the first run's (one run on a
+        busy host is off by more than a simulator is held to)."""
+        out = dict(summaries[0])
+        for k, v in summaries[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = statistics.median(r[k] for r in summaries)
+        return out
 
 
 class _Job:
