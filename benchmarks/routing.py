@@ -21,7 +21,9 @@ the TensorCast paper reports), its local hit rate at least 95%, its p99 no worse
 small decoder prefilling for real on the CPU, a bounded local KV cache each, the shared
 tensordb KV store, migrations through it), at small scale: it first calibrates the
 simulator on those processes (prefill cost by tokens and context, block hit / load /
-transfer, how many cores the instances really share), then runs the same workload on
+transfer), fits it on every request of loaded runs of other sessions (how many cores the
+instances really share, the per-request overhead, the compute speed under load, the
+hand-offs: ``fit_under_load``), then runs the same workload on
 the engines and in the calibrated simulator, and prints both side by side with the
 simulator's error on median and p90 TTFT (goal: within 20%) and the policies' order.
 Beside them: the block load rate against memcpy measured in the same run, and
@@ -100,9 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "by the host's speed then (a probe of the longest grid point); on "
                         "a quiet host the probe's own noise outweighs what it corrects")
     p.add_argument("--probe-contention", action="store_true",
-                   help="real engine: keep the contention of two bare prefills side by "
-                        "side and the probed bookkeeping instead of fitting both on a "
-                        "loaded run of other sessions")
+                   help="real engine: keep the probed costs (the contention of two bare "
+                        "prefills side by side, the probed bookkeeping and hand-off) "
+                        "instead of fitting the costs on loaded runs of other sessions")
     p.add_argument("--policies", default="round_robin,least_load,cache_aware,migrate")
     p.add_argument("--fit-policies", default="round_robin",
                    help="real engine: the policies the load fit runs the held-out sessions "
@@ -471,11 +473,15 @@ def print_real(out: dict[str, Any]) -> None:
                          f"{ms(r['sim_median'])} / {ms(r['sim_p90'])} simulated"
                          for r in fit["runs"])
         pols = fit["policy"] if isinstance(fit["policy"], str) else ", ".join(fit["policy"])
-        print(f"  fitted on loaded runs of other sessions ({', '.join(map(str, fit['requests']))}"
-              f" requests, {pols}, at each load of the sweep): contention "
-              f"{fit['contention']:.2f}, bookkeeping {fit['bookkeeping'] * 1e3:.2f} ms a "
-              f"request (probed: {fit['bookkeeping_probe'] * 1e3:.2f} ms); median / p90 "
-              f"{runs}")
+        print(f"  fitted on every request of loaded runs of other sessions ({fit['requests']} "
+              f"requests: {', '.join(map(str, fit['workloads']))} a run, {pols}, at each load "
+              f"of the sweep, {fit['repeats']} time(s)): contention {fit['contention']:.2f}, "
+              f"compute x{fit['speed']:.2f} the bare grid's, overhead "
+              f"{fit['overhead'] * 1e3:.2f} ms a request (bare: "
+              f"{fit['overhead_probe'] * 1e3:.2f} ms), {fit['tail'] * 1e3:.2f} ms busy after "
+              f"the first token, hand-off {fit['dispatch_latency'] * 1e3:.2f} ms; a "
+              f"request's service within {fit['rel_error_median']:.0%} of the fit (median), "
+              f"{fit['rel_error_p90']:.0%} (p90); median / p90 {runs}")
     print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
           f"{'hit':>5} {'migr':>4} {'busy':>4} | {'sim median':>10} {'p90':>9} {'hit':>5} "

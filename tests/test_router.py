@@ -61,7 +61,7 @@ def test_public_surface() -> None:
         # the real engine, loaded on first use
         "Cluster", "Engine", "EngineConfig", "Job", "LocalCache", "ModelConfig",
         "PromptTokens", "Served", "TinyDecoder", "calibrate", "fit_costs",
-        "fit_under_load", "measure_engine", "recalibrate"])
+        "fit_records", "fit_under_load", "measure_engine", "recalibrate"])
     for name in router.__all__:
         assert getattr(router, name) is not None
 

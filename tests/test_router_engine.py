@@ -263,22 +263,33 @@ def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None
 
 def _fit_case() -> tuple[EngineConfig, Costs, Costs, list]:  # type: ignore[type-arg]
     """The load fit's test case: an engine config, the probed costs, the "real" costs
-    (contention 0.4, half the probed 2 ms of bookkeeping) and a loaded workload."""
+    (contention 0.4, compute 1.25 x slower, 2 ms of overhead against the probe's 3, a
+    0.3 ms tail after each first token, a 0.5 ms hand-off) and a loaded workload."""
     import dataclasses
 
     from engine_bindings.router import WorkloadConfig, generate
 
     costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
                   cache_capacity_blocks=64, kv_load_per_block=1e-4)
-    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3)
+    truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3,
+                                prefill_per_token=2.5e-4, kv_load_per_block=1.25e-4,
+                                request_tail=3e-4, dispatch_latency=5e-4)
     work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
     return EngineConfig(block_tokens=32, cache_blocks=64), costs, truth, work
 
 
-def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() -> None:
-    """The "real" cluster is the simulator with contention 0.4 and half the probed 2 ms
-    of bookkeeping on a loaded workload: the fit finds both (grid values) exactly,
-    records them, and recalibrate keeps the contention rather than the bare probe's;
+def _assert_recovered(fitted: Costs, truth: Costs) -> None:
+    assert fitted.contention == truth.contention
+    for name in ("request_overhead", "prefill_per_token", "kv_load_per_block",
+                 "request_tail", "dispatch_latency"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+
+
+def test_fit_under_load_recovers_the_costs_of_a_loaded_run() -> None:
+    """The "real" cluster is the simulator with the truth's costs on a light and a
+    loaded workload: the fit on their records finds every term (the contention a grid
+    value) exactly, records it, its per-request error is 0 and the fitted simulator
+    reproduces the runs; recalibrate keeps the contention rather than the bare probe's;
     without rescale the costs keep their speed."""
     from types import SimpleNamespace
 
@@ -297,68 +308,72 @@ def test_fit_under_load_recovers_contention_and_bookkeeping_of_a_loaded_run() ->
     fake = SimpleNamespace(cfg=cfg, n=2, run=run, reset=lambda: calls.append("reset"),
                            calibrate=calibrate,
                            calibrate_all=lambda **spec: [calibrate(0, **spec)] * 2)
-    measured: dict = {"probe": (384, 1024), "probe_alone": 0.01, "spec": {},
-                      "dispatch_overhead": 2e-3}
+    measured: dict = {"probe": (384, 1024), "probe_alone": 0.01, "spec": {}}
     light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
     fitted = fit_under_load(fake, costs, measured, [light, work])
     assert calls == ["reset", "round_robin"] * 3  # a warm-up, then one run per workload
-    assert fitted.contention == 0.4
-    assert fitted.request_overhead == pytest.approx(2e-3)
+    _assert_recovered(fitted, truth)
     fit = measured["load_fit"]
-    assert (fit["contention"], fit["bookkeeping"]) == (0.4, pytest.approx(1e-3))
-    assert len(fit["runs"]) == 2 and fit["requests"] == [len(light), len(work)]
-    assert fit["log_error"] == pytest.approx(0.0, abs=1e-12)
-    assert measured["contention_probe"] == 0.0
+    assert (fit["contention"], fit["speed"]) == (0.4, pytest.approx(1.25))
+    assert fit["requests"] == len(light) + len(work)
+    assert len(fit["runs"]) == 2 and fit["workloads"] == [len(light), len(work)]
+    assert fit["rel_error_p90"] == pytest.approx(0.0, abs=1e-9)
+    assert fit["log_error"] == pytest.approx(0.0, abs=1e-6)
+    assert measured["contention_probe"] == 0.0 and fit["overhead_probe"] == 3e-3
     now, drift = recalibrate(fake, fitted, measured)  # the host is now twice as slow
     assert drift["speed_factor"] == pytest.approx(2.0) and now.contention == 0.4
-    assert now.prefill_per_token == pytest.approx(4e-4)
+    assert now.prefill_per_token == pytest.approx(5e-4)
     same, drift = recalibrate(fake, fitted, measured, rescale=False)
     assert drift["speed_factor"] == pytest.approx(2.0) and not drift["rescaled"]
-    assert same.prefill_per_token == pytest.approx(2e-4) and same.contention == 0.4
+    assert same.prefill_per_token == pytest.approx(2.5e-4) and same.contention == 0.4
     with pytest.raises(InvalidInput, match="non-empty workload"):
         fit_under_load(fake, costs, measured, [])
 
 
-def test_fit_under_load_takes_the_median_of_repeated_runs() -> None:
-    """Each workload's runs on the "real" cluster come out 0.5 x, 1 x and 3 x the truth
-    in turn (a noisy host): with repeats=3 the fit sees the medians, the truth, and
-    finds the same contention and bookkeeping exactly. Bad repeat counts are refused
-    before anything runs."""
+def test_fit_under_load_fits_every_repeat_and_compares_medians() -> None:
+    """With repeats=3 every request of every run is fitted (the truth, exactly), and
+    each workload's real figures are the medians over its runs: one run of three
+    slowed 3 x (a noisy host) does not move them. Bad repeat counts are refused before
+    anything runs."""
     from types import SimpleNamespace
 
     from engine_bindings.router import WorkloadConfig, fit_under_load, generate
 
     cfg, costs, truth, work = _fit_case()
     light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
-    noise = {id(light): [0.5, 0.5, 1.0, 3.0], id(work): [0.5, 0.5, 1.0, 3.0]}
+    slow = {id(light): [1, 1, 1, 3], id(work): [1, 1, 1, 3]}
 
     def run(requests, policy):  # type: ignore[no-untyped-def]
-        f = noise[id(requests)].pop(0)  # the warm-up takes the first
+        f = slow[id(requests)].pop(0)  # the warm-up takes the first
         res = simulate(requests, policy, instances=2, costs=truth, cache_output=False)
-        return SimpleNamespace(summary=lambda: {
+        if f == 1:
+            return res
+        noisy = SimpleNamespace(records=res.records, summary=lambda: {
             **res.summary(), "ttft_median": res.summary()["ttft_median"] * f,
             "ttft_p90": res.summary()["ttft_p90"] * f})
+        return noisy
 
     fake = SimpleNamespace(cfg=cfg, n=2, run=run, reset=lambda: None)
-    measured: dict = {"dispatch_overhead": 2e-3}
+    measured: dict = {}
     with pytest.raises(InvalidInput, match="repeats"):
         fit_under_load(fake, costs, measured, [light, work], repeats=0)
-    assert "load_fit" not in measured and len(noise[id(work)]) == 4
-    noise[id(light)].pop(0)  # only the last workload is warmed up
+    assert "load_fit" not in measured and len(slow[id(work)]) == 4
+    slow[id(light)].pop(0)  # only the last workload is warmed up
     fitted = fit_under_load(fake, costs, measured, [light, work], repeats=3)
-    assert noise == {id(light): [], id(work): []}
-    assert (fitted.contention, fitted.request_overhead) == (0.4, pytest.approx(2e-3))
-    assert measured["load_fit"]["repeats"] == 3
-    assert measured["load_fit"]["log_error"] == pytest.approx(0.0, abs=1e-12)
+    assert slow == {id(light): [], id(work): []}
+    _assert_recovered(fitted, truth)
+    fit = measured["load_fit"]
+    assert fit["repeats"] == 3 and fit["requests"] == 3 * (len(light) + len(work))
+    assert fit["log_error"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_fit_under_load_over_several_policies() -> None:
     """Each workload runs under each policy (after one warm-up of the first); the fit
     holds for all of them and records each run; an empty or non-string policy list is
-    refused before anything runs."""
+    refused before anything runs, and too few requests to fit are refused."""
     from types import SimpleNamespace
 
-    from engine_bindings.router import fit_under_load
+    from engine_bindings.router import fit_records, fit_under_load
 
     cfg, costs, truth, work = _fit_case()
     calls: list[str] = []
@@ -368,7 +383,7 @@ def test_fit_under_load_over_several_policies() -> None:
         return simulate(requests, policy, instances=2, costs=truth, cache_output=False)
 
     fake = SimpleNamespace(cfg=cfg, n=2, run=run, reset=lambda: None)
-    measured: dict = {"dispatch_overhead": 2e-3}
+    measured: dict = {}
     for bad in ([], ["round_robin", 3]):
         with pytest.raises(InvalidInput, match="policy"):
             fit_under_load(fake, costs, measured, [work], policy=bad)
@@ -376,10 +391,31 @@ def test_fit_under_load_over_several_policies() -> None:
     fitted = fit_under_load(fake, costs, measured, [work],
                             policy=["round_robin", "cache_aware"])
     assert calls == ["round_robin", "round_robin", "cache_aware"]
-    assert (fitted.contention, fitted.request_overhead) == (0.4, pytest.approx(2e-3))
+    _assert_recovered(fitted, truth)
     fit = measured["load_fit"]
     assert fit["policy"] == ["round_robin", "cache_aware"]
     assert [r["policy"] for r in fit["runs"]] == ["round_robin", "cache_aware"]
+    short = simulate(work[:2], "round_robin", instances=2, costs=truth, cache_output=False)
+    with pytest.raises(InvalidInput, match="at least 3 requests"):
+        fit_records([short], costs, 2)
+
+
+def test_request_tail_keeps_the_instance_busy_but_is_not_in_the_ttft() -> None:
+    """One instance, 1 ms per token, a 2 ms tail: A (10 tokens at t=0) has its first
+    token at 10 ms; B (10 tokens at 5 ms) starts after A's tail, at 12 ms, and ends at
+    22; C (at 30 ms) finds the instance idle and starts at once. A negative tail is
+    refused."""
+
+    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=10,
+                  request_tail=2e-3)
+    reqs = [Request("a", 0.0, 10), Request("b", 0.005, 10), Request("c", 0.030, 10)]
+    a, b, c = simulate(reqs, "round_robin", instances=1, costs=costs, shared_store=False,
+                       cache_output=False).records
+    assert (a.start, a.ttft) == pytest.approx((0.0, 0.010))
+    assert (b.start, b.ttft, b.queue) == pytest.approx((0.012, 0.017, 0.007))
+    assert (c.start, c.ttft) == pytest.approx((0.030, 0.010))
+    with pytest.raises(InvalidInput, match="request_tail"):
+        Costs(request_tail=-1e-3)
 
 
 def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:

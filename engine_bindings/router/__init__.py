@@ -54,7 +54,8 @@ _LAZY = {
     "Engine": "._engine", "EngineConfig": "._engine", "Job": "._engine",
     "LocalCache": "._engine", "Served": "._engine",
     "ModelConfig": "._model", "TinyDecoder": "._model",
-    "calibrate": "._calibrate", "fit_costs": "._calibrate", "fit_under_load": "._calibrate",
+    "calibrate": "._calibrate", "fit_costs": "._calibrate", "fit_records": "._calibrate",
+    "fit_under_load": "._calibrate",
     "measure_engine": "._calibrate", "recalibrate": "._calibrate",
 }
 
@@ -97,6 +98,7 @@ __all__ = [
     "available_policies",
     "calibrate",
     "fit_costs",
+    "fit_records",
     "fit_under_load",
     "generate",
     "get_policy",

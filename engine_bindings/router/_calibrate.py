@@ -14,11 +14,18 @@ relative error, of ``prefill = overhead + a n + b (n p + n (n + 1) / 2) + c p`` 
 ``c p`` term, stacking the cached blocks for attention, is charged to each cached block
 as part of its hit or load cost), the measured per-block costs, and the engine's cache
 capacity. :func:`calibrate` does both on a running :class:`Cluster`.
+
+A bare probe does not see what a loaded run gets on a host with no core to spare (the
+router and the engines' saving threads take CPU too). :func:`fit_under_load` runs loaded
+workloads on the cluster and :func:`fit_records` fits, on every request's record, the
+contention, the per-request overhead, the compute speed and the hand-offs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import os
 import statistics
 import time
@@ -31,15 +38,15 @@ import torch
 from tensordb.errors import InvalidInput
 
 from ._model import split_blocks
-from ._sim import Costs, SimResult
+from ._sim import Costs, RequestRecord, SimResult
 
 if TYPE_CHECKING:
     from ._cluster import Cluster
     from ._engine import Engine, EngineConfig
     from ._policy import Request
 
-__all__ = ["calibrate", "dispatch_overhead", "fit_costs", "fit_under_load", "measure_engine",
-           "recalibrate"]
+__all__ = ["calibrate", "dispatch_overhead", "fit_costs", "fit_records", "fit_under_load",
+           "measure_engine", "recalibrate"]
 
 
 def _timed(fn: Any, reps: int, stat: Any = statistics.mean) -> float:
@@ -169,6 +176,10 @@ def fit_error(measured: dict[str, Any], costs: Costs) -> float:
     return max(abs(costs.prefill(int(p), int(n)) - t) / t for n, p, t in measured["prefill"])
 
 
+#: contention values tried by :func:`fit_records`; a probe's is capped at the largest
+CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
+
+
 #: repetitions of a speed probe (the fastest is taken): about half a second at the
 #: default grid's longest point, longer than the slow spells seen on a shared host
 PROBE_REPS = 15
@@ -191,7 +202,10 @@ def _probe(cluster: Cluster, n: int, p: int, spec: dict[str, Any], *,
 
 def _contention(instances: int, alone: float, together: float) -> float:
     """How much longer a prefill takes per other instance prefilling beside it."""
-    return max(0.0, (together / alone - 1) / (instances - 1)) if instances > 1 else 0.0
+    if instances < 2:
+        return 0.0
+    # capped: a probe that caught a slow spell of one instance must not set a whole run
+    return min(max(CONTENTION_GRID), max(0.0, (together / alone - 1) / (instances - 1)))
 
 
 def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
@@ -200,7 +214,7 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     (the least noisy) alone and in every instance at once: how much slower the latter
     is, spread over the other instances, is ``Costs.contention`` (the host's CPU as the
     instances really get it, other processes on it included); :func:`fit_under_load`
-    can then refine it on a loaded run."""
+    can then fit it, and the rest, on loaded runs."""
     m = cluster.calibrate(0, **spec)
     n, p, _ = max(m["prefill"], key=lambda r: r[2])
     alone, together = _probe(cluster, n, p, spec)
@@ -240,31 +254,137 @@ def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
     return latency, busy
 
 
-#: contention values tried by :func:`fit_under_load`
-CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
-#: multiples of the probed bookkeeping (``dispatch_overhead``'s busy part) tried by it
-BOOKKEEPING_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+def _busy_shares(records: Sequence[RequestRecord], instances: int) -> np.ndarray:
+    """``T[j, m]``: seconds of request ``j``'s service (its start to its first token)
+    during which ``m`` other instances were serving too, from one run's records."""
+    edges = []
+    for j, r in enumerate(records):
+        edges.append((r.start, 1, j))
+        edges.append((r.start + r.kv_load + r.prefill, 0, j))  # ends first at a tie
+    edges.sort()
+    shares = np.zeros((len(records), instances))
+    active: set[int] = set()
+    last = 0.0
+    for t, kind, j in edges:
+        if active and t > last:
+            m = min(len(active) - 1, instances - 1)
+            for a in active:
+                shares[a, m] += t - last
+        last = t
+        (active.add if kind else active.discard)(j)
+    return shares
+
+
+def _handoffs(records: Sequence[RequestRecord]) -> tuple[list[float], list[float]]:
+    """From one run's records: the tails (an instance's time from a first token to the
+    start of a request that arrived before that one started: long in its queue, so
+    nothing but the tail delays it) and the hand-offs (an idle instance's time from a
+    request's arrival to its start: arrived after the last request's tail). Requests
+    that waited for a migration are in neither."""
+    by: dict[int, list[RequestRecord]] = {}
+    for r in sorted(records, key=lambda r: r.start):
+        by.setdefault(r.instance, []).append(r)
+    tails: list[float] = []
+    pairs: list[tuple[float, RequestRecord]] = []
+    for lst in by.values():
+        pairs.append((-math.inf, lst[0]))
+        for p, q in itertools.pairwise(lst):
+            end = p.start + p.kv_load + p.prefill
+            if q.migrated_blocks:
+                continue
+            if q.arrival < p.start:
+                tails.append(max(0.0, q.start - end))
+            elif q.arrival >= end:
+                pairs.append((end, q))
+    tail = statistics.mean(tails) if tails else 0.0
+    lat = [q.start - q.arrival for end, q in pairs
+           if not q.migrated_blocks and q.arrival >= end + tail]
+    return tails, lat
+
+
+def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
+                ) -> tuple[Costs, dict[str, Any]]:
+    """The simulator's costs fitted on the records of loaded runs (real ones, of
+    ``instances`` instances): ``costs``' per-token and per-block terms give each
+    request's compute ``M`` for the hits it had; its service time ``S`` (start to first
+    token) is, under the simulator's processor sharing with contention ``c``, work
+    ``W(c) = sum over m of T[m] / (1 + c m)`` (``T[m]``: its time with ``m`` other
+    instances serving, from the other records). For each ``c`` of ``CONTENTION_GRID``
+    a least-squares fit of ``W(c) = overhead + speed * M`` (in seconds, so the fitted
+    services add up to the real ones); the ``c`` that fits best wins. So the fit sees what a bare probe cannot: the CPU the
+    router and the engines' saving threads take, the per-request overhead, and how much
+    slower compute runs on a loaded host, on every request of the runs. Beside it, from
+    the same records: ``request_tail``, the mean time a backlogged instance takes from
+    a first token to its next start, and ``dispatch_latency``, the mean time an idle
+    instance takes from an arrival to the start. Returns ``(costs, fit)``."""
+    bt = costs.block_tokens
+    bare = dataclasses.replace(costs, request_overhead=0.0)
+    service, compute, shares, tails, lat = [], [], [], [], []
+    for res in results:
+        recs = res.records
+        if not recs:
+            continue
+        shares.append(_busy_shares(recs, instances))
+        for r in recs:
+            service.append(r.kv_load + r.prefill)
+            compute.append(bare.service(r.prompt_tokens, r.cached_tokens // bt,
+                                        r.loaded_tokens // bt))
+        t, d = _handoffs(recs)
+        tails += t
+        lat += d
+    if len(service) < 3:
+        raise InvalidInput(f"fitting costs on runs takes at least 3 requests, got "
+                           f"{len(service)}")
+    s_ = np.array(service)
+    m_ = np.array(compute)
+    t_ = np.concatenate(shares)
+    # least squares in seconds, not relative: with the overhead term the fitted services
+    # add up to the real ones, so the simulated instances are as busy as the real were
+    x = np.stack([np.ones_like(m_), m_], axis=1)
+    best: tuple[float, float, float, float] | None = None
+    for c in CONTENTION_GRID:
+        work = (t_ / (1.0 + c * np.arange(instances))).sum(axis=1)
+        overhead, speed = np.linalg.lstsq(x, work, rcond=None)[0]
+        if overhead < 0:  # a negative term is noise: fit again without it
+            overhead, speed = 0.0, float(np.linalg.lstsq(x[:, 1:], work, rcond=None)[0][0])
+        speed = max(float(speed), 1e-6)
+        err = float(np.sum((overhead + speed * m_ - work) ** 2))
+        if best is None or err < best[0]:
+            best = (err, c, float(overhead), speed)
+    assert best is not None
+    _, c, overhead, speed = best
+    tail = statistics.mean(tails) if tails else 0.0
+    # the mean: a hand-off's slow tail (the instance's threads waiting for a core)
+    # delays requests as much as its usual time does
+    latency = statistics.mean(lat) if lat else costs.dispatch_latency
+    fitted = dataclasses.replace(
+        costs, contention=c, request_overhead=overhead, request_tail=tail,
+        dispatch_latency=max(0.0, latency),
+        prefill_per_token=costs.prefill_per_token * speed,
+        prefill_per_token_ctx=costs.prefill_per_token_ctx * speed,
+        hit_per_block=costs.hit_per_block * speed,
+        kv_load_per_block=costs.kv_load_per_block * speed)
+    work = (t_ / (1.0 + c * np.arange(instances))).sum(axis=1)
+    rel = np.abs((overhead + speed * m_) / np.maximum(work, 1e-9) - 1)
+    return fitted, {"contention": c, "speed": speed, "overhead": overhead, "tail": tail,
+                    "dispatch_latency": fitted.dispatch_latency, "requests": len(s_),
+                    "rel_error_median": float(np.median(rel)),
+                    "rel_error_p90": float(np.percentile(rel, 90))}
 
 
 def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
                    workloads: Sequence[Sequence[Request]], *,
                    policy: str | Sequence[str] = "round_robin", repeats: int = 1) -> Costs:
-    """``costs`` with the two terms a bare probe sees worst fitted on loaded real runs:
-    the ``contention`` (on a host with no core to spare, the router and the engines'
-    saving threads take CPU from the prefills too, which two bare prefills side by side
-    do not show) and the per-request bookkeeping (a dozen unqueued probe requests are a
-    noisy measure of it). Each of ``workloads`` (calibration workloads, never ones that
-    are compared; two loads or more keep the two terms from trading off against each
-    other) goes through ``cluster`` with ``policy`` (or with each of several policies:
-    ones that balance load and ones that pile sessions onto their instance load the
-    cores differently, and a fit on both holds for both), then through the simulator with
-    each pair from ``CONTENTION_GRID`` x ``BOOKKEEPING_GRID`` (times the probed
-    bookkeeping); the pair whose median and p90 TTFT come closest to the real ones over
-    all the runs (sum of the absolute log ratios) wins. The last workload runs once
-    untimed first, as a warm-up. With ``repeats`` > 1 the workloads run that many times
-    in turn and the real median and p90 are the medians over the runs (one run on a busy
-    host is off by more than the simulator is). The fit is recorded in
-    ``measured["load_fit"]``, and :func:`recalibrate` keeps it."""
+    """``costs`` fitted on loaded real runs (:func:`fit_records`): on a host with no core
+    to spare, what a bare probe sees of the contention, the per-request overhead, the
+    compute speed and the hand-offs is not what a loaded run gets. Each of ``workloads``
+    (calibration workloads, never ones that are compared) goes through ``cluster`` with
+    ``policy`` (or with each of several policies: ones that balance load and ones that
+    pile sessions onto their instance load the cores differently), ``repeats`` times in
+    turn, and every request of every run is fitted. The last workload runs once untimed
+    first, as a warm-up. The fit is recorded in ``measured["load_fit"]``, with each
+    workload's real median and p90 TTFT (medians over the repeats) beside the
+    simulator's with the fitted costs; :func:`recalibrate` keeps it."""
     from ._sim import simulate
 
     if not workloads or not all(workloads):
@@ -279,39 +399,28 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
     cluster.reset()
     cluster.run(workloads[-1], policies[0])
     cases = [(work, pol) for work in workloads for pol in policies]
-    runs: list[list[dict[str, Any]]] = [[] for _ in cases]
+    runs: list[list[SimResult]] = [[] for _ in cases]
     for _ in range(repeats):
         for i, (work, pol) in enumerate(cases):
             cluster.reset()
-            runs[i].append(cluster.run(work, pol).summary())
-    reals = [SimResult.median_summary(got) for got in runs]
-    probed = float(measured.get("dispatch_overhead", 0.0))
-    base = costs.request_overhead - probed
-    best: tuple[float, float, float, list[dict[str, Any]]] | None = None
-    for scale in BOOKKEEPING_GRID if probed > 0 else (0.0,):
-        for c in CONTENTION_GRID:
-            trial = dataclasses.replace(costs, contention=c,
-                                        request_overhead=base + scale * probed)
-            sims = [simulate(work, pol, instances=cluster.n, costs=trial,
-                             shared_store=cluster.cfg.use_store,
-                             cache_output=False).summary() for work, pol in cases]
-            err = sum(abs(float(np.log(sim[k] / real[k])))
-                      for sim, real in zip(sims, reals) for k in ("ttft_median", "ttft_p90"))
-            if best is None or err < best[0]:
-                best = (err, c, scale * probed, sims)
-    assert best is not None
-    err, c, extra, sims = best
+            runs[i].append(cluster.run(work, pol))
+    fitted, fit = fit_records([r for got in runs for r in got], costs, cluster.n)
+    reals = [SimResult.median_summary([r.summary() for r in got]) for got in runs]
+    sims = [simulate(work, pol, instances=cluster.n, costs=fitted,
+                     shared_store=cluster.cfg.use_store, cache_output=False).summary()
+            for work, pol in cases]
+    err = sum(abs(float(np.log(sim[k] / real[k])))
+              for sim, real in zip(sims, reals) for k in ("ttft_median", "ttft_p90"))
     measured["contention_probe"] = costs.contention
     measured["load_fit"] = {
-        "policy": policies[0] if len(policies) == 1 else policies,
-        "requests": [len(w) for w in workloads], "repeats": repeats,
-        "contention": c,
-        "bookkeeping": extra, "bookkeeping_probe": probed, "log_error": err,
+        **fit, "policy": policies[0] if len(policies) == 1 else policies,
+        "workloads": [len(w) for w in workloads], "repeats": repeats,
+        "overhead_probe": costs.request_overhead, "log_error": err,
         "runs": [{"policy": pol, "requests": len(work),
                   "real_median": r["ttft_median"], "real_p90": r["ttft_p90"],
                   "sim_median": s_["ttft_median"], "sim_p90": s_["ttft_p90"]}
                  for (work, pol), r, s_ in zip(cases, reals, sims)]}
-    return dataclasses.replace(costs, contention=c, request_overhead=base + extra)
+    return fitted
 
 
 def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,

@@ -17,6 +17,10 @@ A request's time to first token is::
          + prefill_per_token_ctx * the attention pairs of those tokens (each new token
            with every token before it, cached or not)
 
+and the instance stays busy ``request_tail`` after the first token (saving the new
+blocks, bookkeeping): the next request in its queue starts that much later, but the
+request's own TTFT does not include it.
+
 With ``contention`` set, instances share the host's CPU (processor sharing): while
 ``k`` prefills run, each advances at ``1 / (1 + contention * (k - 1))`` of its own
 speed, re-timed whenever one starts or ends.
@@ -32,7 +36,7 @@ exactly as one entry per chain with a count of its leading blocks, which is what
 thousands of sessions run in seconds.
 
 Events at the same instant run in this order: prefill ends, decode ends, transfers end,
-then arrivals; arrivals in the order given. Nothing is random: a run is a function of
+tails end, then arrivals; arrivals in the order given. Nothing is random: a run is a function of
 its inputs.
 """
 
@@ -73,6 +77,7 @@ class Costs:
     request_overhead: float = 0.0       # per prefill, whatever its length
     contention: float = 0.0             # service stretch per other instance prefilling
     dispatch_latency: float = 0.0       # router -> instance hand-off; not busy time
+    request_tail: float = 0.0           # busy after the first token; not in its TTFT
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.cache_capacity_blocks < 0:
@@ -80,7 +85,7 @@ class Costs:
                                f"got {self.block_tokens}, {self.cache_capacity_blocks}")
         for name in ("prefill_per_token", "kv_load_per_block", "transfer_per_block",
                      "decode_per_token", "hit_per_block", "prefill_per_token_ctx",
-                     "request_overhead", "contention", "dispatch_latency"):
+                     "request_overhead", "contention", "dispatch_latency", "request_tail"):
             v = getattr(self, name)
             if not v >= 0 or math.isinf(v):
                 raise InvalidInput(f"cost {name} must be a finite number >= 0, got {v}")
@@ -282,7 +287,7 @@ class _Instance(LoadTracker):
         self.busy = False
 
 
-_PREFILL_DONE, _DECODE_DONE, _START = 0, 1, 2
+_PREFILL_DONE, _DECODE_DONE, _START, _RELEASE = 0, 1, 2, 3
 
 
 def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instances: int = 4,
@@ -375,6 +380,9 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
         req = job.req
         if kind == _START:
             start(job, now)
+        elif kind == _RELEASE:  # the tail after a first token is over
+            inst.busy = False
+            try_start(job.inst, now)
         elif kind == _PREFILL_DONE:
             if entry != job.live:  # re-timed since: a later entry ends it
                 return
@@ -388,11 +396,15 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
             inst.running += req.input_tokens + req.output_tokens
             if store is not None:
                 store.touch(job.chain)
-            inst.busy = False
             seq += 1
             heapq.heappush(heap, (now + costs.decode_per_token * req.output_tokens,
                                   _DECODE_DONE, seq, job))
-            try_start(job.inst, now)
+            if costs.request_tail:
+                seq += 1
+                heapq.heappush(heap, (now + costs.request_tail, _RELEASE, seq, job))
+            else:
+                inst.busy = False
+                try_start(job.inst, now)
         else:  # decode done: the output's KV now extends the session's context
             inst.advance(now, ewma_tau)
             inst.running -= req.input_tokens + req.output_tokens
