@@ -311,9 +311,10 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     ``W(c) = sum over m of T[m] / (1 + c m)`` (``T[m]``: its time with ``m`` other
     instances serving, from the other records). For each ``c`` of ``CONTENTION_GRID``
     a least-squares fit of ``W(c) = overhead + speed * M`` (in seconds, so the fitted
-    services add up to the real ones); the ``c`` that fits best wins. So the fit sees what a bare probe cannot: the CPU the
-    router and the engines' saving threads take, the per-request overhead, and how much
-    slower compute runs on a loaded host, on every request of the runs. Beside it, from
+    services add up to the real ones); the ``c`` that fits best wins. So the fit sees
+    what a bare probe cannot: the CPU the router and the engines' saving threads take,
+    the per-request overhead, and how much slower compute runs on a loaded host, on
+    every request of the runs. Beside it, from
     the same records: ``request_tail``, the mean time a backlogged instance takes from
     a first token to its next start, and ``dispatch_latency``, the mean time an idle
     instance takes from an arrival to the start. Returns ``(costs, fit)``."""
