@@ -287,7 +287,8 @@ def _handoffs(records: Sequence[RequestRecord]) -> tuple[list[float], list[float
     tails: list[float] = []
     pairs: list[tuple[float, RequestRecord]] = []
     for lst in by.values():
-        pairs.append((-math.inf, lst[0]))
+        if not lst[0].migrated_blocks:
+            pairs.append((-math.inf, lst[0]))
         for p, q in itertools.pairwise(lst):
             end = p.start + p.kv_load + p.prefill
             if q.migrated_blocks:
@@ -297,8 +298,7 @@ def _handoffs(records: Sequence[RequestRecord]) -> tuple[list[float], list[float
             elif q.arrival >= end:
                 pairs.append((end, q))
     tail = statistics.mean(tails) if tails else 0.0
-    lat = [q.start - q.arrival for end, q in pairs
-           if not q.migrated_blocks and q.arrival >= end + tail]
+    lat = [q.start - q.arrival for end, q in pairs if q.arrival >= end + tail]
     return tails, lat
 
 
@@ -314,10 +314,10 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     services add up to the real ones); the ``c`` that fits best wins. So the fit sees
     what a bare probe cannot: the CPU the router and the engines' saving threads take,
     the per-request overhead, and how much slower compute runs on a loaded host, on
-    every request of the runs. Beside it, from
-    the same records: ``request_tail``, the mean time a backlogged instance takes from
-    a first token to its next start, and ``dispatch_latency``, the mean time an idle
-    instance takes from an arrival to the start. Returns ``(costs, fit)``."""
+    every request of the runs. Beside it, from the same records: ``request_tail``, the
+    mean time a backlogged instance takes from a first token to its next start, and
+    ``dispatch_latency``, the mean time an idle instance takes from an arrival to the
+    start. Returns ``(costs, fit)``."""
     bt = costs.block_tokens
     bare = dataclasses.replace(costs, request_overhead=0.0)
     service, compute, shares, tails, lat = [], [], [], [], []
@@ -336,13 +336,12 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     if len(service) < 3:
         raise InvalidInput(f"fitting costs on runs takes at least 3 requests, got "
                            f"{len(service)}")
-    s_ = np.array(service)
     m_ = np.array(compute)
     t_ = np.concatenate(shares)
     # least squares in seconds, not relative: with the overhead term the fitted services
     # add up to the real ones, so the simulated instances are as busy as the real were
     x = np.stack([np.ones_like(m_), m_], axis=1)
-    best: tuple[float, float, float, float] | None = None
+    best: tuple[float, float, float, float, np.ndarray] | None = None
     for c in CONTENTION_GRID:
         work = (t_ / (1.0 + c * np.arange(instances))).sum(axis=1)
         overhead, speed = np.linalg.lstsq(x, work, rcond=None)[0]
@@ -351,9 +350,9 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
         speed = max(float(speed), 1e-6)
         err = float(np.sum((overhead + speed * m_ - work) ** 2))
         if best is None or err < best[0]:
-            best = (err, c, float(overhead), speed)
+            best = (err, c, float(overhead), speed, work)
     assert best is not None
-    _, c, overhead, speed = best
+    _, c, overhead, speed, work = best
     tail = statistics.mean(tails) if tails else 0.0
     # the mean: a hand-off's slow tail (the instance's threads waiting for a core)
     # delays requests as much as its usual time does
@@ -365,10 +364,9 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
         prefill_per_token_ctx=costs.prefill_per_token_ctx * speed,
         hit_per_block=costs.hit_per_block * speed,
         kv_load_per_block=costs.kv_load_per_block * speed)
-    work = (t_ / (1.0 + c * np.arange(instances))).sum(axis=1)
     rel = np.abs((overhead + speed * m_) / np.maximum(work, 1e-9) - 1)
     return fitted, {"contention": c, "speed": speed, "overhead": overhead, "tail": tail,
-                    "dispatch_latency": fitted.dispatch_latency, "requests": len(s_),
+                    "dispatch_latency": fitted.dispatch_latency, "requests": len(service),
                     "rel_error_median": float(np.median(rel)),
                     "rel_error_p90": float(np.percentile(rel, 90))}
 

@@ -36,8 +36,8 @@ exactly as one entry per chain with a count of its leading blocks, which is what
 thousands of sessions run in seconds.
 
 Events at the same instant run in this order: prefill ends, decode ends, transfers end,
-tails end, then arrivals; arrivals in the order given. Nothing is random: a run is a function of
-its inputs.
+tails end, then arrivals; arrivals in the order given. Nothing is random: a run is a
+function of its inputs.
 """
 
 from __future__ import annotations
@@ -211,7 +211,6 @@ class SimResult:
             "migrations": sum(1 for r in self.records if r.migrated_blocks),
             "migrated_blocks": sum(r.migrated_blocks for r in self.records),
         }
-
 
     @staticmethod
     def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
