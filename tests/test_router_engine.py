@@ -468,3 +468,23 @@ def test_calibrated_simulator_hand_checked_schedule() -> None:
     assert math.isclose(r.ttft, 4e-3 + 2.92e-3) and math.isclose(r.kv_load, 4e-3)
     with pytest.raises(InvalidInput, match="contention"):
         Costs(contention=-1.0)
+
+
+def test_probed_contention_is_capped_at_the_fit_grid() -> None:
+    """A probe in which the instances together ran 120 x slower than one alone (a slow
+    spell caught by the probe, not contention) sets contention 1.5, the largest the fit
+    tries, not 119; a probe at the same speed sets 0."""
+    from types import SimpleNamespace
+
+    from engine_bindings.router import recalibrate
+
+    costs = Costs(prefill_per_token=2e-4, block_tokens=32, cache_capacity_blocks=64)
+    measured: dict = {"probe": (384, 1024), "probe_alone": 0.01, "spec": {}}
+    for together, want in ((1.2, 1.5), (0.01, 0.0)):
+        def probe(t):  # type: ignore[no-untyped-def]
+            return lambda _i=0, **spec: {"prefill": [(384, 1024, t)]}
+
+        fake = SimpleNamespace(n=2, reset=lambda: None, calibrate=probe(0.01),
+                               calibrate_all=lambda t=together, **spec: [probe(t)()] * 2)
+        now, drift = recalibrate(fake, costs, measured)
+        assert now.contention == want and drift["contention"] == want
