@@ -4,8 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test bench clean
+.PHONY: run test lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +22,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test,dev]'
+	touch $(LINT_STAMP)
+
+# ruff (style, bugs, complexity), the layering contracts, and the type check
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .tensordb

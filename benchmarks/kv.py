@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 import tensordb
-from tensordb._kv import KVCache
+from tensordb import KVCache
 
 GB = 1e9
 MiB = 1 << 20

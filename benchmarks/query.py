@@ -46,7 +46,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import tensordb  # noqa: E402
 from query import _execute, _parser, _plan  # noqa: E402
 from tensordb.catalog import NewTensor  # noqa: E402
-from tensordb.catalog._schema import collections, tensors  # noqa: E402
+from tensordb.catalog.schema import collections, tensors  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the query package: now the shared helpers
 from _common import PgUnavailable, summary, temp_pg_store  # noqa: E402

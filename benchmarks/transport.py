@@ -127,8 +127,8 @@ def flight_sender(path: str) -> None:
     the port."""
     import pyarrow.flight as fl
 
-    from transport._client import SEGMENT_SCHEMA, chunk_batch
-    from transport._server import CHUNK_BYTES
+    from transport._flight_client import SEGMENT_SCHEMA, chunk_batch
+    from transport._flight_server import CHUNK_BYTES
 
     class Bare(fl.FlightServerBase):  # type: ignore[misc]
         def do_get(self, context: Any, ticket: Any) -> Any:
@@ -151,7 +151,7 @@ def measure_flight(nbytes: int, reps: int, shm: str) -> list[float]:
     import pyarrow.flight as fl
     import xxhash
 
-    from transport._client import CHANNEL_OPTIONS
+    from transport._flight_client import CHANNEL_OPTIONS
 
     src = os.path.join(shm, "flight-src")
     with open(src, "wb") as fh:

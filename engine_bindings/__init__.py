@@ -5,7 +5,7 @@ Bindings use the public ``tensordb`` API only.
 
 from __future__ import annotations
 
-from ._safetensors import (
+from tensordb.client import (  # the format lives in the store; re-exported here
     INDEX_NAME,
     LAYOUT_KEY,
     MAX_HEADER_SIZE,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from tensordb.catalog._schema import metadata
+from tensordb.catalog.schema import metadata
 
 config = context.config
 connection = config.attributes.get("connection")

@@ -21,7 +21,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from tensordb.catalog import write_conn
-from tensordb.catalog._schema import policies
+from tensordb.catalog.schema import policies
 from tensordb.errors import InvalidInput, NotFound, QueryError
 
 from . import _ast as A

@@ -36,7 +36,7 @@ from sqlalchemy import (
     true,
 )
 
-from tensordb.catalog._schema import UTCDateTime
+from tensordb.catalog.schema import UTCDateTime
 from tensordb.errors import QueryError
 
 from . import _ast as A

@@ -72,7 +72,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ._schedule import check_schedule, parse_interval, trigger_of
 from tensordb.catalog import write_conn
-from tensordb.catalog._schema import policies, policy_runs
+from tensordb.catalog.schema import policies, policy_runs
 from tensordb.errors import InvalidInput, NotFound, QueryError, TensorDBError
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from sqlalchemy import Boolean, DateTime, Integer, Numeric, String, and_, func, 
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import TypeDecorator
 
-from tensordb.catalog._schema import (
+from tensordb.catalog.schema import (
     collections,
     commits,
     kv_namespaces,

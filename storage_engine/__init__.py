@@ -10,7 +10,7 @@ from ._checksum import (ALGORITHM, HASH_PIECE, STREAMING, Hasher, checksum, copy
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, shm_root
 from ._gpu import GpuError, GpuTier, GpuView
-from ._kv import BlockStore
+from ._kv import BlockStore, bloom_may_hold
 from ._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy
 from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull
 from ._io import ALIGN, Source, fill_segment, io_pool, pack
@@ -43,6 +43,7 @@ __all__ = [
     "StorageError",
     "Tier",
     "TierFull",
+    "bloom_may_hold",
     "boot_id",
     "checksum",
     "copy",

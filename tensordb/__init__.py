@@ -5,9 +5,17 @@ from __future__ import annotations
 import os
 
 from . import errors
-from ._client import Corruption, Database, EvictReport, GcReport, Snapshot, Transaction
-from ._kv import KVCache, KVNodeSummary
 from .catalog import Commit
+from .client import (
+    Corruption,
+    Database,
+    EvictReport,
+    GcReport,
+    KVCache,
+    KVNodeSummary,
+    Snapshot,
+    Transaction,
+)
 from .config import Config
 
 __all__ = [

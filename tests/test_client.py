@@ -267,7 +267,7 @@ def test_head_and_numbered_snapshots_lease_alike(db: tensordb.Database) -> None:
     # SQLAlchemy: both must take the same lease and read the same rows
     from sqlalchemy import select
 
-    from tensordb.catalog._schema import leases
+    from tensordb.catalog.schema import leases
 
     db.commit("ls", {"a": torch.ones(3), "b": torch.zeros(2, 2)})
     db.commit("ls", {"a": torch.full((3,), 2.0)})

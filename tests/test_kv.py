@@ -22,8 +22,8 @@ import tensordb
 from conftest import open_store
 from storage_engine._kv import BlockStore, KVStoreFull, size_class
 from storage_engine._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy
-from tensordb._kv import KVCache
-from tensordb.catalog._schema import kv_namespaces
+from tensordb import KVCache
+from tensordb.catalog.schema import kv_namespaces
 from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
 
 CTX = mp.get_context("forkserver")
@@ -70,7 +70,7 @@ def make_store(tmp_path: Path) -> Iterator[object]:
 # -- keys ----------------------------------------------------------------------------
 _KEYS_CODE = textwrap.dedent("""
     import sys, tensordb
-    from tensordb._kv import KVCache
+    from tensordb import KVCache
     db = tensordb.connect(home=sys.argv[1], data_dir=sys.argv[1] + "/data")
     kv = KVCache(db, "model-a", block_tokens=4, capacity_bytes=1 << 20)
     print(",".join(k.hex() for k in kv.keys(list(range(1000, 1018)))))

@@ -434,7 +434,7 @@ def test_db_kv_gpu_options_are_checked_first(sqlite_db: object) -> None:
     import torch
 
     from storage_engine import GpuTier
-    from tensordb.catalog._schema import kv_namespaces
+    from tensordb.catalog.schema import kv_namespaces
     from tensordb.errors import InvalidInput
 
     db = sqlite_db

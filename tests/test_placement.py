@@ -92,7 +92,7 @@ def test_placement_bad_inputs(db: tensordb.Database) -> None:
 def test_replicate_in_embedded_store(db: tensordb.Database) -> None:
     db.commit("rep", {"w": torch.ones(2)})
     assert db.replicate("rep", to=["local"]) == ["local"]
-    from tensordb.catalog._schema import nodes
+    from tensordb.catalog.schema import nodes
 
     with db.catalog.engine.begin() as conn:
         conn.execute(nodes.insert().values(name="far", address="10.0.0.9:7000", tiers="[]",

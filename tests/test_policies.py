@@ -26,7 +26,7 @@ from query._policies import (
     parse_interval,
 )
 from tensordb.catalog import write_conn
-from tensordb.catalog._schema import policies
+from tensordb.catalog.schema import policies
 from tensordb.errors import InvalidInput, NotFound, QueryError
 
 CTX = mp.get_context("forkserver")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from ._auth import TOKEN_ENV, is_loopback, require_token_for, resolve_token
 from ._cascade import CascadeReport, cascade
-from ._client import DEFAULT_TIMEOUT, FlightTransport, KVBlock, Transport
+from ._flight_client import DEFAULT_TIMEOUT, FlightTransport, KVBlock, Transport
 from ._metrics import NodeMetrics
 from ._pull import DEFAULT_STREAMS, ExtentHasher, pull_segment, split_ranges
 from ._registry import DEFAULT_HEARTBEAT, NodeRegistration
-from ._serve import RunningNode, ready_line, start_node
-from ._server import THROTTLE_ENV, NodeServer
+from ._node import RunningNode, ready_line, start_node
+from ._flight_server import THROTTLE_ENV, NodeServer
 
 __all__ = [
     "DEFAULT_HEARTBEAT",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tensordb.catalog import NodeDirectory
 from tensordb.errors import NodeUnavailable, TensorDBError
 
-from ._client import Transport
+from ._flight_client import Transport
 
 __all__ = ["CascadeReport", "cascade"]
 

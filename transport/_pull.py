@@ -27,7 +27,7 @@ import storage_engine as se
 from tensordb.catalog import NodeDirectory, SegmentInfo
 from tensordb.errors import CorruptData, NodeUnavailable, NotFound, StoreFull
 
-from ._client import Transport
+from ._flight_client import Transport
 
 __all__ = ["ExtentHasher", "pull_segment", "replica_tier", "split_ranges", "PullStats",
            "DEFAULT_STREAMS"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from tensordb.catalog._schema import UTCDateTime
+from tensordb.catalog.schema import UTCDateTime
 
 revision = "0001"
 down_revision = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ._catalog import Catalog, CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
 from ._nodes import NodeDirectory, NodeInfo, SegmentInfo
 from ._engine import current_revision, ensure_schema, make_engine, upgrade, write_conn
-from ._schema import HEAD_REVISION, metadata
+from .schema import HEAD_REVISION, metadata
 
 __all__ = [
     "HEAD_REVISION",

@@ -40,7 +40,7 @@ from storage_engine import holder_alive
 from ..errors import CommitConflict, InvalidInput, NotFound
 from ._engine import write_conn
 from ._retry import RETRY_SECONDS, retry_call, retrying
-from ._schema import (
+from .schema import (
     UTCDateTime,
     collections,
     commits,

@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from ..errors import IncompatibleStore, InvalidInput
-from ._schema import HEAD_REVISION
+from .schema import HEAD_REVISION
 
 __all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write_conn"]
 

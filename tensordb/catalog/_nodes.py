@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ..errors import NotFound
 from ._engine import write_conn
-from ._schema import kv_namespaces, nodes, segment_replicas, segments, tensors
+from .schema import kv_namespaces, nodes, segment_replicas, segments, tensors
 
 __all__ = ["NodeDirectory", "NodeInfo", "SegmentInfo", "DEFAULT_LAPSE"]
 

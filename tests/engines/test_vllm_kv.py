@@ -358,7 +358,7 @@ def test_bad_extra_config_is_a_typed_error(store: tensordb.Database, model_dir: 
 def _namespaces(db: tensordb.Database) -> list[str]:
     from sqlalchemy import select
 
-    from tensordb.catalog._schema import kv_namespaces
+    from tensordb.catalog.schema import kv_namespaces
 
     with db.catalog.engine.connect() as conn:
         return sorted(conn.execute(select(kv_namespaces.c.name)).scalars())

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from tensordb.catalog import NodeDirectory
 
 from ._auth import resolve_token
-from ._client import DEFAULT_TIMEOUT
+from ._flight_client import DEFAULT_TIMEOUT
 from ._metrics import NodeMetrics
 from ._registry import DEFAULT_HEARTBEAT, NodeRegistration
-from ._server import NodeServer
+from ._flight_server import NodeServer
 
 if TYPE_CHECKING:
     from tensordb import Database

@@ -10,12 +10,12 @@ import torch
 
 import storage_engine as se
 
-from ._dtypes import torch_dtype
-from .catalog import Commit
-from .errors import InvalidInput, NotFound, StoreClosed
+from tensordb._dtypes import torch_dtype
+from tensordb.catalog import Commit
+from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 if TYPE_CHECKING:
-    from ._client import Database
+    from ._database import Database
 
 __all__ = ["Snapshot", "device_of"]
 

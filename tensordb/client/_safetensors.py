@@ -25,13 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import storage_engine as se
-import tensordb
+from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
+
+if TYPE_CHECKING:
+    from ._database import Database
 
 __all__ = [
     "INDEX_NAME",
@@ -408,9 +411,9 @@ def _layout(headers: list[_Header], index: _Index | None) -> dict[str, Any]:
     return out
 
 
-def import_safetensors(db: tensordb.Database, collection: str, path: str | os.PathLike[str],
+def import_safetensors(db: Database, collection: str, path: str | os.PathLike[str],
                        *, message: str | None = None, tier: str | None = None,
-                       progress: bool | None = None) -> tensordb.Commit:
+                       progress: bool | None = None) -> Commit:
     """Import one ``.safetensors`` file, or a Hugging Face folder with
     ``model.safetensors.index.json`` (all shards), as ONE new version of ``collection``.
 
@@ -503,8 +506,8 @@ def _st_dtype_shape(name: str, dtype: str, shape: tuple[int, ...],
     return st, shape
 
 
-def _find_layout(db: tensordb.Database, collection: str, version: int,
-                 commit: tensordb.Commit) -> dict[str, Any] | None:
+def _find_layout(db: Database, collection: str, version: int,
+                 commit: Commit) -> dict[str, Any] | None:
     meta = commit.metadata or {}
     text = meta.get(LAYOUT_KEY)
     if text is None:  # a later commit (a fine-tune step, a module commit) keeps the layout
@@ -623,7 +626,7 @@ def _write_all(fd: int, data: Any, offset: int, advance: Callable[[int], None],
         advance(n)
 
 
-def export_safetensors(db: tensordb.Database, collection: str,
+def export_safetensors(db: Database, collection: str,
                        out_dir: str | os.PathLike[str], *, version: int | None = None,
                        progress: bool | None = None) -> list[Path]:
     """Write a version (default: the head) of ``collection`` as safetensors into

@@ -32,18 +32,25 @@ import xxhash
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from storage_engine import GpuError, GpuTier
-from storage_engine._kv import BlockStore, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
+from storage_engine import (
+    BlockStore,
+    GpuError,
+    GpuTier,
+    KVCorrupt,
+    KVStats,
+    KVStoreFull,
+    bloom_may_hold,
+)
 
-from ._dtypes import dtype_name, torch_dtype
-from ._names import check_name
+from tensordb._dtypes import dtype_name, torch_dtype
+from tensordb._names import check_name
 from ._snapshot import device_of
-from .catalog._engine import write_conn
-from .catalog._schema import kv_namespaces
-from .errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, StoreClosed, StoreFull
+from tensordb.catalog import write_conn
+from tensordb.catalog.schema import kv_namespaces
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, StoreClosed, StoreFull
 
 if TYPE_CHECKING:
-    from ._client import Database
+    from ._database import Database
 
 __all__ = ["KVCache", "KVNodeSummary", "DEFAULT_CAPACITY"]
 

@@ -24,13 +24,14 @@ from sqlalchemy.exc import OperationalError
 
 import storage_engine as se
 
-from ._dtypes import dtype_name, torch_dtype
-from ._kv import KVCache
-from ._names import check_name
+from tensordb._dtypes import dtype_name, torch_dtype
+from ._kv_cache import KVCache
+from tensordb._names import check_name
 from ._notify import Notifier, PgNotifier, SocketNotifier
+from ._safetensors import export_safetensors, import_safetensors
 from ._snapshot import Snapshot, device_of
 from ._transaction import RawPut, Transaction, digest, source
-from .catalog import (
+from tensordb.catalog import (
     Catalog,
     Commit,
     NewTensor,
@@ -39,8 +40,8 @@ from .catalog import (
     ensure_schema,
     make_engine,
 )
-from .config import Config
-from .errors import (
+from tensordb.config import Config
+from tensordb.errors import (
     CorruptData,
     InvalidInput,
     NodeUnavailable,
@@ -52,7 +53,7 @@ from .errors import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["Database", "Transaction", "Snapshot", "GcReport", "Corruption", "EvictReport"]
+__all__ = ["Database", "GcReport", "Corruption", "EvictReport"]
 
 _EMPTY_CHECKSUM = se.checksum(b"")
 
@@ -839,7 +840,6 @@ class Database:
         into the store's extents, headers checked as strictly as safetensors does
         (CorruptData / InvalidInput, and nothing committed, for a bad file)."""
         self._check_open()
-        from engine_bindings import import_safetensors  # a binding: loaded on use
 
         return import_safetensors(self, collection, path, message=message, tier=tier,
                                   progress=progress)
@@ -849,7 +849,6 @@ class Database:
         """Write a version as safetensors files (byte-identical to the imported ones,
         with the index of a sharded folder); returns the paths written."""
         self._check_open()
-        from engine_bindings import export_safetensors
 
         return export_safetensors(self, collection, out_dir, version=version,
                                   progress=progress)

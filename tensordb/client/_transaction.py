@@ -12,13 +12,13 @@ import torch
 
 import storage_engine as se
 
-from ._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
-from ._names import check_name
-from .catalog import Commit
-from .errors import InvalidInput
+from tensordb._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
+from tensordb._names import check_name
+from tensordb.catalog import Commit
+from tensordb.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from ._client import Database
+    from ._database import Database
 
 __all__ = ["Transaction", "RawPut", "as_tensor", "source", "digest"]
 

@@ -37,7 +37,7 @@ from tensordb.catalog import NodeDirectory
 from tensordb.errors import InvalidInput, NotFound, TensorDBError
 
 from ._auth import TokenMiddlewareFactory, require_token_for
-from ._client import DEFAULT_TIMEOUT, SEGMENT_SCHEMA, FlightTransport, chunk_batch, error_kind
+from ._flight_client import DEFAULT_TIMEOUT, SEGMENT_SCHEMA, FlightTransport, chunk_batch, error_kind
 from ._dataplane import DataPlaneServer
 from ._metrics import NodeMetrics
 from ._pull import pull_segment

@@ -1,0 +1,38 @@
+"""The client facade: ``Database`` and the handles it gives out.
+
+This is the layer above ``query`` and ``transport`` (see docs/architecture.md): it
+drives the catalog and the storage engine, and is the only part of ``tensordb`` that
+may import those two packages. Users reach it through ``tensordb.connect``.
+"""
+
+from __future__ import annotations
+
+from ._database import Corruption, Database, EvictReport, GcReport
+from ._kv_cache import KVCache, KVNodeSummary
+from ._safetensors import (
+    INDEX_NAME,
+    LAYOUT_KEY,
+    MAX_HEADER_SIZE,
+    SAFETENSORS_DTYPES,
+    export_safetensors,
+    import_safetensors,
+)
+from ._snapshot import Snapshot
+from ._transaction import Transaction
+
+__all__ = [
+    "INDEX_NAME",
+    "LAYOUT_KEY",
+    "MAX_HEADER_SIZE",
+    "SAFETENSORS_DTYPES",
+    "Corruption",
+    "Database",
+    "EvictReport",
+    "GcReport",
+    "KVCache",
+    "KVNodeSummary",
+    "Snapshot",
+    "Transaction",
+    "export_safetensors",
+    "import_safetensors",
+]
