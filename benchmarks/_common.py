@@ -5,8 +5,8 @@ run as ``python benchmarks/NAME.py``, which puts this folder on the path)."""
 from __future__ import annotations
 
 import shutil
-import tempfile
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator

@@ -35,9 +35,9 @@ import tempfile
 import time
 from typing import Any
 
+import _common
 import torch
 
-import _common
 import tensordb
 
 GB = 1e9

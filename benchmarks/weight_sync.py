@@ -45,12 +45,11 @@ import tempfile
 import time
 from typing import Any
 
+import _common
 import torch
 
-import _common
-
 import tensordb
-from engine_bindings._sync import UpdateReport, WeightUpdater
+from engine_bindings import UpdateReport, WeightUpdater
 
 GB = 1e9
 MiB = 1 << 20

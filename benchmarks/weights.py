@@ -50,9 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import _common
+import torch
 
 GB = 1e9
 MiB = 1 << 20
@@ -272,6 +271,21 @@ def summary(times: list[float], nbytes: int) -> dict[str, Any]:
             "median_gbps": nbytes / med / GB, "runs": len(times)}
 
 
+def serialize_tensorizer(sd: dict[str, Any], work: Path, res: dict[str, Any]) -> Path | None:
+    """The checkpoint in tensorizer's format, or None (the reason in res["skipped"])."""
+    try:
+        from tensorizer import TensorSerializer
+
+        path = work / "model.tensors"
+        ser = TensorSerializer(str(path))
+        ser.write_state_dict(sd)
+        ser.close()
+        return path
+    except Exception as exc:  # noqa: BLE001 (a peer that cannot run is reported)
+        res.setdefault("skipped", {})["tensorizer"] = f"serialize: {exc!r}"[:200]
+        return None
+
+
 def bench_size(target: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
@@ -287,18 +301,8 @@ def bench_size(target: int, args: argparse.Namespace, work: Path) -> dict[str, A
     t0 = time.perf_counter()
     save_file(sd, path, metadata={"format": "pt"})
     res["generate_s"] = time.perf_counter() - t0
-    tensorizer_path: Path | None = None
-    if "tensorizer" in args.peers:
-        try:
-            from tensorizer import TensorSerializer
-
-            tensorizer_path = work / "model.tensors"
-            ser = TensorSerializer(str(tensorizer_path))
-            ser.write_state_dict(sd)
-            ser.close()
-        except Exception as exc:  # noqa: BLE001 (a peer that cannot run is reported)
-            res.setdefault("skipped", {})["tensorizer"] = f"serialize: {exc!r}"[:200]
-            tensorizer_path = None
+    tensorizer_path = (serialize_tensorizer(sd, work, res) if "tensorizer" in args.peers
+                       else None)
     del sd
     gc.collect()
     warm(path)

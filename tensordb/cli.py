@@ -328,7 +328,7 @@ def result_table(result: Any, title: str | None = None) -> Table:
         numeric = str(field.type).startswith(("int", "uint", "double", "float"))
         table.add_column(escape(field.name), justify="right" if numeric else "left",
                          overflow="fold")
-    for row in zip(*(col.to_pylist() for col in result.columns)):
+    for row in zip(*(col.to_pylist() for col in result.columns), strict=True):
         table.add_row(*(_cell(v) for v in row))
     return table
 

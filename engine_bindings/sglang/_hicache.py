@@ -205,7 +205,7 @@ class TensorDBHiCacheStorage(HiCacheStorage):
         if target_locations is not None and len(target_locations) != len(keys):
             raise InvalidInput(f"{len(keys)} keys and {len(target_locations)} targets")
         targets = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
 
     def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
             target_sizes: Any | None = None) -> bool:

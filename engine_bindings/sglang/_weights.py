@@ -170,7 +170,7 @@ def _flattened_payload(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]
         total += t.numel() * t.element_size()
     flat = torch.empty(total, dtype=torch.uint8).share_memory_()
     meta = []
-    for (name, t), start in zip(bucket, offsets):
+    for (name, t), start in zip(bucket, offsets, strict=True):
         n = t.numel() * t.element_size()
         if n:
             flat[start:start + n].view(t.dtype).view(t.shape).copy_(t)

@@ -325,7 +325,7 @@ class TensorDBConnector(KVConnectorBase_V1):
             t.keys = self.caches[0].keys(t.prompt, parent=t.parent)
         lo, t.saved = t.saved, full
         keys = t.keys[lo:full]
-        present = [all(c) for c in zip(*(kv.contains(keys) for kv in self.caches))]
+        present = [all(c) for c in zip(*(kv.contains(keys) for kv in self.caches), strict=True)]
         todo = [lo + i for i, p in enumerate(present) if not p]
         if not todo:
             return None

@@ -122,7 +122,7 @@ def test_pages_written_by_one_server_are_read_by_another(
     op = SimpleNamespace(request_id="r", is_terminated=lambda: False)
     got = HiCacheController._page_get_zero_copy(_controller(b, host_b), op, keys, dst)
     assert got == 4
-    for want, have in zip(_pages(host_a, src[:4 * PAGE]), _pages(host_b, dst[:4 * PAGE])):
+    for want, have in zip(_pages(host_a, src[:4 * PAGE]), _pages(host_b, dst[:4 * PAGE]), strict=True):
         assert torch.equal(want, have)
     assert a.batch_get_v1(keys, dst) == [True] * 4 + [False]
 
@@ -140,7 +140,7 @@ def test_generic_interface_round_trips_through_sglang_page_functions(
     assert HiCacheController._generic_page_set(_controller(a, host_a), keys, src)
     op = SimpleNamespace(request_id="r", is_terminated=lambda: False)
     assert HiCacheController._generic_page_get(_controller(b, host_b), op, keys, dst) == 3
-    for want, have in zip(_pages(host_a, src), _pages(host_b, dst)):
+    for want, have in zip(_pages(host_a, src), _pages(host_b, dst), strict=True):
         assert torch.equal(want, have)
     view = b.get(keys[0])  # no target: the stored page itself, zero-copy
     assert torch.equal(view.reshape(-1), host_a.get_data_page(src[0].item()).reshape(-1))
@@ -186,7 +186,7 @@ def test_mla_pages_are_shared_by_tensor_parallel_ranks(store: tensordb.Database,
     _fill(h0, src, seed=4)
     assert r0.batch_set_v1(keys, src) == [True, True]
     assert r1.batch_get_v1(keys, dst) == [True, True]
-    for want, have in zip(_pages(h0, src), _pages(h1, dst)):
+    for want, have in zip(_pages(h0, src), _pages(h1, dst), strict=True):
         assert torch.equal(want, have)
 
 
