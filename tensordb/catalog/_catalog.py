@@ -28,7 +28,7 @@ class Catalog:
 
     ``node`` is this process's node: the one its segments and leases are recorded on.
     ``lease_engine``: a SQL engine for leases, which die with their holders and need no
-    fsync (on SQLite, one with ``synchronous=NORMAL``); the main engine if not given.
+    fsync (on SQLite, one with ``synchronous=NORMAL``); the main SQL engine if not given.
     """
 
     def __init__(self, engine: Engine, node: str, *, lease_engine: Engine | None = None) -> None:
