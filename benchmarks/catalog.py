@@ -31,13 +31,14 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from _common import PgUnavailable, remove_store, summary, temp_pg_store
 from sqlalchemy import text
 
 import tensordb
 from tensordb.catalog import NewTensor
-from _common import PgUnavailable, remove_store, summary, temp_pg_store
 
 GOALS_MS = {"sqlite": 20.0, "postgresql": 50.0}
 
@@ -48,9 +49,11 @@ def fake_rows(n: int, sid: str, tag: int) -> list[NewTensor]:
             for i in range(n)]
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[..., object], *args: Any, **kwargs: Any) -> float:
+    """Seconds one call ``fn(*args, **kwargs)`` takes (arguments bound now, not in a
+    closure over the caller's loop variables)."""
     t0 = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     return time.perf_counter() - t0
 
 
@@ -72,9 +75,8 @@ def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> d
     for r in range(reps):
         sid = uuid.uuid4().hex
         rows = fake_rows(n, sid, r)
-        fresh.append(timed(lambda: cat.commit(f"fresh-{r}", 0, rows, unchanged=[], deletes=[],
-                                              segment=(sid, "host", n * 64),
-                                              message="fresh")))
+        fresh.append(timed(cat.commit, f"fresh-{r}", 0, rows, unchanged=[], deletes=[],
+                           segment=(sid, "host", n * 64), message="fresh"))
     out["metadata commit (fresh)"] = summary(fresh)
 
     meta_commit("replace", 0, 0)
@@ -82,9 +84,8 @@ def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> d
     for r in range(reps):
         sid = uuid.uuid4().hex
         rows = fake_rows(n, sid, r + 1)
-        replace.append(timed(lambda: cat.commit("replace", r + 1, rows, unchanged=[], deletes=[],
-                                                segment=(sid, "host", n * 64),
-                                                message="replace")))
+        replace.append(timed(cat.commit, "replace", r + 1, rows, unchanged=[], deletes=[],
+                             segment=(sid, "host", n * 64), message="replace"))
     out["metadata commit (replace)"] = summary(replace)
 
     info = cat.require("replace")
@@ -98,15 +99,15 @@ def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> d
     out["manifest read (mid-history)"] = summary(manifests)
     fresh_info = cat.require("fresh-0")
     out["manifest read (v1)"] = summary(
-        [timed(lambda: cat.manifest(fresh_info.id, 1)) for _ in range(reps)])
+        [timed(cat.manifest, fresh_info.id, 1) for _ in range(reps)])
 
     tiny = [{f"model.layers.{i}.weight": torch.full((16,), float(r * n + i))
              for i in range(n)} for r in range(full_reps + 1)]
     db.commit("full-warm", tiny[-1])
-    full_fresh = [timed(lambda: db.commit(f"full-{r}", tiny[r])) for r in range(full_reps)]
+    full_fresh = [timed(db.commit, f"full-{r}", tiny[r]) for r in range(full_reps)]
     out["full db.commit (fresh)"] = summary(full_fresh)
     db.commit("full-replace", tiny[-1])
-    full_repl = [timed(lambda: db.commit("full-replace", tiny[r])) for r in range(full_reps)]
+    full_repl = [timed(db.commit, "full-replace", tiny[r]) for r in range(full_reps)]
     out["full db.commit (replace)"] = summary(full_repl)
     return out
 

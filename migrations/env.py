@@ -1,7 +1,9 @@
 """Alembic environment for the tensordb catalog.
 
 ``tensordb`` runs it on connect with an open connection in ``config.attributes``;
-``alembic -x url=... upgrade head`` works too.
+the alembic command works too, given a config that names this folder (there is no
+alembic.ini): ``alembic -c x.ini -x url=... upgrade head`` from the repository root,
+x.ini holding ``[alembic]`` and ``script_location = migrations``.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ from typing import Any
 import psycopg
 import pytest
 import torch
+from conftest import remove_store
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 import tensordb
-from conftest import remove_store
-from tensordb.catalog import Catalog
 from tensordb.catalog._retry import is_transient
+from tensordb.catalog._versions import Versions
 from tensordb.errors import NodeUnavailable
 
 
@@ -38,17 +38,17 @@ def test_transient_errors_are_told_apart() -> None:
 
 def test_commit_whose_answer_was_lost_lands_once(db: tensordb.Database,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Catalog._commit
+    real = Versions._commit
     calls = []
 
-    def commit_then_lose_the_answer(self: Catalog, *args: Any) -> Any:
+    def commit_then_lose_the_answer(self: Versions, *args: Any) -> Any:
         calls.append(args[0])
         result = real(self, *args)
         if len(calls) == 1:  # the COMMIT landed; the client never heard back
             raise _lost()
         return result
 
-    monkeypatch.setattr(Catalog, "_commit", commit_then_lose_the_answer)
+    monkeypatch.setattr(Versions, "_commit", commit_then_lose_the_answer)
     c = db.commit("m", {"w": torch.full((4,), 1.0)}, message="step 1")
     assert c.version == 1 and len(calls) == 1  # the retry found it: no second attempt
     c2 = db.commit("m", {"w": torch.full((4,), 2.0)}, message="step 2")
@@ -60,16 +60,16 @@ def test_commit_whose_answer_was_lost_lands_once(db: tensordb.Database,
 
 def test_commit_lost_before_it_landed_is_made_again(db: tensordb.Database,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Catalog._commit
+    real = Versions._commit
     calls = []
 
-    def lose_first(self: Catalog, *args: Any) -> Any:
+    def lose_first(self: Versions, *args: Any) -> Any:
         calls.append(args[0])
         if len(calls) == 1:  # the connection died before COMMIT: rolled back
             raise _lost()
         return real(self, *args)
 
-    monkeypatch.setattr(Catalog, "_commit", lose_first)
+    monkeypatch.setattr(Versions, "_commit", lose_first)
     c = db.commit("m", {"w": torch.arange(3.0)}, message="only")
     assert c.version == 1 and len(calls) == 2
     assert _versions(db, "m") == [(1, "only")]
@@ -81,10 +81,10 @@ def test_catalog_gone_for_good_is_node_unavailable(db: tensordb.Database,
     db.commit("m", {"w": torch.zeros(2)})
     before = db.stats()
 
-    def always_lost(self: Catalog, *args: Any) -> Any:
+    def always_lost(self: Versions, *args: Any) -> Any:
         raise _lost("connection refused")
 
-    monkeypatch.setattr(Catalog, "_commit", always_lost)
+    monkeypatch.setattr(Versions, "_commit", always_lost)
     db.catalog.retry_seconds = 0.3
     t0 = time.monotonic()
     with pytest.raises(NodeUnavailable, match="catalog did not answer") as err:
@@ -102,11 +102,11 @@ def test_other_errors_are_not_retried(db: tensordb.Database,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def integrity(self: Catalog, *args: Any) -> Any:
+    def integrity(self: Versions, *args: Any) -> Any:
         calls.append(1)
         raise IntegrityError("INSERT", {}, Exception("duplicate key"))
 
-    monkeypatch.setattr(Catalog, "_commit", integrity)
+    monkeypatch.setattr(Versions, "_commit", integrity)
     with pytest.raises(IntegrityError):
         db.commit("m", {"w": torch.zeros(2)})
     assert calls == [1]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import open_store, remove_store
 from sqlalchemy import text
 
-from conftest import open_store, remove_store
 from tensordb.catalog import HEAD_REVISION, current_revision, make_engine, upgrade
 from tensordb.errors import IncompatibleStore
 

@@ -1,10 +1,16 @@
-"""The catalog: collections, versions, tensor rows, segments, tags, leases and nodes."""
+"""The catalog: collections, versions, tensor rows, segments, tags, leases and nodes.
+
+``Catalog`` is every read and write of a store's metadata; ``NodeDirectory`` the
+cluster's nodes and segment replicas; ``schema`` (public) the tables. The functions of
+``_sql`` make and migrate the SQL engines they run on.
+"""
 
 from __future__ import annotations
 
-from ._catalog import Catalog, CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
+from ._catalog import Catalog
+from ._common import CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
 from ._nodes import NodeDirectory, NodeInfo, SegmentInfo
-from ._engine import current_revision, ensure_schema, make_engine, upgrade, write_conn
+from ._sql import current_revision, ensure_schema, make_engine, upgrade, write_conn
 from .schema import HEAD_REVISION, metadata
 
 __all__ = [

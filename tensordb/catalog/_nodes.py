@@ -12,23 +12,20 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import NotFound
-from ._engine import write_conn
+from ._common import now_utc
+from ._sql import write_conn
 from .schema import kv_namespaces, nodes, segment_replicas, segments, tensors
 
 __all__ = ["NodeDirectory", "NodeInfo", "SegmentInfo", "DEFAULT_LAPSE"]
 
 #: seconds without a heartbeat after which a node counts as down
 DEFAULT_LAPSE = float(os.environ.get("TENSORDB_NODE_LAPSE", "") or 10.0)
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +43,7 @@ class NodeInfo:
         """Up, with an address, and heard from within ``lapse`` seconds."""
         if self.state != "up" or not self.address or self.heartbeat_at is None:
             return False
-        return (now or _now()) - self.heartbeat_at <= timedelta(seconds=lapse)
+        return (now or now_utc()) - self.heartbeat_at <= timedelta(seconds=lapse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +59,7 @@ class SegmentInfo:
 
 
 class NodeDirectory:
-    """Node and replica metadata over the catalog's engine. Thread-safe; any process."""
+    """Node and replica metadata over the catalog's SQL engine. Thread-safe; any process."""
 
     def __init__(self, engine: Engine, lapse: float = DEFAULT_LAPSE) -> None:
         self.engine = engine
@@ -73,7 +70,7 @@ class NodeDirectory:
                  capacity: int | None) -> None:
         """Insert or refresh ``name`` as up at ``address``, heartbeat now. Idempotent."""
         values = {"address": address, "tiers": json.dumps(list(tiers)), "capacity": capacity,
-                  "heartbeat_at": _now(), "state": "up"}
+                  "heartbeat_at": now_utc(), "state": "up"}
         with write_conn(self.engine) as conn:
             if conn.execute(update(nodes).where(nodes.c.name == name)
                             .values(**values)).rowcount == 0:
@@ -83,7 +80,7 @@ class NodeDirectory:
         """Renew ``name``'s heartbeat (and bring it back up); False if it is unknown."""
         with write_conn(self.engine) as conn:
             return conn.execute(update(nodes).where(nodes.c.name == name).values(
-                heartbeat_at=_now(), state="up")).rowcount == 1
+                heartbeat_at=now_utc(), state="up")).rowcount == 1
 
     def deregister(self, name: str) -> None:
         """Mark ``name`` down (a clean shutdown); its rows and replicas stay."""
@@ -92,7 +89,7 @@ class NodeDirectory:
 
     def mark_lapsed(self) -> list[str]:
         """Mark down every up node whose heartbeat is older than the lapse."""
-        cutoff = _now() - timedelta(seconds=self.lapse)
+        cutoff = now_utc() - timedelta(seconds=self.lapse)
         with write_conn(self.engine) as conn:
             names = list(conn.execute(select(nodes.c.name).where(
                 nodes.c.state == "up",
@@ -117,7 +114,7 @@ class NodeDirectory:
 
     def live(self) -> dict[str, NodeInfo]:
         """The live nodes by name."""
-        now = _now()
+        now = now_utc()
         return {n: i for n, i in self.nodes().items() if i.live(self.lapse, now)}
 
     # -- segments and replicas ---------------------------------------------------------
@@ -181,7 +178,7 @@ class NodeDirectory:
                         segment_replicas.c.segment_id == segment_id,
                         segment_replicas.c.node == node).values(tier=tier)).rowcount == 0:
                     conn.execute(segment_replicas.insert().values(
-                        segment_id=segment_id, node=node, tier=tier, created_at=_now()))
+                        segment_id=segment_id, node=node, tier=tier, created_at=now_utc()))
             return True
         except IntegrityError:  # the segment went between the look and the insert
             return False

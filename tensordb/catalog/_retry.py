@@ -5,7 +5,7 @@ backends terminated (``pg_terminate_backend``) while clients work. Each ``Catalo
 method is one SQL transaction, so a call whose connection died rolled back as a whole
 and can run again, with one exception: a COMMIT whose answer was lost may have landed.
 ``Catalog.commit`` therefore tags each commit with an id of its own and, on a retry,
-first looks for that id (see ``_catalog.Catalog.commit``): a commit lands once.
+first looks for that id (see ``_versions.Versions.commit``): a commit lands once.
 
 Only transient errors are retried: a dropped or refused connection, an administrator
 shutdown, a serialization failure. A constraint violation or a bad statement is a bug

@@ -1,4 +1,5 @@
-"""Engines for the catalog: SQLite (embedded, WAL) or any SQLAlchemy URL (PostgreSQL).
+"""The catalog's SQL engines: SQLite (embedded, WAL) or any SQLAlchemy URL (PostgreSQL),
+their write transactions, and the schema migrations.
 
 Migrations run on connect: a store at an older revision is upgraded under a lock (a
 file lock for SQLite, an advisory lock for PostgreSQL), a store at a revision this code
@@ -12,10 +13,13 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
+
+import migrations
 
 from ..errors import IncompatibleStore, InvalidInput
 from .schema import HEAD_REVISION
@@ -27,6 +31,9 @@ _PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
 
 
 def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
+    """A SQL engine for the catalog at ``url``; SQLite connections get WAL, the
+    ``synchronous`` pragma and a 60 s busy timeout, and write transactions that take
+    the write lock up front."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[1] if "///" in url else ""
         if path and path != ":memory:":
@@ -38,7 +45,7 @@ def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
             raise InvalidInput(f"sqlite_synchronous must be OFF/NORMAL/FULL/EXTRA, not {synchronous!r}")
 
         @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
@@ -96,11 +103,11 @@ def current_revision(conn: Connection) -> str | None:
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Run the Alembic migrations up to ``revision`` on ``engine``."""
+    """Run the Alembic migrations up to ``revision`` on the SQL engine ``engine``."""
+    # imported here, not at the top: Alembic costs ~110 ms to import, and only a store
+    # that needs migrating pays it
     from alembic import command
     from alembic.config import Config as AlembicConfig
-
-    import migrations
 
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))

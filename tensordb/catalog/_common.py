@@ -1,0 +1,184 @@
+"""What every part of the catalog shares: its values and a few SQL helpers.
+
+The values are what the catalog hands its callers (``Commit``, ``TensorRow``, ...);
+the helpers are statements more than one part runs (a collection's row, the gc lock)
+and the dialect differences they hide (one array parameter for ``IN`` on PostgreSQL,
+``INSERT ... ON CONFLICT DO NOTHING``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, String, Table, any_, func, literal, select, text
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
+
+from .schema import collections
+
+__all__ = [
+    "Commit",
+    "CollectionInfo",
+    "TensorRow",
+    "NewTensor",
+    "GcPlan",
+    "collection_info",
+    "gc_lock",
+    "insert_ignore",
+    "is_in",
+    "now_utc",
+    "parse_shape",
+    "shape_text",
+    "tensor_rows",
+]
+
+
+def now_utc() -> datetime:
+    """The current time, in UTC: the catalog stores no other."""
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One published version of a collection.
+
+    ``tensors`` / ``nbytes``: the whole version; ``written`` / ``written_nbytes``: what
+    this commit stored anew (the rest is shared with the parent version).
+    """
+
+    collection: str
+    version: int
+    created_at: datetime
+    message: str | None
+    tensors: int
+    nbytes: int
+    parent: int | None = None
+    written: int = 0
+    written_nbytes: int = 0
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionInfo:
+    """A collection's row: its id, name, head version (0: none yet) and retention."""
+
+    id: int
+    name: str
+    head: int
+    retain_last: int | None
+
+
+class TensorRow(NamedTuple):
+    """Where one tensor of one version lives (a tuple: manifests build thousands)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    segment_id: str | None
+    offset: int
+    tier: str | None
+    first_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class NewTensor:
+    """A tensor row a commit adds: its bytes are already at ``offset`` of the segment."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    segment_id: str | None
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class GcPlan:
+    """What a catalog gc removed: the segments whose files may now be deleted."""
+
+    dead_segments: list[tuple[str, str, int]]  # (segment id, tier, nbytes)
+    dropped_versions: int
+    dropped_rows: int
+    expired_leases: int
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A shape as the ``tensors.shape`` column stores it: ``"4096,4096"``, ``""`` for 0-d."""
+    return ",".join(str(int(d)) for d in shape)
+
+
+@lru_cache(maxsize=4096)
+def parse_shape(s: str) -> tuple[int, ...]:
+    """The inverse of ``shape_text``; cached, as a model repeats a few shapes many times."""
+    return tuple(int(d) for d in s.split(",")) if s else ()
+
+
+def tensor_rows(raw: Sequence[Sequence[Any]], tiers: Mapping[str, str]) -> list[TensorRow]:
+    """Manifest rows (name, dtype, shape, nbytes, checksum, segment id, offset, first
+    version) as TensorRows, with their segment's tier, ordered by name."""
+    rows = [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6],
+                      tiers.get(r[5]), r[7]) for r in raw]
+    rows.sort()
+    return rows
+
+
+def is_in(conn: Connection, col: Any, values: Sequence[str]) -> Any:
+    """``col IN values``; on PostgreSQL one array parameter instead of one per value."""
+    if conn.dialect.name == "postgresql":
+        return col == any_(literal(list(values), ARRAY(String)))
+    return col.in_(list(values))
+
+
+def insert_ignore(conn: Connection, table: Table, values: dict[str, Any]) -> None:
+    """Insert a row unless one with its key exists (a concurrent writer's, say)."""
+    name = conn.dialect.name
+    if name == "sqlite":
+        conn.execute(sqlite_insert(table).values(**values).on_conflict_do_nothing())
+    elif name == "postgresql":
+        conn.execute(pg_insert(table).values(**values).on_conflict_do_nothing())
+    else:
+        try:
+            with conn.begin_nested():
+                conn.execute(table.insert().values(**values))
+        except IntegrityError:
+            pass
+
+
+# a text statement: a reader process pays SQLAlchemy's compilation on its first use of
+# each Core construct, and text() compiles in microseconds
+_SQL_INFO = text("SELECT id, name, head, retain_last FROM collections WHERE name = :name")
+
+
+def collection_info(conn: Connection, name: str, *, lock: bool = False) -> CollectionInfo | None:
+    """The collection's row, or None. ``lock``: hold its row lock to the end of the
+    transaction (SELECT ... FOR UPDATE; SQLite's write transaction holds the lock)."""
+    if not lock or conn.dialect.name == "sqlite":
+        row = conn.execute(_SQL_INFO, {"name": name}).first()
+        return CollectionInfo(*row) if row else None
+    c = collections.c
+    row = conn.execute(select(c.id, c.name, c.head, c.retain_last)
+                       .where(c.name == name).with_for_update()).first()
+    return CollectionInfo(*row) if row else None
+
+
+# advisory lock id between lease takers and version droppers (migrations use ...D8,
+# the policy leader ...D9)
+_GC_LOCK_KEY = 0x7E75DA
+
+
+def gc_lock(conn: Connection, *, shared: bool) -> None:
+    """On PostgreSQL, snapshot openers (shared) and version droppers (exclusive)
+    exclude each other, so a lease never lands on a version being dropped.
+    SQLite's write transactions are serialised already."""
+    if conn.dialect.name == "postgresql":
+        fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+        conn.execute(select(getattr(func, fn)(_GC_LOCK_KEY)))

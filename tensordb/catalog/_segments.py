@@ -1,0 +1,108 @@
+"""Segments: the files of tensor bytes, as the catalog records them.
+
+A commit registers its segment (id, node, tier, size) in the same transaction as its
+rows; eviction skips the segments a pin holds, and eviction and promotion move a
+segment between tiers here after moving its file; gc deletes the rows of segments no
+tensor row refers to any more. Replicas of a segment on other nodes are
+``NodeDirectory``'s.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, func, or_, select, update
+
+from ._common import TensorRow, parse_shape
+from ._retry import RETRY_SECONDS, retrying
+from ._sql import write_conn
+from .schema import collections, leases, pins, segments, tensors
+
+__all__ = ["Segments"]
+
+
+class Segments:
+    """Segments over the catalog's SQL engine: where this node's are, which a pin holds,
+    what they hold, and the store's counts. ``node``: the node whose segments
+    ``version_segments``, ``move_segment``, ``segment_tier`` and ``all_rows`` see."""
+
+    def __init__(self, engine: Engine, node: str) -> None:
+        self.engine = engine
+        self.node = node
+        #: how long a call keeps retrying a lost catalog connection (``_retry``)
+        self.retry_seconds = RETRY_SECONDS
+
+    @retrying
+    def version_segments(self, cid: int, version: int) -> list[tuple[str, str, int]]:
+        """(segment id, tier, nbytes) of the segments one version's tensors live in."""
+        t = tensors.c
+        q = (select(segments.c.id, segments.c.tier, segments.c.nbytes).distinct()
+             .select_from(tensors.join(segments, segments.c.id == t.segment_id))
+             .where(t.collection_id == cid, t.first_version <= version,
+                    or_(t.end_version.is_(None), t.end_version > version),
+                    segments.c.node == self.node))
+        with self.engine.connect() as conn:
+            return [(r[0], r[1], r[2]) for r in conn.execute(q)]
+
+    @retrying
+    def pinned_segments(self, tier: str) -> set[str]:
+        """Segments that hold bytes of a version pinned in ``tier``."""
+        t = tensors.c
+        q = (select(t.segment_id).distinct()
+             .select_from(tensors.join(pins, pins.c.collection_id == t.collection_id))
+             .where(pins.c.tier == tier, t.segment_id.is_not(None),
+                    t.first_version <= pins.c.version,
+                    or_(t.end_version.is_(None), t.end_version > pins.c.version)))
+        with self.engine.connect() as conn:
+            return set(conn.execute(q).scalars())
+
+    def move_segment(self, segment_id: str, src: str, dst: str) -> bool:
+        """Record that a segment now lives in ``dst``; False if it was not in ``src``."""
+        with write_conn(self.engine) as conn:
+            return conn.execute(update(segments).where(
+                segments.c.id == segment_id, segments.c.tier == src,
+                segments.c.node == self.node).values(tier=dst)).rowcount == 1
+
+    @retrying
+    def segment_tier(self, segment_id: str) -> str | None:
+        """The tier this node holds the segment in; None if it holds none such."""
+        with self.engine.connect() as conn:
+            tier: str | None = conn.execute(select(segments.c.tier).where(
+                segments.c.id == segment_id, segments.c.node == self.node)).scalar()
+            return tier
+
+    @retrying
+    def segment_registered(self, segment_id: str) -> bool:
+        """Whether any node's catalog row names the segment (a file without one is an
+        orphan)."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(segments.c.id)
+                                .where(segments.c.id == segment_id)).first() is not None
+
+    @retrying
+    def all_rows(self) -> list[tuple[str, int, TensorRow]]:
+        """Every stored tensor row (collection name, first version, row) of this node,
+        in the order of its bytes (segment, offset)."""
+        t = tensors.c
+        q = (select(collections.c.name, t.name, t.dtype, t.shape, t.nbytes, t.checksum,
+                    t.segment_id, t.offset, segments.c.tier, t.first_version)
+             .select_from(tensors.join(collections, collections.c.id == t.collection_id)
+                          .join(segments, segments.c.id == t.segment_id))
+             .where(segments.c.node == self.node)
+             .order_by(t.segment_id, t.offset))
+        with self.engine.connect() as conn:
+            return [(r[0], r[9], TensorRow(r[1], r[2], parse_shape(r[3]), r[4], r[5], r[6], r[7],
+                                           r[8], r[9])) for r in conn.execute(q)]
+
+    @retrying
+    def stats(self) -> dict[str, int]:
+        """Counts of the store: collections, this node's segments and their bytes, leases."""
+        mine = segments.c.node == self.node
+        with self.engine.connect() as conn:
+            return {
+                "collections": conn.execute(select(func.count())
+                                            .select_from(collections)).scalar() or 0,
+                "segments": conn.execute(select(func.count()).select_from(segments)
+                                         .where(mine)).scalar() or 0,
+                "segment_bytes": conn.execute(select(func.coalesce(func.sum(segments.c.nbytes), 0))
+                                              .where(mine)).scalar() or 0,
+                "leases": conn.execute(select(func.count()).select_from(leases)).scalar() or 0,
+            }
