@@ -22,9 +22,11 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from sqlalchemy.exc import OperationalError
 from typer.core import TyperGroup
 
 from . import Database, connect
+from .catalog import current_revision, ensure_schema, make_engine
 from .config import Config
 from .errors import NodeUnavailable, TensorDBError
 
@@ -456,10 +458,6 @@ def policies_log_command(
 @db_app.command("upgrade")
 def db_upgrade_command(ctx: typer.Context) -> None:
     """Migrate the catalog's schema to this version of tensordb (connecting does it too)."""
-    from sqlalchemy.exc import OperationalError
-
-    from .catalog import current_revision, ensure_schema, make_engine
-
     cfg = _where(ctx).config()
     engine = make_engine(cfg.catalog_url, synchronous=cfg.sqlite_synchronous)
     url = engine.url.render_as_string(hide_password=True)
@@ -521,7 +519,7 @@ def serve_command(
     Registers the node in the catalog with a heartbeat, and deregisters it on SIGTERM
     or Ctrl-C. Prints one JSON line (node, address, metrics_port) once it answers.
     """
-    from transport import ready_line, start_node
+    from transport import ready_line, start_node  # Flight and gRPC load for serve only
 
     w = _where(ctx)
     extra = {} if spare_bytes is None else {"spare_bytes": spare_bytes}
