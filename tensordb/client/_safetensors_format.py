@@ -46,7 +46,9 @@ MAX_HEADER_SIZE = 100_000_000
 LAYOUT_KEY = "tensordb.safetensors"
 #: the index file of a sharded Hugging Face checkpoint
 INDEX_NAME = "model.safetensors.index.json"
+#: the file a collection never imported is exported as
 SINGLE_NAME = "model.safetensors"
+#: the version of the layout record under LAYOUT_KEY
 LAYOUT_FORMAT = 1
 
 # safetensors dtype -> (torch dtype attribute, rank in safetensors' ``Dtype`` enum). The
@@ -67,6 +69,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     st: getattr(torch, attr) for st, (attr, _) in _ST.items()
     if attr is not None and isinstance(getattr(torch, attr, None), torch.dtype)
 }
+#: torch dtype -> safetensors dtype name
 ST_BY_TORCH = {dt: st for st, dt in SAFETENSORS_DTYPES.items()}
 _RANK = {st: rank for st, (_, rank) in _ST.items()}
 F4 = "F4"  # two 4-bit values per byte: torch's last dimension is half of safetensors'
