@@ -13,6 +13,7 @@ from tensordb.client import (  # the format lives in the store; re-exported here
     export_safetensors,
     import_safetensors,
 )
+
 from ._sync import UpdateReport, WeightUpdater
 from ._torch import (
     LoadReport,

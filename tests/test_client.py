@@ -602,6 +602,31 @@ def test_put_raw_fill_may_hand_back_its_checksum(db: tensordb.Database) -> None:
         db.get("hb", "bad", verify=True)
 
 
+def test_put_raw_fill_hashes_with_the_transactions_hasher(db: tensordb.Database) -> None:
+    """A fill needs no storage_engine import: ``tx.hasher()`` fed ``tx.hash_piece`` bytes at
+    a time gives the checksum the store records for the bytes."""
+    import storage_engine as se
+
+    data = torch.arange(300_000, dtype=torch.float32)
+    raw = data.numpy().view(np.uint8)
+    with db.transaction("hh") as tx:
+        piece = tx.hash_piece
+
+        def fill(dst: np.ndarray) -> str:
+            h = tx.hasher()
+            for lo in range(0, raw.size, piece):
+                dst[lo : lo + piece] = raw[lo : lo + piece]
+                h.update(dst[lo : lo + piece])
+            return h.hexdigest()
+
+        tx.put_raw("w", "float32", (300_000,), fill)
+    assert 0 < piece < raw.size  # several pieces
+    with db.snapshot("hh") as snap:
+        assert snap.extents()["w"][2] == se.checksum(raw)
+    assert torch.equal(db.get("hh", "w", verify=True), data)
+    assert db.verify() == []
+
+
 def test_snapshot_read_into_follows_bytes_to_another_tier(db: tensordb.Database) -> None:
     sd = {"w": torch.randn(300, 700), "b": torch.arange(7, dtype=torch.int32)}
     db.commit("ev", sd)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import open_store
 
 import tensordb
-from conftest import open_store
 
 # forkserver, not fork: a child forked from a process whose OpenMP pool has run (any
 # torch op) can deadlock in its first parallel op; the server imports but never computes

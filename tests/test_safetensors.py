@@ -8,8 +8,8 @@ import os
 import re
 import struct
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch

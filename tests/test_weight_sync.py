@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import open_store
 
 import tensordb
-from conftest import open_store
 from engine_bindings._sync import UpdateReport, WeightUpdater
 from tensordb.errors import InvalidInput, NotFound
 

@@ -7,16 +7,12 @@ may import those two packages. Users reach it through ``tensordb.connect``.
 
 from __future__ import annotations
 
-from ._database import Corruption, Database, EvictReport, GcReport
+from ._database import Database
 from ._kv_cache import KVCache, KVNodeSummary
-from ._safetensors import (
-    INDEX_NAME,
-    LAYOUT_KEY,
-    MAX_HEADER_SIZE,
-    SAFETENSORS_DTYPES,
-    export_safetensors,
-    import_safetensors,
-)
+from ._maintenance import Corruption, GcReport
+from ._placement import EvictReport
+from ._safetensors import export_safetensors, import_safetensors
+from ._safetensors_format import INDEX_NAME, LAYOUT_KEY, MAX_HEADER_SIZE, SAFETENSORS_DTYPES
 from ._snapshot import Snapshot
 from ._transaction import Transaction
 

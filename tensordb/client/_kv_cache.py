@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote
 
 import numpy as np
@@ -41,13 +41,20 @@ from storage_engine import (
     KVStoreFull,
     bloom_may_hold,
 )
-
 from tensordb._dtypes import dtype_name, torch_dtype
 from tensordb._names import check_name
-from ._snapshot import device_of
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
-from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, StoreClosed, StoreFull
+from tensordb.errors import (
+    CorruptData,
+    InvalidInput,
+    NodeUnavailable,
+    NotFound,
+    StoreClosed,
+    StoreFull,
+)
+
+from ._placement import device_of
 
 if TYPE_CHECKING:
     from ._database import Database
@@ -338,7 +345,7 @@ class KVCache:
         with self._typed_errors():
             views = self._store().get(keys, verify=verify)
         out = []
-        for k, v in zip(keys, views):
+        for k, v in zip(keys, views, strict=True):
             if v is None:
                 raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
                                collection=self.namespace, tensor=k.hex())
@@ -360,9 +367,9 @@ class KVCache:
                     out[i] = t if t.device == dev else t.to(dev)
         need = [i for i, t in enumerate(out) if t is None]
         if need:
-            for i, t in zip(need, self.get([keys[i] for i in need], verify=verify)):
+            for i, t in zip(need, self.get([keys[i] for i in need], verify=verify), strict=True):
                 out[i] = t.to(dev)
-        return out  # type: ignore[return-value]
+        return cast("list[torch.Tensor]", out)  # every slot is filled by now
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], *,
                  verify: bool = True) -> int:
@@ -388,7 +395,7 @@ class KVCache:
             return len(keys)
         direct = all(o.device.type == "cpu" and o.is_contiguous() for o in outs)
         if not direct:  # GPU or strided outs: map, then let torch copy
-            for o, t in zip(outs, self.get(keys, verify=verify)):
+            for o, t in zip(outs, self.get(keys, verify=verify), strict=True):
                 if o.numel() * o.element_size() != t.numel() * t.element_size():
                     raise InvalidInput(f"output of {o.numel() * o.element_size()} bytes for "
                                        f"a block of {t.numel() * t.element_size()}",
@@ -418,7 +425,7 @@ class KVCache:
                                   node=self.node) from exc
 
     def _found_all(self, keys: list[bytes], metas: list[bytes | None]) -> None:
-        for k, m in zip(keys, metas):
+        for k, m in zip(keys, metas, strict=True):
             if m is None:
                 raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
                                collection=self.namespace, tensor=k.hex())

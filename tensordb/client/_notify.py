@@ -8,7 +8,7 @@
   if it commits, to every host); watchers LISTEN on a connection of their own.
 
 A notification only says "look again": watchers always re-read the catalog, so a lost
-or duplicated datagram costs latency, never correctness.
+or duplicated datagram costs latency, never correctness (``watch``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,17 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Notifier", "SocketNotifier", "PgNotifier", "Subscription", "PG_CHANNEL"]
+from sqlalchemy import Engine
+
+from tensordb.catalog import Catalog, Commit
+from tensordb.errors import NotFound
+
+__all__ = ["Notifier", "SocketNotifier", "PgNotifier", "Subscription", "PG_CHANNEL",
+           "notifier_for", "watch"]
 
 PG_CHANNEL = "tensordb_commit"
 
@@ -193,3 +200,48 @@ class PgNotifier(Notifier):
 
     def subscribe(self) -> Subscription:
         return _PgSubscription(self._conninfo)
+
+
+def notifier_for(engine: Engine, shm_dir: Path) -> Notifier:
+    """LISTEN/NOTIFY with a PostgreSQL catalog (it reaches every host), else the sockets
+    of this host's store."""
+    if engine.dialect.name == "postgresql":
+        return PgNotifier(
+            engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
+    return SocketNotifier(shm_dir)
+
+
+def watch(catalog: Catalog, notifier: Notifier, collection: str, after: int | None,
+          timeout: float | None, poll: float) -> Iterator[Commit]:
+    """Each new commit of ``collection`` in order, as it lands (see ``Database.watch``):
+    sleeps until a notification names it, re-reading the catalog at least every
+    ``poll`` seconds; ends after ``timeout`` seconds without a new commit."""
+    sub = notifier.subscribe()  # before the first look: no commit slips between
+    try:
+        if after is None:
+            info = catalog.info(collection)
+            after = info.head if info else 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        check = True
+        while True:
+            if check:
+                try:
+                    new = catalog.commits_after(collection, after)
+                except NotFound:  # not created yet
+                    new = []
+                if new:
+                    for c in new:
+                        after = c.version
+                        yield c
+                    if timeout is not None:
+                        deadline = time.monotonic() + timeout
+                    continue
+            wait = poll
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return
+            names = sub.wait(wait)
+            check = names is None or collection in names
+    finally:
+        sub.close()

@@ -20,7 +20,7 @@ import json
 import os
 import struct
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,320 +29,32 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import storage_engine as se
 from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
+
+from ._safetensors_format import (
+    F4,
+    LAYOUT_FORMAT,
+    LAYOUT_KEY,
+    SINGLE_NAME,
+    ST_BY_TORCH,
+    Header,
+    Index,
+    canonical_order,
+    check_file_name,
+    header_bytes,
+    index_text,
+    read_header,
+    resolve_source,
+)
+from ._transaction import Transaction
 
 if TYPE_CHECKING:
     from ._database import Database
 
-__all__ = [
-    "INDEX_NAME",
-    "LAYOUT_KEY",
-    "MAX_HEADER_SIZE",
-    "SAFETENSORS_DTYPES",
-    "export_safetensors",
-    "import_safetensors",
-]
-
-#: the cap safetensors puts on the JSON header
-MAX_HEADER_SIZE = 100_000_000
-#: the reserved commit-metadata key holding the file layout (a JSON string)
-LAYOUT_KEY = "tensordb.safetensors"
-#: the index file of a sharded Hugging Face checkpoint
-INDEX_NAME = "model.safetensors.index.json"
-_SINGLE_NAME = "model.safetensors"
-_LAYOUT_FORMAT = 1
-
-# safetensors dtype -> (torch dtype attribute, rank in safetensors' ``Dtype`` enum). The
-# writer orders tensors by descending rank, then by name; the ranks were checked against
-# files written by safetensors 0.8. F6_E2M3 / F6_E3M2 have no torch dtype.
-_ST: dict[str, tuple[str | None, int]] = {
-    "BOOL": ("bool", 0), "F4": ("float4_e2m1fn_x2", 1), "F6_E2M3": (None, 2),
-    "F6_E3M2": (None, 3), "U8": ("uint8", 4), "I8": ("int8", 5),
-    "F8_E5M2": ("float8_e5m2", 6), "F8_E4M3": ("float8_e4m3fn", 7),
-    "F8_E8M0": ("float8_e8m0fnu", 8), "F8_E4M3FNUZ": ("float8_e4m3fnuz", 9),
-    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 10), "I16": ("int16", 11), "U16": ("uint16", 12),
-    "F16": ("float16", 13), "BF16": ("bfloat16", 14), "I32": ("int32", 15),
-    "U32": ("uint32", 16), "F32": ("float32", 17), "C64": ("complex64", 18),
-    "F64": ("float64", 19), "I64": ("int64", 20), "U64": ("uint64", 21),
-}
-#: safetensors dtype name -> torch dtype, for the dtypes this torch build has
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    st: getattr(torch, attr) for st, (attr, _) in _ST.items()
-    if attr is not None and isinstance(getattr(torch, attr, None), torch.dtype)
-}
-_ST_BY_TORCH = {dt: st for st, dt in SAFETENSORS_DTYPES.items()}
-_RANK = {st: rank for st, (_, rank) in _ST.items()}
-_F4 = "F4"  # two 4-bit values per byte: torch's last dimension is half of safetensors'
+__all__ = ["export_safetensors", "import_safetensors"]
 
 _CHUNK = 64 << 20  # read/write granularity when a progress bar is shown
-
-
-# -- headers ---------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """One tensor of a file's header. Offsets are relative to the data section."""
-
-    name: str
-    st_dtype: str
-    st_shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return SAFETENSORS_DTYPES[self.st_dtype]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape as torch sees it."""
-        if self.st_dtype == _F4:
-            return self.st_shape[:-1] + (self.st_shape[-1] // 2,)
-        return self.st_shape
-
-
-@dataclass(frozen=True, slots=True)
-class _Header:
-    path: Path
-    data_start: int  # 8 + the header length
-    metadata: dict[str, str] | None
-    entries: tuple[_Entry, ...]  # in file (offset) order
-    raw: bytes  # the header as written, padding included
-
-    @property
-    def nbytes(self) -> int:
-        return self.entries[-1].end if self.entries else 0
-
-
-def _pread_exact(fd: int, n: int, offset: int, path: Path, what: str) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    done = 0
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise CorruptData(f"{path}: file ends inside the {what} (read {done} of {n} bytes)")
-        done += got
-    return bytes(buf)
-
-
-class _Duplicate(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _Duplicate(k)
-        out[k] = v
-    return out
-
-
-def _is_count(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _element_bytes(path: Path, name: str, st_dtype: str, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    if st_dtype == _F4:
-        if not shape or shape[-1] % 2:
-            raise InvalidInput(f"{path}: tensor {name!r} is F4 with shape {list(shape)}: torch "
-                               f"packs F4 in pairs along the last dimension, which must be even",
-                               tensor=name)
-        return numel // 2
-    return numel * SAFETENSORS_DTYPES[st_dtype].itemsize
-
-
-def _parse_entry(path: Path, name: str, info: object) -> _Entry:
-    if not isinstance(info, dict):
-        raise CorruptData(f"{path}: header entry of tensor {name!r} is not an object",
-                          tensor=name)
-    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
-    if missing:
-        raise CorruptData(f"{path}: header entry of tensor {name!r} lacks {', '.join(missing)}",
-                          tensor=name)
-    dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str):
-        raise CorruptData(f"{path}: tensor {name!r} has dtype {dtype!r}, not a string",
-                          tensor=name)
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise CorruptData(f"{path}: tensor {name!r} has shape {shape!r}, not a list of "
-                          f"non-negative integers", tensor=name)
-    if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(o) for o in offs)):
-        raise CorruptData(f"{path}: tensor {name!r} has data_offsets {offs!r}, not two "
-                          f"non-negative integers", tensor=name)
-    if dtype not in SAFETENSORS_DTYPES:
-        known = "known to safetensors but" if dtype in _ST else "unknown to safetensors and"
-        raise InvalidInput(f"{path}: tensor {name!r} has dtype {dtype!r}, {known} not "
-                           f"supported; supported: {', '.join(SAFETENSORS_DTYPES)}", tensor=name)
-    return _Entry(name, dtype, tuple(shape), offs[0], offs[1])
-
-
-def _read_header(fd: int, path: Path) -> _Header:
-    """Parse and validate one file's header as strictly as safetensors does (and refuse
-    duplicate keys, which it would silently merge). Reads only the header."""
-    size = os.fstat(fd).st_size
-    if size < 8:
-        raise CorruptData(f"{path}: {size} bytes is too small for a safetensors file (the "
-                          f"header length alone takes 8)")
-    (n,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path, "header length"))
-    if n > MAX_HEADER_SIZE:
-        raise CorruptData(f"{path}: header length {n:,} exceeds the cap of "
-                          f"{MAX_HEADER_SIZE:,} bytes")
-    if 8 + n > size:
-        raise CorruptData(f"{path}: truncated header: it claims {n:,} bytes, the file holds "
-                          f"{size - 8:,} after the length")
-    raw = _pread_exact(fd, n, 8, path, "header")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptData(f"{path}: header is not UTF-8 ({exc.reason} at byte {exc.start})") \
-            from None
-    try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates)
-    except _Duplicate as exc:
-        raise CorruptData(f"{path}: header names {str(exc)!r} twice") from None
-    except (ValueError, RecursionError) as exc:
-        raise CorruptData(f"{path}: header is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CorruptData(f"{path}: header is a JSON {type(doc).__name__}, not an object")
-    metadata = doc.pop("__metadata__", None)
-    if metadata is not None and not (isinstance(metadata, dict) and all(
-            isinstance(v, str) for v in metadata.values())):
-        raise CorruptData(f"{path}: __metadata__ must map strings to strings")
-    if metadata is not None and LAYOUT_KEY in metadata:
-        raise InvalidInput(f"{path}: __metadata__ uses the key {LAYOUT_KEY!r}, which tensordb "
-                           f"reserves")
-    entries = sorted((_parse_entry(path, k, v) for k, v in doc.items()),
-                     key=lambda e: (e.begin, e.end))
-    data_len = size - 8 - n
-    pos = 0
-    prev: _Entry | None = None
-    for e in entries:
-        if e.end < e.begin:
-            raise CorruptData(f"{path}: tensor {e.name!r} has data_offsets [{e.begin}, {e.end}]"
-                              f" that end before they begin", tensor=e.name)
-        if e.end > data_len:
-            raise CorruptData(f"{path}: tensor {e.name!r} has data_offsets [{e.begin}, {e.end}]"
-                              f" out of bounds: the data section holds {data_len:,} bytes "
-                              f"(truncated file?)", tensor=e.name)
-        need = _element_bytes(path, e.name, e.st_dtype, e.st_shape)
-        if e.end - e.begin != need:
-            raise CorruptData(f"{path}: tensor {e.name!r} spans {e.end - e.begin:,} bytes but "
-                              f"{e.st_dtype} x {list(e.st_shape)} needs {need:,}", tensor=e.name)
-        if e.begin < pos:
-            assert prev is not None
-            raise CorruptData(f"{path}: tensor {e.name!r} at [{e.begin}, {e.end}] overlaps "
-                              f"{prev.name!r} at [{prev.begin}, {prev.end}]", tensor=e.name)
-        if e.begin > pos:
-            raise CorruptData(f"{path}: {e.begin - pos:,} bytes at data offset {pos} belong to "
-                              f"no tensor (gap before {e.name!r})", tensor=e.name)
-        pos, prev = e.end, e
-    if pos != data_len:
-        raise CorruptData(f"{path}: the tensors cover {pos:,} bytes of a {data_len:,}-byte "
-                          f"data section")
-    return _Header(path, 8 + n, metadata, tuple(entries), raw)
-
-
-def _header_bytes(metadata: Mapping[str, str] | None,
-                  entries: Sequence[tuple[str, str, Sequence[int], int, int]]) -> bytes:
-    """A header as safetensors' writer makes it: compact JSON (serde_json), ``__metadata__``
-    first, then (name, dtype, shape, begin, end) in the order given, padded with spaces
-    to a multiple of 8 bytes."""
-    doc: dict[str, Any] = {}
-    if metadata is not None:
-        doc["__metadata__"] = dict(metadata)
-    for name, dtype, shape, begin, end in entries:
-        doc[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    out = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return out + b" " * (-len(out) % 8)
-
-
-def _canonical(items: list[tuple[str, str]]) -> list[str]:
-    """safetensors' order: dtype alignment (its enum rank) descending, then name."""
-    return [n for n, _ in sorted(items, key=lambda it: (-_RANK[it[1]], it[0].encode()))]
-
-
-# -- sources: one file, or a sharded folder ---------------------------------------------
-def _check_file_name(name: object, where: str) -> str:
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
-            or "\\" in name or "\x00" in name or name.startswith(".")):
-        raise CorruptData(f"{where}: {name!r} is not a plain file name in the same folder")
-    return name
-
-
-@dataclass(frozen=True, slots=True)
-class _Index:
-    path: Path
-    doc: dict[str, Any]
-    raw: str
-    weight_map: dict[str, str]
-
-
-def _index_text(doc: Mapping[str, Any]) -> str:
-    # transformers' save_pretrained: sorted keys, indent 2, a final newline
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
-
-
-def _read_index(path: Path) -> _Index:
-    try:
-        raw = path.read_bytes().decode("utf-8")  # no newline translation: kept byte for byte
-    except UnicodeDecodeError as exc:
-        raise CorruptData(f"{path}: not UTF-8 ({exc.reason})") from None
-    try:
-        doc = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except _Duplicate as exc:
-        raise CorruptData(f"{path}: names {str(exc)!r} twice") from None
-    except (ValueError, RecursionError) as exc:
-        raise CorruptData(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CorruptData(f"{path}: a JSON {type(doc).__name__}, not an object")
-    wm = doc.get("weight_map")
-    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-        raise CorruptData(f"{path}: 'weight_map' must map tensor names to file names")
-    if "metadata" in doc and not isinstance(doc["metadata"], dict):
-        raise CorruptData(f"{path}: 'metadata' must be an object")
-    for file in set(wm.values()):
-        _check_file_name(file, str(path))
-    return _Index(path, doc, raw, wm)
-
-
-def _resolve(path: str | os.PathLike[str]) -> tuple[list[Path], _Index | None]:
-    p = Path(path)
-    if not p.exists():
-        raise InvalidInput(f"{p}: no such file or folder")
-    index_path: Path | None = None
-    if p.is_dir():
-        if (p / INDEX_NAME).is_file():
-            index_path = p / INDEX_NAME
-        else:
-            indexes = sorted(p.glob("*.safetensors.index.json"))
-            files = sorted(f for f in p.glob("*.safetensors") if f.is_file())
-            if len(indexes) == 1:
-                index_path = indexes[0]
-            elif not indexes and len(files) == 1:
-                return files, None
-            else:
-                raise InvalidInput(f"{p}: a folder to import needs {INDEX_NAME} (or exactly one "
-                                   f"*.safetensors file); found {len(indexes)} index file(s) "
-                                   f"and {len(files)} .safetensors file(s)")
-    elif p.name.endswith(".json"):
-        index_path = p
-    elif not p.is_file():
-        raise InvalidInput(f"{p}: not a regular file")
-    if index_path is None:
-        return [p], None
-    index = _read_index(index_path)
-    names = sorted(set(index.weight_map.values()))
-    files = [index_path.parent / n for n in names]
-    for f in files:
-        if not f.is_file():
-            raise CorruptData(f"{index_path}: shard {f.name!r} is missing from {f.parent}")
-    return files, index
 
 
 # -- progress --------------------------------------------------------------------------
@@ -368,14 +80,16 @@ def _progress(enabled: bool | None, total: int, label: str) -> Iterator[Callable
 
 # -- import ----------------------------------------------------------------------------
 def _reader(fd: int, offset: int, nbytes: int, path: Path, name: str,
-            advance: Callable[[int], None], chunk: int) -> Callable[[Any], str]:
-    # pieces of half an L2: each is hashed right after the kernel wrote it, from cache
-    piece = min(chunk, se.HASH_PIECE)
+            advance: Callable[[int], None], chunk: int, tx: Transaction
+            ) -> Callable[[Any], str]:
+    # pieces the store's hasher takes from cache: each is hashed right after the kernel
+    # wrote it, so the copy and the checksum are one pass over the bytes
+    piece = min(chunk, tx.hash_piece)
 
     def fill(dst: Any) -> str:
         # straight from the page cache (or disk) into the extent; preadv releases the GIL
         view = memoryview(dst)
-        h = se.Hasher()
+        h = tx.hasher()
         done = 0
         while done < nbytes:
             got = os.preadv(fd, [view[done : min(nbytes, done + piece)]], offset + done)
@@ -390,25 +104,64 @@ def _reader(fd: int, offset: int, nbytes: int, path: Path, name: str,
     return fill
 
 
-def _layout(headers: list[_Header], index: _Index | None) -> dict[str, Any]:
+def _layout(headers: list[Header], index: Index | None) -> dict[str, Any]:
     files = []
     for h in headers:
         order = [e.name for e in h.entries]
         entry: dict[str, Any] = {"file": h.path.name, "metadata": h.metadata, "tensors": order}
-        regenerated = _header_bytes(h.metadata, [(e.name, e.st_dtype, e.st_shape, e.begin,
+        regenerated = header_bytes(h.metadata, [(e.name, e.st_dtype, e.st_shape, e.begin,
                                                   e.end) for e in h.entries])
         if regenerated != h.raw:  # not safetensors' own serialization: keep it verbatim
             entry["header"] = h.raw.decode("utf-8")
         files.append(entry)
-    out: dict[str, Any] = {"format": _LAYOUT_FORMAT, "files": files}
+    out: dict[str, Any] = {"format": LAYOUT_FORMAT, "files": files}
     if index is not None:
         idx: dict[str, Any] = {"file": index.path.name}
         if "metadata" in index.doc:
             idx["metadata"] = index.doc["metadata"]
-        if _index_text(index.doc) != index.raw:
+        if index_text(index.doc) != index.raw:
             idx["raw"] = index.raw
         out["index"] = idx
     return out
+
+
+def _open_headers(files: list[Path], fds: list[int]) -> list[Header]:
+    """Open every file (appending its descriptor to ``fds``, which the caller closes)
+    and read its header."""
+    headers: list[Header] = []
+    for f in files:
+        try:
+            fds.append(os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        except OSError as exc:
+            raise InvalidInput(f"{f}: cannot open: {exc.strerror}") from None
+        headers.append(read_header(fds[-1], f))
+    return headers
+
+
+def _owners(headers: list[Header], index: Index | None) -> dict[str, Path]:
+    """tensor name -> the file holding it: each name in one file only, and exactly as
+    the index's weight_map says."""
+    owner: dict[str, Path] = {}
+    for h in headers:
+        for e in h.entries:
+            if e.name in owner:
+                raise CorruptData(f"{h.path}: tensor {e.name!r} is also in "
+                                  f"{owner[e.name].name}", tensor=e.name)
+            owner[e.name] = h.path
+    if index is None:
+        return owner
+    for name, file in index.weight_map.items():
+        if name not in owner:
+            raise CorruptData(f"{index.path}: tensor {name!r} is mapped to {file!r}, "
+                              f"which does not hold it", tensor=name)
+        if owner[name].name != file:
+            raise CorruptData(f"{index.path}: tensor {name!r} is mapped to {file!r} but"
+                              f" lies in {owner[name].name!r}", tensor=name)
+    for name, p in owner.items():
+        if name not in index.weight_map:
+            raise CorruptData(f"{index.path}: tensor {name!r} of {p.name!r} is missing "
+                              f"from the weight_map", tensor=name)
+    return owner
 
 
 def import_safetensors(db: Database, collection: str, path: str | os.PathLike[str],
@@ -425,35 +178,11 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
     the store is left unchanged. Blocks until the commit is published; ``progress=True``
     shows a rich progress bar (for the CLI).
     """
-    files, index = _resolve(path)
+    files, index = resolve_source(path)
     fds: list[int] = []
     try:
-        headers: list[_Header] = []
-        for f in files:
-            try:
-                fds.append(os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
-            except OSError as exc:
-                raise InvalidInput(f"{f}: cannot open: {exc.strerror}") from None
-            headers.append(_read_header(fds[-1], f))
-        owner: dict[str, Path] = {}
-        for h in headers:
-            for e in h.entries:
-                if e.name in owner:
-                    raise CorruptData(f"{h.path}: tensor {e.name!r} is also in "
-                                      f"{owner[e.name].name}", tensor=e.name)
-                owner[e.name] = h.path
-        if index is not None:
-            for name, file in index.weight_map.items():
-                if name not in owner:
-                    raise CorruptData(f"{index.path}: tensor {name!r} is mapped to {file!r}, "
-                                      f"which does not hold it", tensor=name)
-                if owner[name].name != file:
-                    raise CorruptData(f"{index.path}: tensor {name!r} is mapped to {file!r} but"
-                                      f" lies in {owner[name].name!r}", tensor=name)
-            for name, p in owner.items():
-                if name not in index.weight_map:
-                    raise CorruptData(f"{index.path}: tensor {name!r} of {p.name!r} is missing "
-                                      f"from the weight_map", tensor=name)
+        headers = _open_headers(files, fds)
+        owner = _owners(headers, index)
         meta: dict[str, str] = dict(headers[0].metadata or {}) if headers else {}
         meta[LAYOUT_KEY] = json.dumps(_layout(headers, index), separators=(",", ":"),
                                       ensure_ascii=False)
@@ -469,11 +198,11 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
             chunk = _CHUNK if progress else 1 << 62
             with db.transaction(collection, message=message or f"import {source.name}",
                                 tier=tier, metadata=meta) as tx:
-                for h, fd in zip(headers, fds):
+                for h, fd in zip(headers, fds, strict=True):
                     for e in h.entries:
                         tx.put_raw(e.name, e.dtype, e.shape,
                                    _reader(fd, h.data_start + e.begin, e.end - e.begin, h.path,
-                                           e.name, advance, chunk))
+                                           e.name, advance, chunk, tx))
                 for name in stale:
                     tx.delete(name)
         assert tx.result is not None
@@ -494,11 +223,11 @@ class _OutFile:
 def _st_dtype_shape(name: str, dtype: str, shape: tuple[int, ...],
                     collection: str) -> tuple[str, tuple[int, ...]]:
     dt = getattr(torch, dtype, None)
-    st = _ST_BY_TORCH.get(dt) if isinstance(dt, torch.dtype) else None
+    st = ST_BY_TORCH.get(dt) if isinstance(dt, torch.dtype) else None
     if st is None:
         raise InvalidInput(f"{collection}/{name}: safetensors has no dtype for {dtype}",
                            collection=collection, tensor=name)
-    if st == _F4:
+    if st == F4:
         if not shape:
             raise InvalidInput(f"{collection}/{name}: a 0-d {dtype} tensor has no safetensors "
                                f"shape", collection=collection, tensor=name)
@@ -519,12 +248,12 @@ def _find_layout(db: Database, collection: str, version: int,
         return None
     try:
         layout = json.loads(text)
-        assert layout["format"] == _LAYOUT_FORMAT and isinstance(layout["files"], list)
+        assert layout["format"] == LAYOUT_FORMAT and isinstance(layout["files"], list)
         for f in layout["files"]:
-            _check_file_name(f["file"], f"layout of {collection}")
+            check_file_name(f["file"], f"layout of {collection}")
             assert isinstance(f["tensors"], list)
         if "index" in layout:
-            _check_file_name(layout["index"]["file"], f"layout of {collection}")
+            check_file_name(layout["index"]["file"], f"layout of {collection}")
     except (ValueError, KeyError, TypeError, AssertionError, CorruptData) as exc:
         raise CorruptData(f"{collection}: the safetensors layout in the commit metadata is "
                           f"unreadable: {exc!r}", collection=collection) from None
@@ -541,6 +270,82 @@ class _Group:
     recorded: dict[str, Any] | None  # its layout entry, while its tensors are unchanged
 
 
+def _groups(info: Mapping[str, tuple[str, tuple[int, ...], int]],
+            layout: dict[str, Any] | None, commit_meta: dict[str, str] | None,
+            canonical: Callable[[list[str]], list[str]]
+            ) -> tuple[list[_Group], dict[str, Any] | None]:
+    """The output files' tensors (and the index's layout entry), from the layout
+    recorded at import: the recorded order while a file's tensors are unchanged."""
+    if layout is None:
+        meta = {k: v for k, v in (commit_meta or {}).items() if k != LAYOUT_KEY} or None
+        return [_Group(SINGLE_NAME, meta, canonical(list(info)), None)], None
+    groups = [_Group(f["file"], f.get("metadata"), [n for n in f["tensors"] if n in info], f)
+              for f in layout["files"]]
+    placed = {n for g in groups for n in g.names}
+    new = [n for n in info if n not in placed]
+    if new:  # tensors added since the import go to the last file
+        if not groups:
+            groups.append(_Group(SINGLE_NAME, None, [], None))
+        groups[-1].names += new
+    for g in groups:
+        if g.recorded is None or g.names != g.recorded["tensors"]:
+            g.names, g.recorded = canonical(g.names), None  # safetensors' own order
+    if len(groups) > 1:
+        groups = [g for g in groups if g.names]
+    return groups, layout.get("index")
+
+
+def _out_file(g: _Group, info: Mapping[str, tuple[str, tuple[int, ...], int]],
+              st: Mapping[str, tuple[str, tuple[int, ...]]]) -> _OutFile:
+    """One output file: its tensors laid end to end, under safetensors' header (or the
+    header recorded verbatim, while it still describes these tensors)."""
+    entries, pos = [], 0
+    for n in g.names:
+        nbytes = info[n][2]
+        entries.append((n, st[n][0], st[n][1], pos, pos + nbytes))
+        pos += nbytes
+    header = header_bytes(g.metadata, entries)
+    verbatim = g.recorded.get("header") if g.recorded else None
+    if verbatim is not None:
+        kept = verbatim.encode("utf-8")
+        try:  # still the header of these tensors? (values may change, not layout)
+            parsed = json.loads(kept)
+            same = [(k, v["dtype"], tuple(v["shape"]), *v["data_offsets"])
+                    for k, v in sorted(((k, v) for k, v in parsed.items()
+                                        if k != "__metadata__"),
+                                       key=lambda kv: tuple(kv[1]["data_offsets"]))]
+            if same == [(n, d, tuple(s), b, e) for n, d, s, b, e in entries]:
+                header = kept
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+    return _OutFile(g.file, header, [(n, 8 + len(header) + b, e - b)
+                                     for n, _, _, b, e in entries])
+
+
+def _index_file(index_spec: dict[str, Any], out: list[_OutFile],
+                info: Mapping[str, tuple[str, tuple[int, ...], int]]) -> tuple[str, str]:
+    """The index's (file name, text): transformers' format, or the recorded text of
+    another writer's index while it still holds."""
+    weight_map = {n: f.name for f in out for n, _, _ in f.tensors}
+    doc: dict[str, Any] = {}
+    if "metadata" in index_spec:
+        doc["metadata"] = dict(index_spec["metadata"])
+        if "total_size" in doc["metadata"]:
+            doc["metadata"]["total_size"] = sum(v[2] for v in info.values())
+    doc["weight_map"] = weight_map
+    text = index_text(doc)
+    raw_index = index_spec.get("raw")
+    if raw_index is not None:  # another writer's index: verbatim while it still holds
+        try:
+            old = json.loads(raw_index)
+            if old.get("weight_map") == weight_map and old.get("metadata") == doc.get(
+                    "metadata"):
+                text = raw_index
+        except (ValueError, AttributeError):
+            pass
+    return index_spec["file"], text
+
+
 def _plan(collection: str, info: dict[str, tuple[str, tuple[int, ...], int]],
           layout: dict[str, Any] | None, commit_meta: dict[str, str] | None
           ) -> tuple[list[_OutFile], tuple[str, str] | None]:
@@ -549,70 +354,11 @@ def _plan(collection: str, info: dict[str, tuple[str, tuple[int, ...], int]],
     st = {n: _st_dtype_shape(n, d, s, collection) for n, (d, s, _) in info.items()}
 
     def canonical(names: list[str]) -> list[str]:
-        return _canonical([(n, st[n][0]) for n in names])
+        return canonical_order([(n, st[n][0]) for n in names])
 
-    if layout is None:
-        meta = {k: v for k, v in (commit_meta or {}).items() if k != LAYOUT_KEY} or None
-        groups = [_Group(_SINGLE_NAME, meta, canonical(list(info)), None)]
-        index_spec = None
-    else:
-        groups = [_Group(f["file"], f.get("metadata"), [n for n in f["tensors"] if n in info], f)
-                  for f in layout["files"]]
-        placed = {n for g in groups for n in g.names}
-        new = [n for n in info if n not in placed]
-        if new:  # tensors added since the import go to the last file
-            if not groups:
-                groups.append(_Group(_SINGLE_NAME, None, [], None))
-            groups[-1].names += new
-        for g in groups:
-            if g.recorded is None or g.names != g.recorded["tensors"]:
-                g.names, g.recorded = canonical(g.names), None  # safetensors' own order
-        if len(groups) > 1:
-            groups = [g for g in groups if g.names]
-        index_spec = layout.get("index")
-    out: list[_OutFile] = []
-    for g in groups:
-        entries, pos = [], 0
-        for n in g.names:
-            nbytes = info[n][2]
-            entries.append((n, st[n][0], st[n][1], pos, pos + nbytes))
-            pos += nbytes
-        header = _header_bytes(g.metadata, entries)
-        verbatim = g.recorded.get("header") if g.recorded else None
-        if verbatim is not None:
-            kept = verbatim.encode("utf-8")
-            try:  # still the header of these tensors? (values may change, not layout)
-                parsed = json.loads(kept)
-                same = [(k, v["dtype"], tuple(v["shape"]), *v["data_offsets"])
-                        for k, v in sorted(((k, v) for k, v in parsed.items()
-                                            if k != "__metadata__"),
-                                           key=lambda kv: tuple(kv[1]["data_offsets"]))]
-                if same == [(n, d, tuple(s), b, e) for n, d, s, b, e in entries]:
-                    header = kept
-            except (ValueError, KeyError, TypeError, AttributeError):
-                pass
-        out.append(_OutFile(g.file, header, [(n, 8 + len(header) + b, e - b)
-                                           for n, _, _, b, e in entries]))
-    index: tuple[str, str] | None = None
-    if index_spec is not None:
-        weight_map = {n: f.name for f in out for n, _, _ in f.tensors}
-        doc: dict[str, Any] = {}
-        if "metadata" in index_spec:
-            doc["metadata"] = dict(index_spec["metadata"])
-            if "total_size" in doc["metadata"]:
-                doc["metadata"]["total_size"] = sum(v[2] for v in info.values())
-        doc["weight_map"] = weight_map
-        text = _index_text(doc)
-        raw_index = index_spec.get("raw")
-        if raw_index is not None:  # another writer's index: verbatim while it still holds
-            try:
-                old = json.loads(raw_index)
-                if old.get("weight_map") == weight_map and old.get("metadata") == doc.get(
-                        "metadata"):
-                    text = raw_index
-            except (ValueError, AttributeError):
-                pass
-        index = (index_spec["file"], text)
+    groups, index_spec = _groups(info, layout, commit_meta, canonical)
+    out = [_out_file(g, info, st) for g in groups]
+    index = _index_file(index_spec, out, info) if index_spec is not None else None
     return out, index
 
 

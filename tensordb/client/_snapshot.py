@@ -2,42 +2,19 @@
 
 from __future__ import annotations
 
-import mmap
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 import storage_engine as se
-
 from tensordb._dtypes import torch_dtype
 from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
-if TYPE_CHECKING:
-    from ._database import Database
+from ._placement import Mapped
+from ._read import Reader
 
-__all__ = ["Snapshot", "device_of"]
-
-
-def device_of(device: str | torch.device | None, collection: str) -> torch.device | None:
-    if device is None:
-        return None
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}",
-                           collection=collection) from exc
-    if d.type not in ("cpu", "cuda"):
-        raise InvalidInput(f"device must be 'cpu' or a CUDA device, not {device!r}",
-                           collection=collection)
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidInput(f"device {device!r}: this torch build has no CUDA device",
-                               collection=collection)
-        if d.index is None:
-            d = torch.device("cuda", torch.cuda.current_device())
-    return d
+__all__ = ["Snapshot"]
 
 
 class Snapshot:
@@ -47,17 +24,20 @@ class Snapshot:
     the snapshot is closed.
     """
 
-    def __init__(self, db: Database, collection: str, version: int | None, tag: str | None,
-                 verify: bool, device: torch.device | None = None) -> None:
-        self._db = db
+    def __init__(self, reader: Reader, collection: str, version: int | None, tag: str | None,
+                 verify: bool, device: torch.device | None, *, lease_ttl: float,
+                 store_open: Callable[[], bool]) -> None:
+        self._reader = reader
+        self._catalog = reader.catalog
+        self._store_open = store_open
         self.device = device
         self.collection = collection
         self._verify = verify
-        self._lease, _, self.version, rows = db.catalog.open_snapshot(
-            collection, version, tag, se.current_holder(), db.config.lease_ttl)
+        self._lease, _, self.version, rows = self._catalog.open_snapshot(
+            collection, version, tag, se.current_holder(), lease_ttl)
         self._rows = {r.name: r for r in rows}
         self._cache: dict[str, torch.Tensor] = {}
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, Mapped] = {}
         self._closed = False
 
     def __enter__(self) -> Snapshot:
@@ -71,8 +51,8 @@ class Snapshot:
         if not self._closed:
             self._closed = True
             self._maps = {}  # tensors handed out keep their own mapping alive
-            if not self._db._closed:
-                self._db.catalog.release_lease(self._lease)
+            if self._store_open():
+                self._catalog.release_lease(self._lease)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._rows)
@@ -92,7 +72,7 @@ class Snapshot:
 
     @property
     def commit(self) -> Commit:
-        return self._db.catalog.commit_info(self.collection, self.version)
+        return self._catalog.commit_info(self.collection, self.version)
 
     def _check(self) -> None:
         if self._closed:
@@ -108,7 +88,7 @@ class Snapshot:
                 raise NotFound(f"collection {self.collection!r} version {self.version} has no "
                                f"tensor {name!r}", collection=self.collection, tensor=name,
                                version=self.version)
-            t = self._cache[name] = self._place(self._db._materialize(
+            t = self._cache[name] = self._place(self._reader.materialize(
                 self.collection, [row], verify=self._verify, maps=self._maps)[name])
         return t
 
@@ -124,8 +104,8 @@ class Snapshot:
         self._check()
         missing = [r for n, r in self._rows.items() if n not in self._cache]
         if missing:
-            got = self._db._materialize(self.collection, missing, verify=self._verify,
-                                        maps=self._maps)
+            got = self._reader.materialize(self.collection, missing, verify=self._verify,
+                                           maps=self._maps)
             self._cache.update((n, self._place(t)) for n, t in got.items())
         return {n: self._cache[n] for n in self._rows}
 
@@ -162,7 +142,8 @@ class Snapshot:
                     collection=self.collection, tensor=name, version=self.version)
             pairs.append((row, out))
         flat = [(row, out.detach().reshape(-1).view(torch.uint8).numpy()) for row, out in pairs]
-        left = {r.name for r in self._db._read_into(self.collection, flat, verify=self._verify)}
+        left = {r.name for r in self._reader.read_into(self.collection, flat,
+                                                       verify=self._verify)}
         total = 0
         for row, out in pairs:
             if row.name in left:

@@ -5,22 +5,30 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 import storage_engine as se
-
 from tensordb._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
 from tensordb._names import check_name
 from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from ._database import Database
+    from ._write import Writer
 
-__all__ = ["Transaction", "RawPut", "as_tensor", "source", "digest"]
+__all__ = ["Hasher", "Transaction", "RawPut", "as_tensor", "source", "digest"]
+
+
+class Hasher(Protocol):
+    """An incremental hasher: ``hexdigest`` is the store's checksum of the bytes fed to
+    ``update`` (what a ``put_raw`` fill may return)."""
+
+    def update(self, data: Any, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
 
 
 def as_tensor(value: object, name: str) -> torch.Tensor:
@@ -85,15 +93,21 @@ class Transaction:
     the block publishes nothing and leaves ``result`` None.
     """
 
-    def __init__(self, db: Database, collection: str, *, message: str | None,
-                 tier: str | None, metadata: Mapping[str, str] | None) -> None:
-        self._db = db
+    #: bytes a ``put_raw`` fill writes before it feeds them to its ``hasher()``: few
+    #: enough that they are still in cache, many enough that each call is cheap
+    hash_piece: ClassVar[int] = se.HASH_PIECE
+
+    def __init__(self, writer: Writer, collection: str, *, message: str | None,
+                 tier: str | None, metadata: Mapping[str, str] | None,
+                 check_open: Callable[[], None]) -> None:
+        self._writer = writer
+        self._check_open = check_open
         self.collection = check_name("collection", collection)
         if message is not None and not isinstance(message, str):
             raise InvalidInput(f"message must be a str, not {type(message).__name__}",
                                collection=collection)
-        self._tier = tier or db.config.default_tier
-        db.tier(self._tier)
+        self._tier = tier or writer.default_tier
+        writer.tiers.tier(self._tier)
         if metadata is not None:
             if not isinstance(metadata, Mapping) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -101,16 +115,15 @@ class Transaction:
             json.dumps(dict(metadata))
         self._meta = dict(metadata) if metadata else None
         self.message = message
-        self._puts: dict[str, torch.Tensor] = {}
+        self._puts: dict[str, torch.Tensor | RawPut] = {}
         self._deletes: set[str] = set()
         self._base: int | None = None
         self._done = False
         self.result: Commit | None = None
 
     def __enter__(self) -> Transaction:
-        self._db._check_open()
-        info = self._db.catalog.info(self.collection)
-        self._base = info.head if info else 0
+        self._check_open()
+        self._base = self._writer.head(self.collection)
         return self
 
     def _check(self) -> None:
@@ -137,8 +150,9 @@ class Transaction:
         exactly the tensor's size, in the store) when the block ends: copy-once loaders
         read files straight into the extent (``os.preadv`` releases the GIL). ``fill``
         may run on a pool thread, beside the fills of other tensors. If it returns a str,
-        that is taken as the checksum of what it wrote (``storage_engine.Hasher`` fed
-        piece by piece while the bytes were in cache); else the store hashes them."""
+        that is taken as the checksum of what it wrote (a ``hasher()`` fed ``hash_piece``
+        bytes at a time, each piece right after it was written, while it is in cache:
+        one pass over the bytes); else the store hashes them."""
         self._check()
         check_name("tensor", name, collection=self.collection)
         dt = torch_dtype(dtype) if isinstance(dtype, str) and dtype in DTYPES else dtype
@@ -160,8 +174,14 @@ class Transaction:
         numel = 1
         for d in dims:
             numel *= d
-        self._puts[name] = RawPut(dt, dims, numel * dt.itemsize, fill)  # type: ignore[assignment]
+        self._puts[name] = RawPut(dt, dims, numel * dt.itemsize, fill)
         self._deletes.discard(name)
+
+    @staticmethod
+    def hasher() -> Hasher:
+        """A new incremental hasher for a ``put_raw`` fill: its ``hexdigest`` is the
+        checksum the store records for the bytes fed to it."""
+        return se.Hasher()
 
     def put_many(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         """Put every (name, tensor); all are checked before any is taken."""
@@ -193,9 +213,9 @@ class Transaction:
         self._done = True
         if exc_type is not None:
             return None
-        self._db._check_open()
+        self._check_open()
         assert self._base is not None
-        self.result = self._db._publish(self.collection, self._base, self._puts,
-                                        self._deletes, self.message, self._tier, self._meta)
+        self.result = self._writer.publish(self.collection, self._base, self._puts,
+                                           self._deletes, self.message, self._tier, self._meta)
         self._puts = {}
         return None

@@ -1,0 +1,203 @@
+"""Cluster mode: this node's view of the others, and the bytes it pulls from them.
+
+A read of a segment this node never wrote lands here (``map_replica``): the segment is
+pulled from a node that holds it, verified, and registered as a replica. ``replicate``
+fans a version out to other nodes as a cascade; ``pull_kv`` fetches KV blocks.
+
+The ``transport`` package (Arrow Flight) is imported on first use, inside the methods
+that need it: an embedded store never loads it (``import transport`` brings in
+pyarrow.flight, some 50 ms), and ``transport`` imports ``tensordb.catalog``, whose
+package imports this one, so a module-level import would run ``transport`` half-built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from sqlalchemy import Engine
+
+import storage_engine as se
+from tensordb._names import check_name
+from tensordb.catalog import Catalog, NodeDirectory
+from tensordb.config import Config
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
+
+from ._kv_cache import KVCache
+from ._placement import Mapped, Tiers
+
+if TYPE_CHECKING:
+    from transport import CascadeReport, Transport
+
+__all__ = ["Cluster"]
+
+
+class Cluster:
+    """This node among the others of the catalog: pulls, replicas and replication.
+
+    ``open_kv(namespace, block_tokens)`` opens this node's KV namespace for the blocks
+    ``pull_kv`` brings in."""
+
+    def __init__(self, config: Config, engine: Engine, catalog: Catalog, tiers: Tiers,
+                 open_kv: Callable[[str, int], KVCache]) -> None:
+        self._config = config
+        self._engine = engine
+        self._catalog = catalog
+        self._tiers = tiers
+        self._open_kv = open_kv
+        self._nodes: NodeDirectory | None = None
+        #: the node-to-node transport, made on first use (or put here before, by tests
+        #: that run nodes in-process)
+        self.flight: Transport | None = None
+        self._kv_pulls: dict[tuple[str, int], KVCache] = {}
+        #: what the last replicate() did, for inspection
+        self.last_replication: CascadeReport | None = None
+
+    def close(self) -> None:
+        if self.flight is not None:
+            self.flight.close()
+
+    def directory(self) -> NodeDirectory:
+        if self._nodes is None:
+            self._nodes = NodeDirectory(self._engine)
+        return self._nodes
+
+    def transport(self) -> Transport:
+        """The node-to-node transport, built on first use."""
+        if self.flight is None:
+            from transport import FlightTransport
+
+            self.flight = FlightTransport(self._config.token, self._config.node_timeout)
+        return self.flight
+
+    def pull(self, segment_ids: Iterable[str], prefer: str | None = None) -> dict[str, str]:
+        """Pull segments other nodes hold into this node's tiers (verified, then
+        registered as replicas); segment id -> local tier."""
+        from transport import pull_segment
+
+        tiers = {n: self._tiers[n] for n in ("host", "disk")}
+        return {s: pull_segment(self.directory(), self.transport(), self._config.node, tiers,
+                                s, prefer=prefer) for s in segment_ids}
+
+    def map_replica(self, segment_id: str, collection: str, tensor: str) -> Mapped:
+        """A mapping of another node's segment, held here as a replica or pulled now."""
+        directory = self.directory()
+        for _attempt in (1, 2):
+            holders = directory.holders(segment_id)
+            if not holders:
+                raise NotFound(f"{collection}/{tensor} was removed while being read",
+                               collection=collection, tensor=tensor)
+            here = holders.get(self._config.node)
+            if here is None:
+                try:
+                    here = self.pull([segment_id])[segment_id]
+                except NodeUnavailable as exc:
+                    raise NodeUnavailable(f"cannot read {collection}/{tensor}: {exc}",
+                                          collection=collection, tensor=tensor,
+                                          node=exc.node) from exc
+                except NotFound as exc:
+                    raise NotFound(f"{collection}/{tensor} was removed while being read",
+                                   collection=collection, tensor=tensor) from exc
+            try:
+                return self._tiers.open(here, segment_id)
+            except se.SegmentMissing:
+                # a replica registered here whose file is gone (host memory lost in a
+                # reboot): forget it and pull again, once
+                directory.drop_replica(segment_id, self._config.node)
+        raise CorruptData(f"the replica of {collection}/{tensor} (segment {segment_id}) "
+                          f"vanished twice while being read", collection=collection,
+                          tensor=tensor)
+
+    def _targets(self, collection: str, targets: list[str]) -> list[str]:
+        """The distinct nodes of ``targets``, each checked to be known and live."""
+        me = self._config.node
+        directory = self.directory()
+        known = directory.nodes()
+        for node in targets:
+            if not isinstance(node, str) or (node not in known and node != me):
+                raise NotFound(f"no node {node!r} in the catalog", collection=collection,
+                               node=str(node))
+        targets = list(dict.fromkeys(targets))
+        live = directory.live()
+        for node in targets:
+            if node != me and node not in live:
+                raise NodeUnavailable(f"node {node!r} is down or not serving (no heartbeat "
+                                      f"within {directory.lapse:g} s)", collection=collection,
+                                      node=node)
+        return targets
+
+    def replicate(self, collection: str, version: int | None, to: Iterable[str]) -> list[str]:
+        """Make the ``to`` nodes hold a version (default: the head); returns them. See
+        ``Database.replicate``."""
+        check_name("collection", collection)
+        targets = [to] if isinstance(to, str) else list(to)
+        if not targets:
+            raise InvalidInput("replicate needs at least one target node", collection=collection)
+        info, v = self._catalog.resolve(collection, version, None)
+        targets = self._targets(collection, targets)
+        directory = self.directory()
+        segs = [sid for sid, _ in directory.version_segments(info.id, v)]
+        held = directory.held_by(segs)
+        if all(t in held[s] for s in segs for t in targets):
+            return targets
+        from transport import cascade
+
+        def pull_here(missing: Iterable[str], source: str | None) -> None:
+            self.pull(missing, source)
+
+        report = cascade(directory, self.transport(), self._config.node, segs, targets,
+                         pull_here)
+        self.last_replication = report
+        if report.failed:
+            node, why = next(iter(report.failed.items()))
+            raise NodeUnavailable(f"replicating {collection} v{v} to {node!r} failed: {why}",
+                                  collection=collection, version=v, node=node)
+        return targets
+
+    def pull_kv(self, namespace: str, keys: Iterable[bytes], block_tokens: int,
+                nodes: Iterable[str] | None) -> int:
+        """Fetch the KV blocks of ``keys`` this node lacks from other live nodes; returns
+        how many arrived. See ``Database.pull_kv``."""
+        wanted = list(keys)
+        if not all(isinstance(k, bytes) and k for k in wanted):
+            raise InvalidInput("keys must be non-empty bytes (from kv.keys)", collection=namespace)
+        cache = self._kv_pulls.get((namespace, block_tokens))
+        if cache is None:
+            cache = self._kv_pulls[(namespace, block_tokens)] = self._open_kv(namespace,
+                                                                              block_tokens)
+        missing = [k for k, held in zip(wanted, cache.contains(wanted), strict=True) if not held]
+        directory = self.directory()
+        live = directory.live()
+        sources = (list(nodes) if nodes is not None
+                   else [n for n in directory.kv_nodes(namespace) if n != self._config.node])
+        got = 0
+        for node in sources:
+            if not missing:
+                break
+            if node not in live:
+                continue
+            names = self._fetch_kv(cache, node, live[node].address or "", namespace,
+                                   block_tokens, missing)
+            got += len(names)
+            arrived = set(names)
+            missing = [k for k in missing if k not in arrived]
+        return got
+
+    def _fetch_kv(self, cache: KVCache, node: str, address: str, namespace: str,
+                  block_tokens: int, keys: list[bytes]) -> list[bytes]:
+        """Read ``keys`` from ``node``, verify each block and put it in ``cache``; the keys
+        that arrived."""
+        blocks = self.transport().read_kv(node, address, namespace, block_tokens, keys)
+        tensors, names = [], []
+        for key, dtype, shape, data, digest_ in blocks:
+            if se.checksum(data) != digest_:
+                raise CorruptData(f"KV block {key.hex()} of {namespace!r} from node "
+                                  f"{node!r} fails its checksum; not kept",
+                                  collection=namespace, node=node)
+            tensors.append(torch.from_numpy(data.copy()).view(getattr(torch, dtype))
+                           .reshape(shape))
+            names.append(key)
+        if names:
+            cache.put(names, tensors)
+        return names

@@ -1,0 +1,166 @@
+"""The write path: a transaction's puts and deletes, published as one commit.
+
+A put equal to the head's tensor is not stored again (it keeps sharing the head's
+extent); the others are packed into one new segment, filled by the I/O pool in one
+copy-and-checksum pass, and the segment is registered by the same SQL transaction that
+publishes the commit. Bytes are written (and synced, on disk) before that commit.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import storage_engine as se
+from tensordb._dtypes import dtype_name
+from tensordb.catalog import Catalog, Commit, NewTensor, TensorRow
+from tensordb.errors import NotFound, StoreFull
+
+from ._notify import Notifier
+from ._placement import Tiers
+from ._transaction import RawPut, digest, source
+
+__all__ = ["Writer", "io_workers"]
+
+_EMPTY_CHECKSUM = se.checksum(b"")
+#: bytes compared at a tensor's start, then at its middle and end
+_SAMPLE = 64
+
+
+def io_workers() -> int:
+    """How many batches to split the digests of a commit into: one per thread of the
+    I/O pool, whose size ``storage_engine.io_pool`` sets by the same rule."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+class Writer:
+    """Publishes commits of this node: dedupe against the head, fill a segment of
+    ``tiers``, commit in ``catalog``, then tell watchers through ``notifier``."""
+
+    def __init__(self, catalog: Catalog, tiers: Tiers, notifier: Notifier, *,
+                 default_tier: str, workers: int) -> None:
+        self.catalog = catalog
+        self.tiers = tiers
+        self.default_tier = default_tier
+        self._notifier = notifier
+        self._workers = workers
+
+    def head(self, collection: str) -> int:
+        """The version a transaction starts from (0 for a new collection)."""
+        info = self.catalog.info(collection)
+        return info.head if info else 0
+
+    def publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
+                deletes: set[str], message: str | None, tier_name: str,
+                meta: dict[str, str] | None) -> Commit:
+        info = self.catalog.info(collection)
+        live = self.catalog.live(info.id) if info is not None else {}
+        for name in sorted(deletes):
+            if name not in live:
+                raise NotFound(f"cannot delete {name!r}: collection {collection!r} has no such "
+                               f"tensor", collection=collection, tensor=name)
+        unchanged = self._unchanged(puts, live)
+        skip = set(unchanged)
+        changed = [(n, t) for n, t in puts.items() if n not in skip]
+        stored = [(n, t) for n, t in changed if t.nbytes > 0]
+        sizes = [t.nbytes for _, t in stored]
+        offsets, total = se.pack(sizes)
+        tier = self.tiers.tier(tier_name)
+        writer: se.SegmentWriter | None = None
+        if total:
+            try:
+                writer = tier.create(uuid.uuid4().hex, total)
+            except se.TierFull as exc:
+                raise StoreFull(f"cannot commit {total} bytes to {collection!r}: {exc}; run "
+                                f"gc, or commit to the disk tier", collection=collection) from exc
+        try:
+            checksums: dict[str, str] = {}
+            if writer is not None:
+                sums = se.fill_segment(writer, [source(t) for _, t in stored], offsets, sizes)
+                writer.finish()
+                checksums = {n: s for (n, _), s in zip(stored, sums, strict=True)}
+            where = dict(zip((n for n, _ in stored), offsets, strict=True))
+            new = [NewTensor(n, dtype_name(t.dtype), tuple(t.shape), t.nbytes,
+                             checksums.get(n, _EMPTY_CHECKSUM),
+                             writer.segment_id if n in where and writer else None,
+                             where.get(n, 0)) for n, t in changed]
+            result = self.catalog.commit(
+                collection, base, new, unchanged, deletes,
+                (writer.segment_id, tier.name, total) if writer else None, message, meta,
+                durable=writer is None or tier.persistent)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.release()
+        self._notifier.publish(collection, result.version)
+        return result
+
+    def _unchanged(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow]) -> list[str]:
+        """The puts whose bytes equal the head's tensor of that name: same dtype, shape,
+        sampled bytes and digest."""
+        candidates = [n for n, t in puts.items()
+                      if not isinstance(t, RawPut)
+                      and (row := live.get(n)) is not None and row.nbytes == t.nbytes
+                      and row.dtype == dtype_name(t.dtype) and row.shape == tuple(t.shape)]
+        candidates = self._sampled_equal(puts, live, candidates)
+        if not candidates:
+            return []
+        pool = se.io_pool()
+        step = max(1, -(-len(candidates) // self._workers))
+        batches = [candidates[i : i + step] for i in range(0, len(candidates), step)]
+        digests = [d for batch in pool.map(lambda b: [digest(puts[n]) for n in b], batches)
+                   for d in batch]
+        return [n for n, d in zip(candidates, digests, strict=True) if d == live[n].checksum]
+
+    def _sampled_equal(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow],
+                       names: list[str]) -> list[str]:
+        """The names whose tensor may equal the head's: a few bytes at its start (then,
+        for those equal there, at its middle and end) are compared with the head's
+        extent first, so a changed tensor (every tensor of a weight update) costs one
+        small read, no full digest. Where the head's bytes are not cheaply readable
+        here, the name stays a candidate (the digest decides)."""
+        left = list(names)
+        for spots in ((0.0,), (0.5, 1.0)):
+            left = self._differ_at(puts, live, left, spots, _SAMPLE)
+        return left
+
+    def _differ_at(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow],
+                   names: list[str], spots: tuple[float, ...], k: int) -> list[str]:
+        """``names`` less those whose bytes differ from the head's at ``spots`` (0: the
+        start, 0.5: the middle, 1: the end; ``k`` bytes each)."""
+        by_segment: dict[tuple[str, str], list[str]] = {}
+        for n in names:
+            row = live[n]
+            if row.segment_id is not None and row.tier is not None \
+                    and row.tier in self.tiers and puts[n].is_contiguous() and row.nbytes > 0:
+                by_segment.setdefault((row.segment_id, row.tier), []).append(n)
+        differ: set[str] = set()
+        for (segment_id, tier), group in by_segment.items():
+            ranges: list[tuple[int, int]] = []
+            spans: list[list[tuple[int, int]]] = []
+            for n in group:
+                nb = live[n].nbytes
+                m = min(k, nb)
+                mine = sorted({(int((nb - m) * f), m) for f in spots})
+                spans.append(mine)
+                ranges.extend((live[n].offset + o, m) for o, m in mine)
+            try:
+                got = self.tiers[tier].peek(segment_id, ranges)
+            except se.SegmentMissing:
+                got = None
+            if got is None:
+                continue
+            pos = 0
+            for n, mine in zip(group, spans, strict=True):
+                flat = puts[n].reshape(-1).view(torch.uint8).numpy()
+                for o, m in mine:
+                    if got[pos] != flat[o : o + m].tobytes():
+                        differ.add(n)
+                    pos += 1
+        return [n for n in names if n not in differ]
