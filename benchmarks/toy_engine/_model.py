@@ -1,8 +1,8 @@
 """A tiny decoder-only transformer whose prefill really reuses cached KV.
 
-The toy engine needs TTFT to be made of real work: a prefill that computes
-only the tokens whose KV it does not hold, and KV blocks that are real tensors a later
-request (on this instance or another) can load instead of recomputing. This model is
+The toy engine needs TTFT to be made of real work: a prefill that computes only the
+tokens whose KV it does not hold, and KV blocks that are real tensors a later request
+(on this instance or another) can load instead of recomputing. This model is
 Llama-shaped (RMSNorm, rotary positions, SwiGLU MLP, no biases) and small enough to run
 on a CPU core: random weights drawn from ``ModelConfig.seed``, so every process that
 builds the same config holds the same weights and the same KV for the same tokens.

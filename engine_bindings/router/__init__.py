@@ -37,16 +37,8 @@ from ._policy import (
     available_policies,
     get_policy,
 )
-from ._sim import (
-    BlockCache,
-    Costs,
-    LoadTracker,
-    RequestRecord,
-    SimResult,
-    saturation_rate,
-    simulate,
-)
-from ._summary import BlockSummary, cluster_view, instance_state
+from ._sim import BlockCache, Costs, RequestRecord, SimResult, saturation_rate, simulate
+from ._views import BlockSummary, LoadTracker, cluster_view, instance_state
 from ._workload import GAP_MEDIANS, WorkloadConfig, generate, read_trace, write_trace
 
 __all__ = [

@@ -55,18 +55,11 @@ import numpy as np
 
 from tensordb.errors import InvalidInput
 
-from ._policy import (
-    Chain,
-    ClusterView,
-    Decision,
-    InstanceState,
-    Request,
-    RoutingPolicy,
-    get_policy,
-)
+from ._policy import Chain, ClusterView, Decision, Request, RoutingPolicy, get_policy
+from ._views import LoadTracker
 
-__all__ = ["BlockCache", "Costs", "LoadTracker", "RequestRecord", "SimResult",
-           "saturation_rate", "simulate"]
+__all__ = ["BlockCache", "Costs", "RequestRecord", "SimResult", "saturation_rate",
+           "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,36 +248,6 @@ class _Job:
         self.work = 0.0
         self.kv = 0.0
         self.hits = (0, 0)
-
-
-class LoadTracker:
-    """The router's bookkeeping of one instance: queued and running tokens, their
-    EWMA, and when it last served each session. The simulator keeps one per instance,
-    and so does a live router (the toy engine's, or one over real engines with
-    :func:`cluster_view`): it adds a request's uncached tokens to ``queued`` when it
-    routes it and takes them off when its prefill ends. Not thread-safe."""
-
-    __slots__ = ("queued", "running", "ewma", "ewma_t", "seen")
-
-    def __init__(self) -> None:
-        self.queued = 0
-        self.running = 0
-        self.ewma = 0.0
-        self.ewma_t = 0.0
-        self.seen: dict[Hashable, float] = {}
-
-    def advance(self, now: float, tau: float) -> None:
-        """Bring the EWMA of load up to ``now`` (load was constant since ewma_t)."""
-        dt = now - self.ewma_t
-        if dt > 0:
-            load = self.queued + self.running
-            self.ewma = load + (self.ewma - load) * math.exp(-dt / tau)
-            self.ewma_t = now
-
-    def state(self, instance: int, prefix_hits: int, session: Hashable) -> InstanceState:
-        """What a routing policy sees of this instance for a request of ``session``."""
-        return InstanceState(instance, prefix_hits, self.queued, self.running, self.ewma,
-                             self.seen.get(session))
 
 
 class _Instance(LoadTracker):

@@ -1,4 +1,7 @@
-"""From what a node's KV store reports to what a routing policy sees.
+"""What a router keeps of each instance, and the views a routing policy is handed.
+
+:class:`LoadTracker` is the router's bookkeeping of one instance's load: the
+simulator keeps one per instance, and so does a live router.
 
 Each node's tensordb KV namespace summarises itself for routers: ``db.kv(...).stats()``
 returns a :class:`tensordb.KVNodeSummary` (a Bloom filter of the block keys the node
@@ -30,15 +33,45 @@ Example, a router over engines that each keep their KV in their own node's store
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 from tensordb.errors import InvalidInput
 
 from ._policy import ClusterView, InstanceState
-from ._sim import LoadTracker
 
-__all__ = ["BlockSummary", "cluster_view", "instance_state"]
+__all__ = ["BlockSummary", "LoadTracker", "cluster_view", "instance_state"]
+
+
+class LoadTracker:
+    """The router's bookkeeping of one instance: queued and running tokens, their
+    EWMA, and when it last served each session. The simulator keeps one per instance,
+    and so does a live router (the toy engine's, or one over real engines with
+    :func:`cluster_view`): it adds a request's uncached tokens to ``queued`` when it
+    routes it and takes them off when its prefill ends. Not thread-safe."""
+
+    __slots__ = ("queued", "running", "ewma", "ewma_t", "seen")
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.running = 0
+        self.ewma = 0.0
+        self.ewma_t = 0.0
+        self.seen: dict[Hashable, float] = {}
+
+    def advance(self, now: float, tau: float) -> None:
+        """Bring the EWMA of load up to ``now`` (load was constant since ewma_t)."""
+        dt = now - self.ewma_t
+        if dt > 0:
+            load = self.queued + self.running
+            self.ewma = load + (self.ewma - load) * math.exp(-dt / tau)
+            self.ewma_t = now
+
+    def state(self, instance: int, prefix_hits: int, session: Hashable) -> InstanceState:
+        """What a routing policy sees of this instance for a request of ``session``."""
+        return InstanceState(instance, prefix_hits, self.queued, self.running, self.ewma,
+                             self.seen.get(session))
 
 
 @runtime_checkable
