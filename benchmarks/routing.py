@@ -17,22 +17,23 @@ peak load (the top of the sweep), against the load-aware baseline ``least_load``
 the same shared store: the best policy's median TTFT at least 93.2% lower (the figure
 the TensorCast paper reports), its local hit rate at least 95%, its p99 no worse.
 
-``--engine real`` runs engine processes instead (``engine_bindings.router.Cluster``: a
-small decoder prefilling for real on the CPU, a bounded local KV cache each, the shared
-tensordb KV store, migrations through it), at small scale: it first calibrates the
-simulator on those processes (prefill cost by tokens and context, block hit / load /
+``--engine toy`` runs toy engine processes instead (``benchmarks.toy_engine.ToyCluster``:
+a small decoder prefilling for real on the CPU, a bounded local KV cache each, the
+shared tensordb KV store, migrations through it), at small scale: it first calibrates
+the simulator on those processes (prefill cost by tokens and context, block hit / load /
 transfer), fits it on every request of loaded runs of other sessions (how many cores the
 instances really share, the per-request overhead, the compute speed under load, the
-hand-offs: ``fit_under_load``), then runs the same workload on
-the engines and in the calibrated simulator, and prints both side by side with the
-simulator's error on median and p90 TTFT (goal: within 20%) and the policies' order.
-Beside them: the block load rate against memcpy measured in the same run, and
-least_load, the baseline a user would pick.
+hand-offs: ``fit_under_load``), then runs the same workload on the toy engines and in
+the calibrated simulator, and prints both side by side ("real": measured on the toy
+engines) with the simulator's error on median and p90 TTFT (goal: within 20%) and the
+routing policies' order. Beside them: the block load rate against memcpy measured in
+the same run, and least_load, the baseline a user would pick. docs/routing.md explains
+the calibration.
 
 Run:  .venv/bin/python benchmarks/routing.py [--sessions 2000] [--gap-median 8.2]
           [--load-sweep 0.2,0.4,0.5,0.6,0.7] [--json] [--png routing.png]
-      .venv/bin/python benchmarks/routing.py --engine real [--instances 2]
-          [--sessions 192] [--load-sweep 0.5,0.8] [--no-store] [--png real.png]
+      .venv/bin/python benchmarks/routing.py --engine toy [--instances 2]
+          [--sessions 192] [--load-sweep 0.5,0.8] [--no-store] [--png toy.png]
 """
 
 from __future__ import annotations
@@ -43,8 +44,21 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a script: the checkout's root, for benchmarks.toy_engine
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import measure_memcpy
+from benchmarks.toy_engine import (
+    ModelConfig,
+    ToyCluster,
+    ToyEngineConfig,
+    calibrate,
+    fit_under_load,
+    recalibrate,
+)
 from engine_bindings.router import (
     Costs,
     RoutingPolicy,
@@ -66,32 +80,32 @@ BASELINE = "least_load"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--engine", choices=("sim", "real"), default="sim",
-                   help="sim: the simulator at paper scale; real: engine processes at "
+    p.add_argument("--engine", choices=("sim", "toy"), default="sim",
+                   help="sim: the simulator at paper scale; toy: toy engine processes at "
                         "small scale beside the simulator calibrated on them")
     p.add_argument("--instances", type=int, default=None,
-                   help="[sim 4, real 2: one per core here]")
+                   help="[sim 4, toy 2: one per core here]")
     p.add_argument("--sessions", type=int, default=None,
-                   help="[sim 2000, real 192: enough that the instances are really "
+                   help="[sim 2000, toy 192: enough that the instances are really "
                         "loaded, and that where the first sessions land does not decide a "
                         "whole run]")
     p.add_argument("--gap-median", type=float, default=None,
                    help="median seconds between a session's requests (paper: 8.2, 20.1, "
-                        "60.3) [sim 8.2, real 0.25]")
+                        "60.3) [sim 8.2, toy 0.25]")
     p.add_argument("--load-sweep", default=None,
                    help="loads, as fractions of the saturation rate [sim "
-                        "0.2,0.4,0.5,0.6,0.7; real 0.5,0.8]")
+                        "0.2,0.4,0.5,0.6,0.7; toy 0.5,0.8]")
     p.add_argument("--rate", type=float, default=None,
                    help="one session arrival rate (sessions/s) instead of the sweep")
     p.add_argument("--trace", default=None,
                    help="replay this JSONL trace (its own arrival times) instead")
     p.add_argument("--system-prompt", type=int, default=None,
-                   help="shared system-prompt tokens [sim 4096, real 256]")
+                   help="shared system-prompt tokens [sim 4096, toy 256]")
     p.add_argument("--cache-blocks", type=int, default=None,
-                   help="KV cache capacity per instance, in blocks [sim 8192, real 512]")
-    p.add_argument("--block-tokens", type=int, default=None, help="[sim 256, real 32]")
-    p.add_argument("--d-model", type=int, default=128, help="real engine: model width")
-    p.add_argument("--layers", type=int, default=2, help="real engine: model depth")
+                   help="KV cache capacity per instance, in blocks [sim 8192, toy 512]")
+    p.add_argument("--block-tokens", type=int, default=None, help="[sim 256, toy 32]")
+    p.add_argument("--d-model", type=int, default=128, help="toy engine: model width")
+    p.add_argument("--layers", type=int, default=2, help="toy engine: model depth")
     p.add_argument("--prefill-ms", type=float, default=0.2, help="prefill ms per token")
     p.add_argument("--kv-load-ms", type=float, default=2.0,
                    help="ms to load a block from the shared store")
@@ -100,34 +114,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-ms", type=float, default=5.0, help="decode ms per token")
     p.add_argument("--no-store", action="store_true", help="no shared KV store tier")
     p.add_argument("--rescale", action="store_true",
-                   help="real engine: scale the simulator's compute costs before each run "
+                   help="toy engine: scale the simulator's compute costs before each run "
                         "by the host's speed then (a probe of the longest grid point); on "
                         "a quiet host the probe's own noise outweighs what it corrects")
     p.add_argument("--probe-contention", action="store_true",
-                   help="real engine: keep the probed costs (the contention of two bare "
+                   help="toy engine: keep the probed costs (the contention of two bare "
                         "prefills side by side, the probed bookkeeping and hand-off) "
                         "instead of fitting the costs on loaded runs of other sessions")
     p.add_argument("--policies", default="round_robin,least_load,cache_aware,migrate")
     p.add_argument("--fit-policies", default="round_robin",
-                   help="real engine: the policies the load fit runs the held-out sessions "
-                        "with (one that balances load, one that keeps sessions on their "
-                        "instance)")
+                   help="toy engine: the routing policies the load fit runs the held-out "
+                        "sessions with (one that balances load, one that keeps sessions on "
+                        "their instance)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="real engine: runs of each policy at each load, interleaved; the "
-                        "engines' figures are the medians over them [sim 1, real 3]")
+                   help="toy engine: runs of each routing policy at each load, interleaved; "
+                        "the toy engines' figures are the medians over them [sim 1, toy 3]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--png", default=None, help="write a chart of TTFT against load here")
     a = p.parse_args(argv)
-    for name, (sim, real) in ENGINE_DEFAULTS.items():
+    for name, (sim, toy) in ENGINE_DEFAULTS.items():
         if getattr(a, name) is None:
-            setattr(a, name, real if a.engine == "real" else sim)
+            setattr(a, name, toy if a.engine == "toy" else sim)
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
     return a
 
 
-#: the defaults that differ between the engines: (sim, real)
+#: the defaults that differ between the simulator and the toy engine: (sim, toy)
 ENGINE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "instances": (4, 2), "sessions": (2000, 192), "gap_median": (8.2, 0.25),
     "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.5,0.8"), "system_prompt": (4096, 256),
@@ -136,15 +150,15 @@ ENGINE_DEFAULTS: dict[str, tuple[Any, Any]] = {
 
 
 def workload(a: argparse.Namespace) -> WorkloadConfig:
-    """The workload of the run; the real engine's is the paper's shape shrunk so that
-    a run of a policy takes seconds on a CPU (``WorkloadConfig.small``)."""
+    """The workload of the run; the toy engine's is the paper's shape shrunk so that
+    a run of a routing policy takes seconds on a CPU (``WorkloadConfig.small``)."""
     kw = {"sessions": a.sessions, "gap_median": a.gap_median,
           "system_prompt_tokens": a.system_prompt, "seed": a.seed}
-    return WorkloadConfig.small(**kw) if a.engine == "real" else WorkloadConfig(**kw)
+    return WorkloadConfig.small(**kw) if a.engine == "toy" else WorkloadConfig(**kw)
 
 
 def policy(name: str, a: argparse.Namespace) -> RoutingPolicy:
-    """Policy ``name`` with its thresholds scaled to the workload's system prompt and
+    """Routing policy ``name`` with its thresholds scaled to the workload's system prompt and
     turn gaps."""
     return scaled_policy(name, a.system_prompt, a.gap_median)
 
@@ -215,7 +229,7 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ms(x: float) -> str:
-    """Seconds as ``6.4 ms`` below 100 ms (the real engine's TTFTs: whole milliseconds
+    """Seconds as ``6.4 ms`` below 100 ms (the toy engine's TTFTs: whole milliseconds
     would hide a 20% error), ``1,234 ms``, or ``31.3 s`` from 10 s up."""
     if x < 0.1:
         return f"{x * 1e3:.1f} ms"
@@ -264,7 +278,7 @@ def figure(titles: tuple[str, ...]) -> tuple[Any, Any, Any]:
         print("--png needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
         return None, None, None
     fig, axes = plt.subplots(1, len(titles), figsize=(5 * len(titles) + 0.5, 4.5))
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xlabel("load (fraction of saturation)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -302,34 +316,23 @@ GOAL_SIM_ERROR = 0.20
 ORDER_MARGIN = 0.10
 
 
-def run_real(a: argparse.Namespace) -> dict[str, Any]:
-    """Start ``--instances`` engine processes, calibrate the simulator on them, then
-    run the small workload at each load through each policy on the engines and in the
-    calibrated simulator."""
-    from _common import measure_memcpy
-
-    from engine_bindings.router import (
-        Cluster,
-        EngineConfig,
-        ModelConfig,
-        calibrate,
-        fit_under_load,
-        recalibrate,
-    )
-
+def run_toy(a: argparse.Namespace) -> dict[str, Any]:
+    """Start ``--instances`` toy engine processes, calibrate the simulator on them, then
+    run the small workload at each load through each routing policy on the toy engines
+    and in the calibrated simulator."""
     policies = [s.strip() for s in a.policies.split(",") if s.strip()]
     for name in policies:
         get_policy(name)
     cfg = workload(a)
     heads = max(1, a.d_model // 32)
-    engine = EngineConfig(model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=heads,
+    toy = ToyEngineConfig(model=ModelConfig(layers=a.layers, d_model=a.d_model, heads=heads,
                                             ffn=3 * a.d_model, seed=a.seed),
                           block_tokens=a.block_tokens, cache_blocks=a.cache_blocks,
                           use_store=not a.no_store)
     t0 = time.perf_counter()
     # the whole arena faulted in first: the runs store more than the default warm-up,
     # and the first runs (the held-out fit's) must not pay page faults the later do not
-    with Cluster(a.instances, engine, warm_bytes=engine.store_bytes) as cluster:
+    with ToyCluster(a.instances, toy, warm_bytes=toy.store_bytes) as cluster:
         started = time.perf_counter() - t0
         costs, measured = calibrate(cluster)
         if not a.probe_contention:  # fitted on a loaded run of other sessions (seed + 1)
@@ -382,7 +385,7 @@ def run_real(a: argparse.Namespace) -> dict[str, Any]:
                              "err_p90": sim["ttft_p90"] / real["ttft_p90"] - 1})
     mem = measure_memcpy(64 << 20, 5)
     return {"config": {k: v for k, v in vars(a).items() if k not in ("json", "png")},
-            "engine": dataclasses.asdict(engine), "saturation_rate": sat,
+            "toy_engine": dataclasses.asdict(toy), "saturation_rate": sat,
             "costs": dataclasses.asdict(costs), "measured": measured,
             "memcpy_gbps": (64 << 20) / mem["memcpy_1t_s"] / 1e9,
             "start_s": started, "calibrate_s": calibrated, "rows": rows,
@@ -396,7 +399,8 @@ def fit_policies(a: argparse.Namespace) -> list[str]:
     return names
 
 
-#: repeated runs of a policy on the engines as one summary (medians of the figures)
+#: repeated runs of a routing policy on the toy engines as one summary (medians of the
+#: figures)
 median_summary = SimResult.median_summary
 
 
@@ -407,8 +411,8 @@ def spread(values: list[float]) -> float:
 
 
 def ordering(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per load, the policies by median TTFT on the engines and in the simulator, and
-    whether the engines order every pair of policies the simulator separates by more
+    """Per load, the routing policies by median TTFT on the toy engines and in the
+    simulator, and whether the toy engines order every pair the simulator separates by more
     than ``ORDER_MARGIN`` the same way (a closer pair is a tie: one run of a few hundred
     requests cannot order it)."""
     out: dict[str, Any] = {}
@@ -442,17 +446,17 @@ def utilization(res: Any, instances: int) -> float:
     return sum(r.kv_load + r.prefill for r in recs) / (instances * span) if span > 0 else 0.0
 
 
-def print_real(out: dict[str, Any]) -> None:
-    c, e, k, m = out["config"], out["engine"], out["costs"], out["measured"]
+def print_toy(out: dict[str, Any]) -> None:
+    c, e, k, m = out["config"], out["toy_engine"], out["costs"], out["measured"]
     mo = e["model"]
-    print(f"routing (real engine): {c['instances']} engine processes (a {mo['layers']}-layer "
+    print(f"routing (toy engine): {c['instances']} toy engine processes (a {mo['layers']}-layer "
           f"d_model {mo['d_model']} decoder, {e['threads']} torch thread each), "
           f"{c['sessions']} sessions, gap median {c['gap_median']} s, blocks of "
           f"{e['block_tokens']} tokens, local cache {e['cache_blocks']} blocks, shared store "
           f"{'migrations only' if c['no_store'] else 'on'}; started in "
           f"{out['start_s']:.1f} s")
     nbytes = m["block_nbytes"]
-    print(f"\ncalibration ({out['calibrate_s']:.1f} s, in the engine processes):")
+    print(f"\ncalibration ({out['calibrate_s']:.1f} s, in the toy engine processes):")
     print(f"  prefill = {k['request_overhead'] * 1e3:.2f} ms + "
           f"{k['prefill_per_token'] * 1e6:.1f} us/token + "
           f"{k['prefill_per_token_ctx'] * 1e9:.1f} ns per (token, earlier token); "
@@ -503,7 +507,8 @@ def print_real(out: dict[str, Any]) -> None:
               f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['real_spread']:>6.0%} "
               f"{r['speed_factor']:>5.2f} "
               f"{r['run_s']:>5.1f}")
-    print(f"\n(real: medians over {c['repeats']} runs of each policy, interleaved; spread: "
+    print(f"\n(real: measured on the toy engines, medians over {c['repeats']} runs of each "
+          f"routing policy, interleaved; spread: "
           f"(largest - smallest) / median of the runs' median TTFTs; hit: prompt tokens "
           f"from the instance's own cache or migrated there; busy: "
           f"the instances' time spent loading KV and prefilling, first arrival to last "
@@ -518,7 +523,7 @@ def print_real(out: dict[str, Any]) -> None:
                                              "same best" if o["same_best"] else "differ"))
         wrong = ", ".join(f"{x} / {y}" for x, y in o["misordered_pairs"])
         print(f"  pairs the simulator separates by more than {ORDER_MARGIN:.0%}: "
-              f"{o['separated_pairs']}, ordered alike on the engines: "
+              f"{o['separated_pairs']}, ordered alike on the toy engines: "
               f"{o['separated_pairs'] - len(o['misordered_pairs'])}"
               + (f" (not: {wrong})" if wrong else ""))
     errs = [abs(r[k]) for r in out["rows"] for k in ("err_median", "err_p90")]
@@ -526,7 +531,7 @@ def print_real(out: dict[str, Any]) -> None:
     print(f"{within} of {len(errs)} median/p90 figures within {GOAL_SIM_ERROR:.0%}")
 
 
-def write_png_real(out: dict[str, Any], path: str) -> None:
+def write_png_toy(out: dict[str, Any], path: str) -> None:
     plt, fig, axes = figure(("median TTFT (s)", "p90 TTFT (s)"))
     if plt is None:
         return
@@ -535,32 +540,32 @@ def write_png_real(out: dict[str, Any], path: str) -> None:
         mine = [r for r in rows if r["policy"] == name]
         x = [float(r["load"]) for r in mine]
         color = f"C{i}"
-        for ax, key in zip(axes, ("ttft_median", "ttft_p90")):
+        for ax, key in zip(axes, ("ttft_median", "ttft_p90"), strict=True):
             ax.plot(x, [r["real"][key] for r in mine], marker="o", color=color,
                     label=f"{name} (real)")
             ax.plot(x, [r["sim"][key] for r in mine], marker="x", ls="--", color=color,
                     label=f"{name} (sim)")
     axes[0].legend(fontsize=7)
     c = out["config"]
-    save(plt, fig, f"real engine vs calibrated simulator: {c['instances']} instances, "
+    save(plt, fig, f"toy engine vs calibrated simulator: {c['instances']} instances, "
          f"{c['sessions']} sessions", path)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
-    out = run_real(a) if a.engine == "real" else run(a)
+    out = run_toy(a) if a.engine == "toy" else run(a)
     out["wall_seconds"] = time.perf_counter() - t0
     if a.json:
         print(json.dumps(out, indent=2, default=str))
-    elif a.engine == "real":
-        print_real(out)
+    elif a.engine == "toy":
+        print_toy(out)
         print(f"\n{out['wall_seconds']:.1f} s in all")
     else:
         print_table(out)
         print(f"\n{out['wall_seconds']:.1f} s in all")
     if a.png:
-        (write_png_real if a.engine == "real" else write_png)(out, a.png)
+        (write_png_toy if a.engine == "toy" else write_png)(out, a.png)
     return 0
 
 

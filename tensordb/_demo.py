@@ -3,10 +3,10 @@
 It commits a transformer-shaped state_dict, has a second process open it without
 copying a byte (and proves it from that process's memory map), shows that a reader's
 write stays private, commits a second version that changes one tensor, and prints what
-the store shared between the two. Then it routes a short multi-turn agent workload over
-a few engine processes (a small decoder prefilling for real, KV blocks moving through
-the store) under three routing policies and prints their time to first token side by
-side. Everything it creates is removed at the end.
+the store shared between the two. Then it compares the routing policies on a generated
+multi-turn agent workload in the router's simulator, with and without a shared KV store,
+and shows the summary of the KV a node holds that a live router reads from the store.
+Everything it creates is removed at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,19 @@ from rich.markup import escape
 from rich.table import Table
 
 import storage_engine as se
+import tensordb
+from engine_bindings.router import (
+    Costs,
+    WorkloadConfig,
+    cluster_view,
+    generate,
+    saturation_rate,
+    scaled_policy,
+    simulate,
+)
+
+from .cli import history_table, human_bytes
+from .errors import StoreFull
 
 __all__ = ["run"]
 
@@ -75,8 +88,6 @@ def _fit(free: int) -> _Shape:
     while shape.layers > 2 and 3 * shape.nbytes() > free:
         shape = _Shape(layers=shape.layers - 2)
     if 3 * shape.nbytes() > free:
-        from .errors import StoreFull
-
         raise StoreFull(f"the demo needs {3 * shape.nbytes() >> 20} MiB free in "
                         f"{se.shm_root()}, which has {free >> 20} MiB")
     return shape
@@ -110,7 +121,9 @@ def _memcpy_gbps(nbytes: int = 64 << 20) -> float:
 
 
 def _fmt_s(s: float) -> str:
-    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    return f"{s:.2f} s" if s < 100 else f"{s / 60:.0f} min"
 
 
 # -- the second process ----------------------------------------------------------------
@@ -184,72 +197,81 @@ def _second_process(home: Path, collection: str, expected: dict[str, str]
 
 
 # -- routing ---------------------------------------------------------------------------
-_ROUTING_POLICIES = (("round_robin", "instances in turn"),
-                     ("cache_aware", "to the instance holding the prefix"),
-                     ("migrate", "prefix affinity; moves KV off a busy instance"))
+_ROUTING_POLICIES = (("round_robin", "in turn"),
+                     ("least_load", "fewest queued tokens"),
+                     ("cache_aware", "where the prefix is"),
+                     ("migrate", "ditto; moves KV off a busy one"))
+_INSTANCES = 4
+_SESSIONS = 300
+_LOAD = 0.7  # of the saturation rate: busy, with queues that still drain
 
 
-def _routing(out: Console, home: Path, instances: int = 3) -> dict[str, dict[str, float]]:
-    """Part 6: engine processes, a short agent workload, three policies."""
-    from engine_bindings.router import (
-        Cluster,
-        EngineConfig,
-        ModelConfig,
-        WorkloadConfig,
-        generate,
-        scaled_policy,
-    )
-
-    wl = WorkloadConfig.small(sessions=6, rate=2.0, gap_median=0.4, max_turns=4)
-    reqs = generate(wl)
-    engine = EngineConfig(model=ModelConfig(layers=2, d_model=128, heads=4, ffn=384),
-                          block_tokens=32, cache_blocks=48, use_store=False,
-                          store_bytes=64 << 20)
-    out.print(f"\n[bold]6. Routing[/bold]: {instances} engine processes, each a 2-layer "
-              f"decoder prefilling on the CPU with a local cache of {engine.cache_blocks} "
-              f"KV blocks; {wl.sessions} agent sessions, {len(reqs)} requests over "
-              f"{reqs[-1].arrival:.1f} s, every prompt extending the last turn's. A "
-              f"migration moves a session's blocks through this store's KV cache "
-              f"(db.kv): the source publishes them, the target loads them while the "
-              f"request waits.")
-    t = time.perf_counter()
-    results: dict[str, dict[str, float]] = {}
-    # spawn, not forkserver: a forkserver keeps a socket in a temporary directory of
-    # its own until this process exits, and the demo leaves nothing behind
-    with Cluster(instances, engine, home=home, start_method="spawn") as cluster:
-        started = time.perf_counter() - t
-        for name, _ in _ROUTING_POLICIES:
-            pol = scaled_policy(name, wl.system_prompt_tokens, wl.gap_median)
-            results[name] = cluster.run(reqs, pol, ewma_tau=5.0 * wl.gap_median / 8.2
-                                        ).summary()
-    table = Table(title=f"time to first token ({instances} engines started in "
-                  f"{_fmt_s(started)})", title_justify="left", box=box.SIMPLE_HEAD,
+def _routing(out: Console) -> dict[str, dict[str, dict[str, float]]]:
+    """Part 6: the routing policies in the simulator, with and without a shared KV
+    store, on a generated agent workload."""
+    cfg = WorkloadConfig(sessions=_SESSIONS, seed=0)
+    costs = Costs()
+    rate = _LOAD * saturation_rate(generate(cfg), costs, _INSTANCES)
+    reqs = generate(replace(cfg, rate=rate))
+    out.print(f"\n[bold]6. Routing[/bold]: {len(reqs):,} requests of {cfg.sessions} agent "
+              f"sessions ({cfg.min_turns}-{cfg.max_turns} turns, each prompt extending "
+              f"the last, a {cfg.system_prompt_tokens:,}-token system prompt shared by all) "
+              f"over {_INSTANCES} instances with {costs.cache_capacity_blocks:,} KV blocks "
+              f"each, at {_LOAD:.0%} of the rate that saturates them, in the simulator "
+              f"(engine_bindings.router.simulate), under each routing policy: with a shared "
+              f"KV store like this one (an instance loads a block another computed) and "
+              f"without.")
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, _ in _ROUTING_POLICIES:
+        results[name] = {
+            where: simulate(reqs, scaled_policy(name), instances=_INSTANCES, costs=costs,
+                            shared_store=shared).summary()
+            for where, shared in (("store", True), ("alone", False))}
+    table = Table(title="time to first token", title_justify="left", box=box.SIMPLE_HEAD,
                   show_edge=False, pad_edge=False)
-    for col in ("policy", "routes", "median", "p90", "prompt tokens cached", "migrations"):
+    for col in ("policy", "routes", "median", "p90", "KV at hand", "migrations",
+                "no store: median", "p90"):
         table.add_column(col, justify="left" if col in ("policy", "routes") else "right")
     for name, what in _ROUTING_POLICIES:
-        r = results[name]
-        table.add_row(name, what, _fmt_s(r["ttft_median"]), _fmt_s(r["ttft_p90"]),
-                      f"{r['local_hit_rate']:.0%}", str(r["migrations"]))
+        st, alone = results[name]["store"], results[name]["alone"]
+        table.add_row(name, what, _fmt_s(st["ttft_median"]), _fmt_s(st["ttft_p90"]),
+                      f"{st['local_hit_rate']:.0%}", str(st["migrations"]),
+                      _fmt_s(alone["ttft_median"]), _fmt_s(alone["ttft_p90"]))
     out.print(table)
-    best = min(results, key=lambda n: results[n]["ttft_median"])
-    base = results["round_robin"]["ttft_median"]
-    out.print(f"   {best}: median TTFT {_fmt_s(results[best]['ttft_median'])}, "
-              + (f"{1 - results[best]['ttft_median'] / base:.0%} below round robin's: a "
-                 f"prompt whose KV is at hand is not computed again." if best != "round_robin"
-                 else "round robin did best on this short run.")
-              + " (benchmarks/routing.py --engine real compares the policies at several "
-              "loads against a simulator calibrated on these engines.)")
+    best = min(results, key=lambda n: results[n]["store"]["ttft_p90"])
+    base = results["least_load"]["store"]
+    out.print(f"   (KV at hand: prompt tokens in the instance's own cache or migrated there.) "
+              f"Without the store a routing policy blind to where KV is recomputes "
+              f"it and the queues run away; with it any instance loads what another "
+              f"computed. {best} has the shortest tail: p90 "
+              f"{_fmt_s(results[best]['store']['ttft_p90'])} against least_load's "
+              f"{_fmt_s(base['ttft_p90'])}. (benchmarks/routing.py sweeps the load; docs/"
+              f"routing.md says how to evaluate a routing policy on a trace of your own.)")
     return results
+
+
+def _node_summary(out: Console, db: tensordb.Database) -> None:
+    """Part 6, continued: what a live router reads of a node, from this store."""
+    bt = 16
+    kv = db.kv("demo-router", block_tokens=bt, capacity_bytes=4 << 20, slab_bytes=1 << 20)
+    try:
+        keys = kv.keys(np.arange(6 * bt, dtype=np.int64))  # a prompt of six blocks
+        kv.put(keys[:4], [torch.zeros(bt, 8) for _ in range(4)])
+        summary = kv.stats()
+        state = cluster_view([summary], keys).instances[0]
+    finally:
+        kv.destroy()
+    out.print(f"   A live router sees each node through its KV store's own summary: this "
+              f"store's db.kv(...).stats() is a tensordb.KVNodeSummary ({summary.blocks} "
+              f"blocks, a {len(summary.bloom):,}-byte Bloom filter of their keys), and "
+              f"cluster_view turns it into what a routing policy reads: a six-block prompt "
+              f"of which this node holds the first {state.prefix_hits // bt} blocks, "
+              f"prefix_hits = {state.prefix_hits} tokens.")
 
 
 # -- the tour --------------------------------------------------------------------------
 def run(console: Console | None = None) -> None:
     """Run the tour on a temporary store, printing to ``console``; removes the store."""
-    import tensordb
-
-    from .cli import history_table, human_bytes
-
     out = console or Console(highlight=False)
     t_start = time.perf_counter()
     home = Path(tempfile.mkdtemp(prefix="tensordb-demo-"))
@@ -359,9 +381,11 @@ def run(console: Console | None = None) -> None:
                         f"{human_bytes(c2.written_nbytes)} written")
         timings.add_row("memcpy on this machine (reference)", "", f"{memcpy:.2f} GB/s")
         t = time.perf_counter()
-        _routing(out, home / "routing")
+        _routing(out)
+        _node_summary(out, db)
         t_route = time.perf_counter() - t
-        timings.add_row("routing: 3 engines, 3 policies", _fmt_s(t_route), "")
+        timings.add_row(f"routing: {len(_ROUTING_POLICIES)} routing policies x 2, simulated",
+                        _fmt_s(t_route), "")
         out.print()
         out.print(timings)
         out.print(
@@ -375,7 +399,8 @@ def run(console: Console | None = None) -> None:
             "- A new version stores only what changed and shares the rest, so frequent "
             "weight updates cost what they change.\n"
             "- A router that knows which engine holds a session's KV sends the next turn "
-            "there, or moves the KV through the store, instead of recomputing it.\n"
+            "there, or moves the KV through the store, instead of recomputing it; the "
+            "store's own summary of each node's KV tells it where that is.\n"
             "- Try it on your own store: tensordb ls, log, show, tag, gc, verify.")
         out.print(f"\ndone in {time.perf_counter() - t_start:.1f} s; the demo store is "
                   f"removed.")

@@ -1,34 +1,48 @@
-"""The router: policy decisions on hand-built views, a policy plugged in from here, the
-simulator against hand-computed schedules, migrations, the workload generator and trace
-replay."""
+"""The router library: routing-policy decisions on hand-built views, a routing policy
+plugged in from here, the simulator against hand-computed schedules (its calibrated
+terms too), migrations, the workload generator and trace replay, and views built from
+the store's own node summaries (tensordb.KVNodeSummary)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
+import subprocess
+import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from conftest import open_store, remove_store
 
 import engine_bindings.router as router
+import tensordb
 from engine_bindings.router import (
     SHARED_PREFIX,
     BlockCache,
+    BlockSummary,
     CacheAware,
     ClusterView,
     Costs,
     Decision,
     InstanceState,
     LeastLoad,
+    LoadTracker,
     MigrateWhenImbalanced,
     Request,
     RoundRobin,
     RoutingPolicy,
     WorkloadConfig,
     available_policies,
+    cluster_view,
     generate,
     get_policy,
+    instance_state,
     read_trace,
     saturation_rate,
     simulate,
@@ -58,12 +72,24 @@ def test_public_surface() -> None:
         "RequestRecord", "RoundRobin", "RoutingPolicy", "SimResult", "WorkloadConfig",
         "available_policies", "generate", "get_policy", "read_trace", "saturation_rate",
         "scaled_policy", "simulate", "write_trace",
-        # the real engine, loaded on first use
-        "Cluster", "Engine", "EngineConfig", "Job", "LocalCache", "ModelConfig",
-        "PromptTokens", "Served", "TinyDecoder", "calibrate", "fit_costs",
-        "fit_records", "fit_under_load", "measure_engine", "recalibrate"])
+        # views from the store's node summaries, and the load bookkeeping beside them
+        "BlockSummary", "LoadTracker", "cluster_view", "instance_state"])
     for name in router.__all__:
         assert getattr(router, name) is not None
+    # the toy engine is a harness in benchmarks/, not the library's
+    for name in ("Cluster", "ToyCluster", "Engine", "EngineConfig", "TinyDecoder",
+                 "calibrate", "fit_costs", "measure_engine"):
+        assert not hasattr(router, name), name
+
+
+def test_library_and_demo_import_no_toy_engine() -> None:
+    """Neither the router library nor the demo (an application layer) loads anything of
+    benchmarks/, the toy engine included."""
+    code = ("import sys, engine_bindings.router, tensordb._demo; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'benchmarks'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_builtins_registered() -> None:
@@ -362,6 +388,77 @@ def test_block_cache_lru_evicts_tail_first() -> None:
     assert (c.held("w"), c.used) == (10, 10)
 
 
+# -- the simulator's calibrated terms, by hand ---------------------------------------------
+def test_request_tail_keeps_the_instance_busy_but_is_not_in_the_ttft() -> None:
+    """One instance, 1 ms per token, a 2 ms tail: A (10 tokens at t=0) has its first
+    token at 10 ms; B (10 tokens at 5 ms) starts after A's tail, at 12 ms, and ends at
+    22; C (at 30 ms) finds the instance idle and starts at once. A negative tail is
+    refused."""
+
+    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=10,
+                  request_tail=2e-3)
+    reqs = [Request("a", 0.0, 10), Request("b", 0.005, 10), Request("c", 0.030, 10)]
+    a, b, c = simulate(reqs, "round_robin", instances=1, costs=costs, shared_store=False,
+                       cache_output=False).records
+    assert (a.start, a.ttft) == pytest.approx((0.0, 0.010))
+    assert (b.start, b.ttft, b.queue) == pytest.approx((0.012, 0.017, 0.007))
+    assert (c.start, c.ttft) == pytest.approx((0.030, 0.010))
+    with pytest.raises(InvalidInput, match="request_tail"):
+        Costs(request_tail=-1e-3)
+
+
+def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:
+    """One instance, 1 ms per token, a 2 ms hand-off: A (10 tokens at t=0) starts at
+    2 ms and ends at 12; B (10 tokens at 5 ms) reached the instance at 7 ms, waits for
+    A and runs 12-22 ms. Without the latency being busy time, B does not wait 2 ms more
+    after A. A negative latency is refused."""
+
+    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=10,
+                  dispatch_latency=2e-3)
+    reqs = [Request("a", 0.0, 10), Request("b", 0.005, 10)]
+    a, b = simulate(reqs, "round_robin", instances=1, costs=costs, shared_store=False,
+                    cache_output=False).records
+    assert (a.start, a.ttft, a.queue) == pytest.approx((0.002, 0.012, 0.002))
+    assert (b.start, b.ttft, b.queue) == pytest.approx((0.012, 0.017, 0.007))
+    with pytest.raises(InvalidInput, match="dispatch_latency"):
+        Costs(dispatch_latency=-1e-3)
+
+
+def test_calibrated_simulator_hand_checked_schedule() -> None:
+    """Two instances on one core (processor sharing: two prefills at once each run at
+    half speed, contention 1), blocks of 10 tokens; costs (ms): overhead 1, per token
+    0.1, per attention pair 0.001, hit 0.5 and store load 2 per block.
+
+    t=0     a0 (25 tok) -> inst 0: work 1 + 2.5 + 0.001 * 325 = 3.825
+    t=1     b0 (25 tok) -> inst 1: work 3.825; a0 has 2.825 left, both at half speed:
+            a0 ends at 1 + 2 * 2.825 = 6.65, by when b0 has done 2.825: 1.0 left
+            alone, so b0 ends at 7.65 (ttft 6.65)
+    t=10    a1 (35 tok) -> inst 0 (round robin), holds a's 2 blocks: hit 2 * 0.5 = 1;
+            15 new tokens after 20: 1 + 1.5 + 0.001 * (15*20 + 120) = 2.92; work 3.92
+    t=11    b1 (35 tok) -> inst 1, same work; a1 has 2.92 left: ends at 11 + 5.84 =
+            16.84 (ttft 6.84); b1 then has 1.0 left: ends 17.84 (ttft 6.84)
+    """
+    costs = Costs(prefill_per_token=1e-4, prefill_per_token_ctx=1e-6, request_overhead=1e-3,
+                  hit_per_block=5e-4, kv_load_per_block=2e-3, decode_per_token=0.0,
+                  block_tokens=10, cache_capacity_blocks=10, contention=1.0)
+    reqs = [Request("a", 0.0, 25), Request("b", 1e-3, 25), Request("a", 10e-3, 35, turn=1),
+            Request("b", 11e-3, 35, turn=1)]
+    res = simulate(reqs, "round_robin", instances=2, costs=costs, cache_output=False)
+    got = [(r.instance, round(r.ttft * 1e3, 6), r.cached_tokens) for r in res.records]
+    assert got == [(0, 6.65, 0), (1, 6.65, 0), (0, 6.84, 20), (1, 6.84, 20)]
+    # the KV part of a1's time is stretched as its whole prefill was
+    assert math.isclose(res.records[2].kv_load, 1e-3 * 6.84 / 3.92)
+    # alone, a1 on the other instance: a's two blocks come from the shared store, 2 ms
+    # each
+    res = simulate([reqs[0], reqs[2]], "round_robin", instances=2, costs=costs,
+                   cache_output=False)
+    r = res.records[1]
+    assert (r.instance, r.cached_tokens, r.loaded_tokens) == (1, 0, 20)
+    assert math.isclose(r.ttft, 4e-3 + 2.92e-3) and math.isclose(r.kv_load, 4e-3)
+    with pytest.raises(InvalidInput, match="contention"):
+        Costs(contention=-1.0)
+
+
 # -- the workload generator and trace replay ----------------------------------------------
 def test_workload_seeded_and_shaped() -> None:
     cfg = WorkloadConfig(sessions=300, rate=0.5, gap_median=20.1, seed=11)
@@ -376,7 +473,7 @@ def test_workload_seeded_and_shaped() -> None:
     for reqs in by_session.values():
         assert 10 <= len(reqs) <= 60
         assert [r.turn for r in reqs] == list(range(len(reqs)))
-        for prev, cur in zip(reqs, reqs[1:]):
+        for prev, cur in itertools.pairwise(reqs):
             assert cur.input_tokens > prev.input_tokens + prev.output_tokens  # append-only
             gaps.append(cur.arrival - prev.arrival)
         assert all(r.shared_prefix_tokens == cfg.system_prompt_tokens for r in reqs)
@@ -430,69 +527,68 @@ def test_trace_replay_new_context_and_errors(tmp_path: Path) -> None:
         read_trace(path)
 
 
-# -- the benchmark script ------------------------------------------------------------------
-def _bench_module():  # type: ignore[no-untyped-def]
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "routing.py"
-    spec = importlib.util.spec_from_file_location("routing_bench", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# -- views from the store's node summaries -------------------------------------------------
+BT = 16
 
 
-def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _bench_module()
-    assert bench.main(["--sessions", "30", "--load-sweep", "0.3,0.6", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert [(r["load"], r["policy"]) for r in out["rows"]] == [
-        (load, p) for load in ("0.30", "0.60")
-        for p in ("round_robin", "least_load", "cache_aware", "migrate")]
-    assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
-    real = bench.parse_args(["--engine", "real", "--sessions", "5"])
-    assert (real.instances, real.sessions, real.block_tokens, real.load_sweep,
-            real.repeats) == (2, 5, 32, "0.5,0.8", 3)
-    assert bench.parse_args([]).repeats == 1
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--engine", "real", "--repeats", "0"])
-    assert bench.policy("migrate", real).abs_gap == 1024  # scaled to a 256-token prompt
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[tuple[tensordb.KVCache, tensordb.KVCache]]:
+    """One KV namespace on each of two nodes (two stores): the same model, so the same
+    block keys."""
+    dbs = [open_store(tmp_path / name) for name in ("a", "b")]
+    try:
+        yield tuple(db.kv("llm", block_tokens=BT, capacity_bytes=4 << 20,  # type: ignore[misc]
+                          slab_bytes=1 << 20) for db in dbs)
+    finally:
+        for db in dbs:
+            remove_store(db)
 
 
-def test_benchmark_ordering_counts_only_pairs_the_simulator_separates() -> None:
-    """Medians (ms) real / sim: a 10/10, b 12/10.5 (a tie in the simulator: within
-    10%), c 20/30, d 25/15. Separated pairs: a-c, a-d, b-c, b-d, c-d; the engines
-    order c-d the other way."""
-    bench = _bench_module()
-    med = {"a": (10, 10), "b": (12, 10.5), "c": (20, 30), "d": (25, 15)}
-    rows = [{"load": "0.50", "policy": p, "real": {"ttft_median": r / 1e3},
-             "sim": {"ttft_median": m / 1e3}} for p, (r, m) in med.items()]
-    o = bench.ordering(rows)["0.50"]
-    assert o["real"] == ["a", "b", "c", "d"] and o["sim"] == ["a", "b", "d", "c"]
-    assert (o["same"], o["same_best"]) == (False, True)
-    assert o["separated_pairs"] == 5 and o["misordered_pairs"] == [("c", "d")]
+def test_cluster_view_from_the_stores_node_summaries(
+        two_nodes: tuple[tensordb.KVCache, tensordb.KVCache]) -> None:
+    """Node a holds blocks 0, 1 and 3 of a six-block prompt, node b blocks 0-4: their
+    tensordb.KVNodeSummary gives instance 0 a prefix of 2 blocks (block 2 is missing)
+    and instance 1 one of 5, in tokens; the load and the session's last sight come from
+    the router's trackers; a routing policy routes on the result."""
+    a, b = two_nodes
+    tokens = np.arange(6 * BT + 3, dtype=np.int64)
+    keys = a.keys(tokens)
+    assert len(keys) == 6 and b.keys(tokens) == keys
+    a.put([keys[0], keys[1], keys[3]], [torch.zeros(8)] * 3)
+    b.put(keys[:5], [torch.zeros(8)] * 5)
+    summaries = [a.stats(), b.stats()]
+    assert all(isinstance(s, tensordb.KVNodeSummary) and isinstance(s, BlockSummary)
+               for s in summaries)
+    assert [s.prefix_hits(keys) for s in summaries] == [2, 5]
+
+    view = cluster_view(summaries, keys, time=3.0)  # no trackers: no load known
+    assert view.time == 3.0 and view.block_tokens == BT
+    assert [(s.instance, s.prefix_hits, s.load, s.last_seen) for s in view.instances] == [
+        (0, 2 * BT, 0, None), (1, 5 * BT, 0, None)]
+
+    busy, idle = LoadTracker(), LoadTracker()
+    busy.queued, busy.running, busy.ewma, busy.seen["s"] = 300, 40, 250.0, 1.5
+    view = cluster_view(summaries, keys, time=3.0, loads=[idle, busy], session="s")
+    assert [(s.queued_tokens, s.running_tokens, s.load_ewma, s.last_seen)
+            for s in view.instances] == [(0, 0, 0.0, None), (300, 40, 250.0, 1.5)]
+    assert instance_state(1, summaries[1], keys, load=busy, session="s") == view.instances[1]
+    req = Request("s", 3.0, len(tokens), shared_prefix_tokens=0)
+    assert CacheAware().route(req, view) == Decision(1)  # the longer prefix, balanced
+    assert LeastLoad().route(req, view) == Decision(0)
 
 
-def test_benchmark_repeats_median_and_spread() -> None:
-    """Three runs of a policy: every numeric figure is the median over them, the rest
-    is the first run's; the spread is (largest - smallest) / median."""
-    bench = _bench_module()
-    runs = [{"policy": "a", "requests": 10, "ttft_median": 0.010, "ttft_p90": 0.030},
-            {"policy": "a", "requests": 10, "ttft_median": 0.020, "ttft_p90": 0.025},
-            {"policy": "a", "requests": 10, "ttft_median": 0.012, "ttft_p90": 0.090}]
-    assert bench.median_summary(runs) == {"policy": "a", "requests": 10,
-                                          "ttft_median": 0.012, "ttft_p90": 0.030}
-    assert bench.spread([0.010, 0.020, 0.012]) == pytest.approx(0.010 / 0.012)
-    assert bench.spread([0.5]) == 0.0
-
-
-def test_benchmark_utilization_is_work_over_instance_time() -> None:
-    """Two instances; requests at 0 s and 1 s, each 0.25 s of KV load + prefill, the
-    last first token at 1.5 s: 0.5 s of work over 2 x 1.5 s."""
-    from types import SimpleNamespace
-
-    bench = _bench_module()
-    recs = [SimpleNamespace(arrival=0.0, ttft=0.3, kv_load=0.05, prefill=0.2),
-            SimpleNamespace(arrival=1.0, ttft=0.5, kv_load=0.0, prefill=0.25)]
-    assert bench.utilization(SimpleNamespace(records=recs), 2) == pytest.approx(0.5 / 3.0)
-    assert bench.utilization(SimpleNamespace(records=[]), 2) == 0.0
+def test_cluster_view_refuses_what_does_not_fit(
+        two_nodes: tuple[tensordb.KVCache, tensordb.KVCache], tmp_path: Path) -> None:
+    a, _ = two_nodes
+    other = open_store(tmp_path / "c")
+    try:
+        wide = other.kv("llm-wide", block_tokens=2 * BT, capacity_bytes=4 << 20,
+                        slab_bytes=1 << 20).stats()
+        with pytest.raises(InvalidInput, match="one view covers one KV layout"):
+            cluster_view([a.stats(), wide], [])
+    finally:
+        remove_store(other)
+    with pytest.raises(InvalidInput, match="at least one"):
+        cluster_view([], [])
+    with pytest.raises(InvalidInput, match="1 load trackers for 2 summaries"):
+        cluster_view([a.stats(), a.stats()], [], loads=[LoadTracker()])

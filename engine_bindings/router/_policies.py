@@ -164,11 +164,11 @@ class MigrateWhenImbalanced(RoutingPolicy):
 
 def scaled_policy(name: str, system_prompt_tokens: int = 4096, gap_median: float = 8.2,
                   **kw: Any) -> RoutingPolicy:
-    """Policy ``name`` with its thresholds scaled to a workload: the built-ins'
+    """Routing policy ``name`` with its thresholds scaled to a workload: the built-ins'
     defaults are set for a 4,096-token system prompt (token gaps of a few requests'
     worth of load) and 8.2 s between a session's turns (time horizons); a workload of
-    shorter prompts and turns needs them as much smaller. ``kw`` goes to the policy as
-    is. Pair it with an EWMA time constant scaled the same way: ``5 * gap_median /
+    shorter prompts and turns needs them as much smaller. ``kw`` goes to the routing
+    policy as is. Pair it with an EWMA time constant scaled the same way: ``5 * gap_median /
     8.2`` seconds."""
     tokens, time_ = system_prompt_tokens / 4096, gap_median / 8.2
     if name == "cache_aware":

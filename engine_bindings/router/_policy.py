@@ -1,13 +1,14 @@
-"""The routing-policy interface: what a policy sees (a request and a view of the cluster)
-and what it returns (an instance, optionally with a KV migration).
+"""The routing-policy interface: what a routing policy sees (a request and a view of the
+cluster) and what it returns (an instance, optionally with a KV migration).
 
-A policy is one subclass of :class:`RoutingPolicy` with a ``name`` and a ``route``
-method; defining the class registers it, and :func:`get_policy` builds it by name. The
-same objects drive the discrete-event simulator and (once the KV store lands) the real
-router, so a policy never touches engines or the store itself: everything it may use is
-in the :class:`ClusterView` it is handed.
+A routing policy is one subclass of :class:`RoutingPolicy` with a ``name`` and a
+``route`` method; defining the class registers it, and :func:`get_policy` builds it by
+name. The same objects drive the discrete-event simulator, the toy engine's router in
+``benchmarks/toy_engine`` and a router over real engines (its views built from the
+nodes' KV summaries by :func:`cluster_view`), so a routing policy never touches engines
+or the store itself: everything it may use is in the :class:`ClusterView` it is handed.
 
-Example, a policy that sends each session to a fixed instance::
+Example, a routing policy that sends each session to a fixed instance::
 
     class Sticky(RoutingPolicy):
         name = "sticky"
@@ -199,7 +200,7 @@ class RoutingPolicy(ABC):
     def route(self, request: Request, view: ClusterView) -> Decision:
         """Where ``request`` goes, given ``view``."""
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 (a no-op default: stateless policies keep it)
         """Forget any state kept between requests (a new run starts)."""
 
     def __repr__(self) -> str:
@@ -207,13 +208,13 @@ class RoutingPolicy(ABC):
 
 
 def available_policies() -> list[str]:
-    """The names of the registered policies, sorted."""
+    """The names of the registered routing policies, sorted."""
     return sorted(_REGISTRY)
 
 
 def get_policy(name: str | RoutingPolicy, **kw: Any) -> RoutingPolicy:
-    """A new instance of the policy registered as ``name``, built with ``kw`` (a policy
-    object is returned as is)."""
+    """A new instance of the routing policy registered as ``name``, built with ``kw``
+    (a routing policy object is returned as is)."""
     if isinstance(name, RoutingPolicy):
         return name
     try:

@@ -26,7 +26,8 @@ With ``contention`` set, instances share the host's CPU (processor sharing): whi
 speed, re-timed whenever one starts or ends.
 
 The defaults are a model whose prefill is linear in the tokens it computes; the costs
-measured from the real engine (``calibrate``) fill in all the terms.
+fitted on the toy engine (``benchmarks.toy_engine.calibrate``, see docs/routing.md)
+fill in all the terms.
 
 Hits are taken when the prefill starts, against the cache as it is then. Blocks are
 grouped into chains (the shared system prompt; a session's own context): a request
@@ -54,7 +55,8 @@ import numpy as np
 
 from tensordb.errors import InvalidInput
 
-from ._policy import Chain, ClusterView, InstanceState, Request, RoutingPolicy, get_policy
+from ._policy import Chain, ClusterView, Decision, Request, RoutingPolicy, get_policy
+from ._views import LoadTracker
 
 __all__ = ["BlockCache", "Costs", "RequestRecord", "SimResult", "saturation_rate",
            "simulate"]
@@ -214,7 +216,7 @@ class SimResult:
 
     @staticmethod
     def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """Summaries of repeated runs of one workload and policy as one: each numeric
+        """Summaries of repeated runs of one workload and routing policy as one: each numeric
         figure is its median over the runs, the rest is the first run's (one run on a
         busy host is off by more than a simulator is held to)."""
         out = dict(summaries[0])
@@ -248,34 +250,6 @@ class _Job:
         self.hits = (0, 0)
 
 
-class LoadTracker:
-    """The router's bookkeeping of one instance: queued and running tokens, their
-    EWMA, and when it last served each session (the simulator and the real router
-    keep the same)."""
-
-    __slots__ = ("queued", "running", "ewma", "ewma_t", "seen")
-
-    def __init__(self) -> None:
-        self.queued = 0
-        self.running = 0
-        self.ewma = 0.0
-        self.ewma_t = 0.0
-        self.seen: dict[Hashable, float] = {}
-
-    def advance(self, now: float, tau: float) -> None:
-        """Bring the EWMA of load up to ``now`` (load was constant since ewma_t)."""
-        dt = now - self.ewma_t
-        if dt > 0:
-            load = self.queued + self.running
-            self.ewma = load + (self.ewma - load) * math.exp(-dt / tau)
-            self.ewma_t = now
-
-    def state(self, instance: int, prefix_hits: int, session: Hashable) -> InstanceState:
-        """What a policy sees of this instance for a request of ``session``."""
-        return InstanceState(instance, prefix_hits, self.queued, self.running, self.ewma,
-                             self.seen.get(session))
-
-
 class _Instance(LoadTracker):
     __slots__ = ("cache", "queue", "busy")
 
@@ -289,156 +263,170 @@ class _Instance(LoadTracker):
 _PREFILL_DONE, _DECODE_DONE, _START, _RELEASE = 0, 1, 2, 3
 
 
-def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instances: int = 4,
-             costs: Costs | None = None, shared_store: bool = True,
-             ewma_tau: float = 5.0, cache_output: bool = True) -> SimResult:
-    """Run ``requests`` (sorted by arrival) through ``instances`` instances routed by
-    ``policy`` (a name or an object; it is ``reset()`` first). Returns a record per
-    request, in arrival order. ``cache_output``: the KV of the tokens an instance
-    decodes joins its cache (an engine that stops at the first token, as the router's
-    real one does, has none). Pure computation: blocks only for the CPU it takes."""
-    costs = costs or Costs()
-    if instances < 1 or ewma_tau <= 0:
-        raise InvalidInput(f"instances must be >= 1 and ewma_tau > 0, got {instances}, "
-                           f"{ewma_tau}")
-    pol = get_policy(policy)
-    pol.reset()
-    reqs: Sequence[Request] = requests if isinstance(requests, Sequence) else list(requests)
-    bt = costs.block_tokens
-    insts = [_Instance(costs.cache_capacity_blocks) for _ in range(instances)]
-    store = BlockCache(None) if shared_store else None
-    records: list[RequestRecord | None] = [None] * len(reqs)
-    heap: list[tuple[float, int, int, _Job]] = []
-    seq = 0
+class _Simulation:
+    """One run of :func:`simulate`: the instances, the shared store, the event heap.
 
-    running: list[_Job] = []  # prefills in progress, when they share the CPU
-    shared_t = 0.0
+    Heap entries are ``(time, kind, seq, job)``: ``kind`` orders events at the same
+    instant (see the module doc) and ``seq``, unique, keeps them in push order."""
 
-    def speed() -> float:
-        return 1.0 / (1.0 + costs.contention * max(0, len(running) - 1))
+    def __init__(self, policy: RoutingPolicy, instances: int, costs: Costs,
+                 shared_store: bool, ewma_tau: float, cache_output: bool,
+                 requests: int) -> None:
+        self.pol = policy
+        self.n = instances
+        self.costs = costs
+        self.bt = costs.block_tokens
+        self.tau = ewma_tau
+        self.cache_output = cache_output
+        self.insts = [_Instance(costs.cache_capacity_blocks) for _ in range(instances)]
+        self.store = BlockCache(None) if shared_store else None
+        self.records: list[RequestRecord | None] = [None] * requests
+        self.heap: list[tuple[float, int, int, _Job]] = []
+        self.seq = 0
+        self.running: list[_Job] = []  # prefills in progress, when they share the CPU
+        self.shared_t = 0.0
 
-    def share(now: float, job: _Job | None = None, add: bool = True) -> None:
-        """Processor sharing: charge the running prefills for the time since the last
-        change at the speed they had, add or remove ``job``, re-time their ends."""
-        nonlocal seq, shared_t
-        done = (now - shared_t) * speed()
-        for j in running:
+    def push(self, t: float, kind: int, job: _Job) -> int:
+        """Schedule ``kind`` for ``job`` at ``t``; returns the entry's ``seq``."""
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, job))
+        return self.seq
+
+    def drain(self, until: float = math.inf) -> None:
+        """Run every event due by ``until``, in order."""
+        heap = self.heap
+        while heap and heap[0][0] <= until:
+            t, kind, entry, job = heapq.heappop(heap)
+            if kind == _START:
+                self.start(job, t)
+            elif kind == _RELEASE:  # the tail after a first token is over
+                self.release(job, t)
+            elif kind == _PREFILL_DONE:
+                if entry == job.live:  # else re-timed since: a later entry ends it
+                    self.prefill_done(job, t)
+            else:
+                self.decode_done(job, t)
+
+    # -- processor sharing ---------------------------------------------------------------
+    def speed(self) -> float:
+        return 1.0 / (1.0 + self.costs.contention * max(0, len(self.running) - 1))
+
+    def share(self, now: float, job: _Job | None = None, add: bool = True) -> None:
+        """Charge the running prefills for the time since the last change at the speed
+        they had, add or remove ``job``, re-time their ends."""
+        done = (now - self.shared_t) * self.speed()
+        for j in self.running:
             j.left -= done
-        shared_t = now
+        self.shared_t = now
         if job is not None:
-            (running.append if add else running.remove)(job)
-        sp = speed()
-        for j in running:
-            seq += 1
-            j.live = seq
-            heapq.heappush(heap, (now + max(0.0, j.left) / sp, _PREFILL_DONE, seq, j))
+            (self.running.append if add else self.running.remove)(job)
+        sp = self.speed()
+        for j in self.running:
+            j.live = self.push(now + max(0.0, j.left) / sp, _PREFILL_DONE, j)
 
-    def record(job: _Job, start: float, end: float, kv: float) -> None:
+    # -- one instance's work -------------------------------------------------------------
+    def record(self, job: _Job, start: float, end: float, kv: float) -> None:
         req = job.req
         cover, loaded = job.hits
-        records[job.index] = RequestRecord(
+        bt = self.bt
+        self.records[job.index] = RequestRecord(
             req.session, req.turn, req.arrival, job.inst, start, end - req.arrival,
             req.input_tokens, cover * bt, loaded * bt, job.moved, queue=start - req.arrival,
             kv_load=kv, prefill=end - start - kv)
 
-    def start(job: _Job, now: float) -> None:
-        nonlocal seq
-        inst = insts[job.inst]
-        req = job.req
+    def start(self, job: _Job, now: float) -> None:
+        """The prefill of ``job`` starts: hits are taken against the caches as they are."""
+        costs, store = self.costs, self.store
+        inst = self.insts[job.inst]
         cover = max(inst.cache.match(job.chain), job.cover)
         loaded = max(0, store.match(job.chain) - cover) if store is not None else 0
         job.hits = (cover, loaded)
         kv = costs.hit_per_block * cover + costs.kv_load_per_block * loaded
-        work = costs.service(req.input_tokens, cover, loaded)
+        work = costs.service(job.req.input_tokens, cover, loaded)
         inst.cache.touch(job.chain)
         if costs.contention:
             job.started, job.work, job.kv, job.left = now, work, kv, work
-            share(now, job)
+            self.share(now, job)
             return
-        record(job, now, now + work, kv)
-        seq += 1
-        job.live = seq
-        heapq.heappush(heap, (now + work, _PREFILL_DONE, seq, job))
+        self.record(job, now, now + work, kv)
+        job.live = self.push(now + work, _PREFILL_DONE, job)
 
-    def try_start(i: int, now: float) -> None:
-        nonlocal seq
-        inst = insts[i]
+    def try_start(self, i: int, now: float) -> None:
+        inst = self.insts[i]
         if inst.busy or not inst.queue:
             return
         job = inst.queue.popleft()
         inst.busy = True
         if job.ready > now:
-            seq += 1
-            heapq.heappush(heap, (job.ready, _START, seq, job))
+            self.push(job.ready, _START, job)
         else:
-            start(job, now)
+            self.start(job, now)
 
-    def handle(now: float, kind: int, job: _Job, entry: int) -> None:
-        nonlocal seq
-        inst = insts[job.inst]
+    def release(self, job: _Job, now: float) -> None:
+        self.insts[job.inst].busy = False
+        self.try_start(job.inst, now)
+
+    def prefill_done(self, job: _Job, now: float) -> None:
+        costs = self.costs
+        inst = self.insts[job.inst]
         req = job.req
-        if kind == _START:
-            start(job, now)
-        elif kind == _RELEASE:  # the tail after a first token is over
-            inst.busy = False
-            try_start(job.inst, now)
-        elif kind == _PREFILL_DONE:
-            if entry != job.live:  # re-timed since: a later entry ends it
-                return
-            if costs.contention:
-                share(now, job, add=False)
-                elapsed = now - job.started
-                record(job, job.started, now,
-                       job.kv * elapsed / job.work if job.work else 0.0)
-            inst.advance(now, ewma_tau)
-            inst.queued -= job.est
-            inst.running += req.input_tokens + req.output_tokens
-            if store is not None:
-                store.touch(job.chain)
-            seq += 1
-            heapq.heappush(heap, (now + costs.decode_per_token * req.output_tokens,
-                                  _DECODE_DONE, seq, job))
-            if costs.request_tail:
-                seq += 1
-                heapq.heappush(heap, (now + costs.request_tail, _RELEASE, seq, job))
-            else:
-                inst.busy = False
-                try_start(job.inst, now)
-        else:  # decode done: the output's KV now extends the session's context
-            inst.advance(now, ewma_tau)
-            inst.running -= req.input_tokens + req.output_tokens
-            if not cache_output:
-                return
-            full = req.chain(bt, req.input_tokens + req.output_tokens)
-            inst.cache.touch(full)
-            if store is not None:
-                store.touch(full)
+        if costs.contention:
+            self.share(now, job, add=False)
+            elapsed = now - job.started
+            self.record(job, job.started, now,
+                        job.kv * elapsed / job.work if job.work else 0.0)
+        inst.advance(now, self.tau)
+        inst.queued -= job.est
+        inst.running += req.input_tokens + req.output_tokens
+        if self.store is not None:
+            self.store.touch(job.chain)
+        self.push(now + costs.decode_per_token * req.output_tokens, _DECODE_DONE, job)
+        if costs.request_tail:
+            self.push(now + costs.request_tail, _RELEASE, job)
+        else:
+            self.release(job, now)
 
-    last_arrival = -math.inf
-    for index, req in enumerate(reqs):
-        now = req.arrival
-        if now < last_arrival:
-            raise InvalidInput(f"requests must be sorted by arrival: request {index} "
-                               f"(session {req.session!r}) arrives at {now} after one at "
-                               f"{last_arrival}")
-        last_arrival = now
-        while heap and heap[0][0] <= now:
-            t, kind, entry, job = heapq.heappop(heap)
-            handle(t, kind, job, entry)
-        chain = req.chain(bt)
+    def decode_done(self, job: _Job, now: float) -> None:
+        """The output's KV now extends the session's context."""
+        inst = self.insts[job.inst]
+        req = job.req
+        inst.advance(now, self.tau)
+        inst.running -= req.input_tokens + req.output_tokens
+        if not self.cache_output:
+            return
+        full = req.chain(self.bt, req.input_tokens + req.output_tokens)
+        inst.cache.touch(full)
+        if self.store is not None:
+            self.store.touch(full)
+
+    # -- the router ----------------------------------------------------------------------
+    def route(self, req: Request, chain: Chain, now: float) -> tuple[Decision, list[int]]:
+        """The routing policy's decision for ``req`` (checked) and each instance's leading
+        blocks of ``chain``."""
+        bt = self.bt
         states = []
         matches = []
-        for i, inst in enumerate(insts):
-            inst.advance(now, ewma_tau)
+        for i, inst in enumerate(self.insts):
+            inst.advance(now, self.tau)
             m = inst.cache.match(chain)
             matches.append(m)
             states.append(inst.state(i, m * bt, req.session))
-        dec = pol.route(req, ClusterView(tuple(states), now, bt))
+        dec = self.pol.route(req, ClusterView(tuple(states), now, bt))
+        n = self.n
+        if not 0 <= dec.instance < n or (
+                dec.migrate_from is not None and not 0 <= dec.migrate_from < n):
+            raise InvalidInput(f"policy {self.pol.name!r} chose instance {dec.instance} "
+                               f"(migrating from {dec.migrate_from}) of {n}")
+        return dec, matches
+
+    def arrive(self, index: int, req: Request) -> None:
+        """Run what is due by ``req``'s arrival, route it and queue it."""
+        now = req.arrival
+        self.drain(now)
+        chain = req.chain(self.bt)
+        dec, matches = self.route(req, chain, now)
+        costs = self.costs
         target = dec.instance
-        if not 0 <= target < instances or (
-                dec.migrate_from is not None and not 0 <= dec.migrate_from < instances):
-            raise InvalidInput(f"policy {pol.name!r} chose instance {target} (migrating "
-                               f"from {dec.migrate_from}) of {instances}")
         cover, moved, ready = matches[target], 0, now + costs.dispatch_latency
         if dec.migrate_from is not None:
             moved = max(0, matches[dec.migrate_from] - cover)
@@ -449,25 +437,49 @@ def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instan
             # which prefetches: three hand-offs beside the transfer
             ready = now + (3 * costs.dispatch_latency if moved else costs.dispatch_latency) \
                 + moved * costs.transfer_per_block
-        est = req.input_tokens - cover * bt
-        inst = insts[target]
+        est = req.input_tokens - cover * self.bt
+        inst = self.insts[target]
         inst.queued += est
         inst.seen[req.session] = now
         inst.queue.append(_Job(req, chain, target, est, ready, cover, moved, index))
-        try_start(target, now)
-    while heap:
-        t, kind, entry, job = heapq.heappop(heap)
-        handle(t, kind, job, entry)
-    return SimResult(pol.name, [r for r in records if r is not None])
+        self.try_start(target, now)
+
+
+def simulate(requests: Iterable[Request], policy: str | RoutingPolicy, *, instances: int = 4,
+             costs: Costs | None = None, shared_store: bool = True,
+             ewma_tau: float = 5.0, cache_output: bool = True) -> SimResult:
+    """Run ``requests`` (sorted by arrival) through ``instances`` instances routed by
+    ``policy`` (a name or an object; it is ``reset()`` first). Returns a record per
+    request, in arrival order. ``cache_output``: the KV of the tokens an instance
+    decodes joins its cache (an engine that stops at the first token, as the toy
+    engine does, has none). Pure computation: blocks only for the CPU it takes."""
+    costs = costs or Costs()
+    if instances < 1 or ewma_tau <= 0:
+        raise InvalidInput(f"instances must be >= 1 and ewma_tau > 0, got {instances}, "
+                           f"{ewma_tau}")
+    pol = get_policy(policy)
+    pol.reset()
+    reqs: Sequence[Request] = requests if isinstance(requests, Sequence) else list(requests)
+    sim = _Simulation(pol, instances, costs, shared_store, ewma_tau, cache_output, len(reqs))
+    last_arrival = -math.inf
+    for index, req in enumerate(reqs):
+        if req.arrival < last_arrival:
+            raise InvalidInput(f"requests must be sorted by arrival: request {index} "
+                               f"(session {req.session!r}) arrives at {req.arrival} after "
+                               f"one at {last_arrival}")
+        last_arrival = req.arrival
+        sim.arrive(index, req)
+    sim.drain()
+    return SimResult(pol.name, [r for r in sim.records if r is not None])
 
 
 def saturation_rate(requests: Sequence[Request], costs: Costs | None = None,
                     instances: int = 4, cache_output: bool = True) -> float:
-    """Sessions per second at which ``instances`` are fully busy with the work no policy
-    can avoid: each turn's new tokens (beyond the previous turn's prompt and output, and
-    beyond the shared system prompt) prefilled, every reused block a hit in the
-    instance's own cache, instances slowed by each other's ``contention``. Past this
-    rate every policy's queues grow without bound; a load sweep is expressed as
+    """Sessions per second at which ``instances`` are fully busy with the work no
+    routing policy can avoid: each turn's new tokens (beyond the previous turn's prompt
+    and output, and beyond the shared system prompt) prefilled, every reused block a hit
+    in the instance's own cache, instances slowed by each other's ``contention``. Past this
+    rate every routing policy's queues grow without bound; a load sweep is expressed as
     fractions of it."""
     costs = costs or Costs()
     bt = costs.block_tokens

@@ -6,7 +6,7 @@ tool output that came back (lognormal length), so each turn's prompt extends the
 Sessions start as a Poisson process at ``rate`` per second; within a session the gap
 from one request's arrival to the next is lognormal with median ``gap_median`` (the
 paper's traces: 8.2, 20.1 and 60.3 s). Arrivals are open-loop (fixed by the workload,
-not by how fast the cluster answers), so every policy sees the same requests.
+not by how fast the cluster answers), so every routing policy sees the same requests.
 
 Session contents are drawn from one random stream and start times from another, so a
 load sweep (the same seed at several rates) replays the same sessions, only closer

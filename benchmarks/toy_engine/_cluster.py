@@ -1,23 +1,27 @@
-"""The router over real engine processes: a workload, a policy, N instances.
+"""The toy engine's router: a workload, a routing policy, N toy engine processes.
 
-:class:`Cluster` starts one process per instance (``_engine.instance_main``: the tiny
-model, a bounded local KV cache, the shared tensordb KV store) and :meth:`Cluster.run`
-feeds a workload to them through a routing policy with real wall-clock arrivals.
+:class:`ToyCluster` starts one process per instance (``_instance.instance_main``: the
+tiny model, a bounded local KV cache, the shared tensordb KV store) and
+:meth:`ToyCluster.run` feeds a workload to them through a routing policy with real
+wall-clock arrivals.
 
-What the policy sees is live, and the same as in the simulator:
+What the routing policy sees is live, and the same as in the simulator:
 
 * ``prefix_hits``: from each instance's published summary of its local cache (the keys
-  it holds; an instance sends the change as each prefill starts);
+  it holds; an instance sends the change as each prefill starts), read through
+  ``engine_bindings.router.cluster_view`` as a router of real engines reads the nodes'
+  ``tensordb.KVNodeSummary``;
 * ``queued_tokens``: prompt tokens routed to the instance whose prefill has not ended,
-  less what its cache covered when routed; ``running_tokens``: 0 (the engine stops at
-  the first token); ``load_ewma``: an EWMA of their sum with time constant ``ewma_tau``.
+  less what its cache covered when routed; ``running_tokens``: 0 (the toy engine stops
+  at the first token); ``load_ewma``: an EWMA of their sum with time constant
+  ``ewma_tau``.
 
 A decision that migrates KV runs through the store: the request is queued on the
 target at once; the source publishes the blocks it holds (those the store lacks) and
 the target prefetches them into buffers of its own while the request waits, then
 adopts them when its prefill starts. Token ids are drawn per session from a seed
 (:class:`PromptTokens`), so a session's turns share their prefix and every session
-shares the system prompt, which is what makes the engine's KV keys hit.
+shares the system prompt, which is what makes the toy engine's KV keys hit.
 """
 
 from __future__ import annotations
@@ -33,15 +37,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 import tensordb
+from engine_bindings.router import (
+    LoadTracker,
+    Request,
+    RequestRecord,
+    RoutingPolicy,
+    SimResult,
+    cluster_view,
+    get_policy,
+)
 from tensordb.errors import InvalidInput, NodeUnavailable
 
-from ._engine import EngineConfig, Job, Served, clock, instance_main, open_kv
-from ._policy import ClusterView, Request, RoutingPolicy, get_policy
-from ._sim import LoadTracker, RequestRecord, SimResult
+from ._engine import Job, Served, ToyEngineConfig, clock, open_kv
+from ._instance import instance_main
 
-__all__ = ["Cluster", "PromptTokens"]
+__all__ = ["PromptTokens", "ToyCluster"]
 
 _RUN_MESSAGES = ("start", "done", "published", "prefetched")
 
@@ -74,15 +87,28 @@ class PromptTokens:
 
 
 class _Inst(LoadTracker):
-    __slots__ = ("held",)
+    """The router's bookkeeping of one instance, and the summary of its local cache the
+    instance publishes: exactly the keys it holds (no false positives, unlike a Bloom
+    filter), read as a ``BlockSummary``."""
 
-    def __init__(self) -> None:
+    __slots__ = ("block_tokens", "held")
+
+    def __init__(self, block_tokens: int) -> None:
         super().__init__()
-        self.held: set[bytes] = set()  # the instance's published cache summary
+        self.block_tokens = block_tokens
+        self.held: set[bytes] = set()
+
+    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.held:
+                break
+            n += 1
+        return n
 
 
-class Cluster:
-    """``instances`` engine processes sharing one tensordb store.
+class ToyCluster:
+    """``instances`` toy engine processes sharing one tensordb store.
 
     ``home`` (default: a temporary directory, removed on close) and ``url`` pick the
     store, as ``tensordb.connect`` does. Processes start in ``start_method`` mode
@@ -93,7 +119,7 @@ class Cluster:
     faults in their first slabs that later runs do not. Not thread-safe: one run at a
     time."""
 
-    def __init__(self, instances: int, engine: EngineConfig | None = None, *,
+    def __init__(self, instances: int, engine: ToyEngineConfig | None = None, *,
                  home: str | Path | None = None, url: str | None = None,
                  start_method: str = "forkserver", timeout: float = 120.0,
                  warm_bytes: int | None = None) -> None:
@@ -106,9 +132,10 @@ class Cluster:
                                        not isinstance(warm_bytes, int) or warm_bytes < 0):
             raise InvalidInput(f"warm_bytes must be an int >= 0, not {warm_bytes!r}")
         self.n = instances
-        self.cfg = engine or EngineConfig()
+        self.cfg = engine or ToyEngineConfig()
         self.timeout = timeout
-        self._tmp = None if home is not None else Path(tempfile.mkdtemp(prefix="tensordb-router-"))
+        self._tmp = None if home is not None else Path(
+            tempfile.mkdtemp(prefix="tensordb-toy-engine-"))
         root = Path(home) if home is not None else self._tmp
         assert root is not None
         self.connect_kw: dict[str, Any] = {"url": url, "home": root, "data_dir": root / "data"}
@@ -119,7 +146,7 @@ class Cluster:
                    else min(warm_bytes, self.cfg.store_bytes))
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":  # one import of torch for all instances
-            ctx.set_forkserver_preload(["torch", "tensordb", "engine_bindings.router._engine"])
+            ctx.set_forkserver_preload(["torch", "tensordb", "benchmarks.toy_engine._instance"])
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(instances)]
         self._procs = [ctx.Process(target=instance_main, name=f"tensordb-instance-{i}",
@@ -145,11 +172,11 @@ class Cluster:
             except queue.Empty:
                 dead = [p.name for p in self._procs if not p.is_alive()]
                 if dead or clock() > deadline:
-                    raise NodeUnavailable(f"router instances {dead or 'all'} "
+                    raise NodeUnavailable(f"toy engine instances {dead or 'all'} "
                                           f"{'died' if dead else 'did not answer'}") from None
                 continue
             if msg[0] == "error":
-                raise NodeUnavailable(f"router instance {msg[1]} failed:\n{msg[2]}")
+                raise NodeUnavailable(f"toy engine instance {msg[1]} failed:\n{msg[2]}")
             return msg
         return None
 
@@ -161,7 +188,7 @@ class Cluster:
             if msg[0] == kind:
                 out.append(msg)
             elif msg[0] not in _RUN_MESSAGES:  # those are late news of a run that failed
-                raise NodeUnavailable(f"router: expected {kind!r} from the instances, got "
+                raise NodeUnavailable(f"toy cluster: expected {kind!r} from the instances, got "
                                       f"{msg[0]!r}")
         return out
 
@@ -169,8 +196,6 @@ class Cluster:
         """Have the store's arena take its shared-memory pages now: the first blocks
         into a fresh slab pay for faulting it in, which is set-up, not a request's
         time."""
-        import torch
-
         block = torch.zeros(self.cfg.model.block_shape(self.cfg.block_tokens))
         keys = [b"warm-%d" % i for i in range(max(1, nbytes // self.cfg.block_nbytes))]
         for lo in range(0, len(keys), 64):
@@ -192,8 +217,8 @@ class Cluster:
             self._stored = []
 
     def calibrate(self, instance: int = 0, **spec: Any) -> dict[str, Any]:
-        """Run ``_calibrate.measure_engine`` inside instance ``instance`` (its own
-        process, threads and store) and return the measurements."""
+        """Run ``measure_toy_engine`` inside instance ``instance`` (its own process,
+        threads and store) with ``spec`` and return the measurements."""
         self._inboxes[instance].put(("calibrate", spec))
         return self._expect("calibrated", 1)[0][2]
 
@@ -218,7 +243,6 @@ class Cluster:
             if requests[i].arrival < requests[i - 1].arrival:
                 raise InvalidInput(f"requests must be sorted by arrival: request {i} "
                                    f"(session {requests[i].session!r}) comes too early")
-        bt = self.cfg.block_tokens
         self.reset()
         toks = PromptTokens(self.cfg.model.vocab, seed)
         jobs = []
@@ -226,108 +250,21 @@ class Cluster:
             t = toks(r)
             jobs.append((t, tuple(self.kv.keys(t))))
         self._stored = sorted({k for _, keys in jobs for k in keys})
-        insts = [_Inst() for _ in range(self.n)]
-        lock = threading.Lock()
-        served: dict[int, Served] = {}
-        est: dict[int, int] = {}
-        pending: dict[int, tuple[int, int, tuple[bytes, ...]]] = {}  # mid -> target
-        failure: list[BaseException] = []
-        done = threading.Event()
-        stop = threading.Event()
-        t0 = clock() + 0.05
-
-        def collect() -> None:
-            try:
-                while len(served) < len(requests):
-                    msg = self._get(stop)
-                    if msg is None:
-                        return
-                    with lock:
-                        kind, i = msg[0], msg[1]
-                        inst = insts[i]
-                        if kind == "start":
-                            inst.held.difference_update(msg[4])
-                            inst.held.update(msg[3])
-                        elif kind == "done":
-                            s: Served = msg[2]
-                            inst.advance(s.end - t0, ewma_tau)
-                            inst.queued -= est[s.rid]
-                            served[s.rid] = s
-                        elif kind == "published":
-                            target, rid, keys = pending.pop(msg[2])
-                            self._inboxes[target].put(("prefetch", rid, keys))
-            except BaseException as exc:  # handed to the arrival loop
-                failure.append(exc)
-            finally:
-                done.set()
-
-        collector = threading.Thread(target=collect, name="router-collect", daemon=True)
+        run = _Run(self, requests, jobs, pol, ewma_tau)
+        collector = threading.Thread(target=run.collect, name="router-collect", daemon=True)
         collector.start()
         try:
-            for rid, req in enumerate(requests):
-                delay = t0 + req.arrival - clock()
-                if delay > 0 and done.wait(delay):
-                    break
-                tokens, keys = jobs[rid]
-                now = req.arrival
-                with lock:
-                    states = []
-                    for i, inst in enumerate(insts):
-                        inst.advance(now, ewma_tau)
-                        m = 0
-                        for k in keys:
-                            if k not in inst.held:
-                                break
-                            m += 1
-                        states.append(inst.state(i, m * bt, req.session))
-                    dec = pol.route(req, ClusterView(tuple(states), now, bt))
-                    tgt = dec.instance
-                    src = dec.migrate_from
-                    if not 0 <= tgt < self.n or (src is not None and not 0 <= src < self.n):
-                        raise InvalidInput(f"policy {pol.name!r} chose instance {tgt} "
-                                           f"(migrating from {src}) of {self.n}")
-                    cover = states[tgt].prefix_hits // bt
-                    n_move = 0
-                    if src is not None:
-                        n_move = max(0, states[src].prefix_hits // bt - cover)
-                        if dec.blocks:
-                            n_move = min(n_move, dec.blocks)
-                    move_keys = keys[cover:cover + n_move]
-                    est[rid] = req.input_tokens - (cover + n_move) * bt
-                    insts[tgt].queued += est[rid]
-                    insts[tgt].seen[req.session] = now
-                    if n_move:
-                        pending[rid] = (tgt, rid, move_keys)
-                self._inboxes[tgt].put(("job", Job(rid, tokens, keys, t0 + req.arrival,
-                                                   migrated=bool(n_move))))
-                if n_move:
-                    assert src is not None
-                    self._inboxes[src].put(("publish", rid, move_keys))
-        except BaseException:
-            stop.set()  # late news of this run is dropped by the next reset
-            with lock:  # no migrated request may wait for a prefetch that never comes
-                for target, rid, _ in pending.values():
-                    self._inboxes[target].put(("prefetch", rid, ()))
-            raise
+            run.feed()
         finally:
             collector.join()
-        if failure:
-            raise failure[0]
-        records = []
-        for rid, req in enumerate(requests):
-            s = served[rid]
-            arrival = t0 + req.arrival
-            records.append(RequestRecord(
-                req.session, req.turn, req.arrival, s.instance, s.start - t0,
-                s.end - arrival, req.input_tokens, (s.local_blocks + s.migrated_blocks) * bt,
-                s.loaded_blocks * bt, s.migrated_blocks,
-                queue=s.start - arrival, kv_load=s.kv_load, prefill=s.prefill))
-        return SimResult(pol.name, records)
+        if run.failure:
+            raise run.failure[0]
+        return SimResult(pol.name, run.records())
 
     def close(self) -> None:
         """Stop the instances and remove the run's store namespaces (idempotent)."""
         procs, self._procs = self._procs, []
-        for p, q in zip(procs, self._inboxes):
+        for p, q in zip(procs, self._inboxes, strict=False):  # procs: [] once closed
             if p.is_alive():
                 q.put(("stop",))
         for p in procs:
@@ -346,8 +283,132 @@ class Cluster:
                 if self._tmp is not None:
                     shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> ToyCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Run:
+    """One run of :meth:`ToyCluster.run`: the router's view of each instance, what was
+    served, and the migrations in flight. The arrival loop (:meth:`feed`, the caller's
+    thread) and the collector (:meth:`collect`, a thread of its own) share it under
+    ``lock``."""
+
+    def __init__(self, cluster: ToyCluster, requests: Sequence[Request],
+                 jobs: list[tuple[np.ndarray, tuple[bytes, ...]]], policy: RoutingPolicy,
+                 ewma_tau: float) -> None:
+        self.cluster = cluster
+        self.requests = requests
+        self.jobs = jobs
+        self.pol = policy
+        self.tau = ewma_tau
+        self.bt = cluster.cfg.block_tokens
+        self.insts = [_Inst(self.bt) for _ in range(cluster.n)]
+        self.lock = threading.Lock()
+        self.served: dict[int, Served] = {}
+        self.est: dict[int, int] = {}
+        self.pending: dict[int, tuple[int, int, tuple[bytes, ...]]] = {}  # mid -> target
+        self.failure: list[BaseException] = []
+        self.done = threading.Event()
+        self.stop = threading.Event()
+        self.t0 = clock() + 0.05
+
+    def collect(self) -> None:
+        """The instances' news until every request is served, the run is stopped or
+        an instance fails (the failure is handed to the arrival loop)."""
+        try:
+            while len(self.served) < len(self.requests):
+                msg = self.cluster._get(self.stop)
+                if msg is None:
+                    return
+                with self.lock:
+                    self._on_message(msg)
+        except BaseException as exc:  # handed to the arrival loop
+            self.failure.append(exc)
+        finally:
+            self.done.set()
+
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        kind, inst = msg[0], self.insts[msg[1]]
+        if kind == "start":
+            inst.held.difference_update(msg[4])
+            inst.held.update(msg[3])
+        elif kind == "done":
+            s: Served = msg[2]
+            inst.advance(s.end - self.t0, self.tau)
+            inst.queued -= self.est[s.rid]
+            self.served[s.rid] = s
+        elif kind == "published":
+            target, rid, keys = self.pending.pop(msg[2])
+            self.cluster._inboxes[target].put(("prefetch", rid, keys))
+
+    def _route(self, rid: int, req: Request) -> tuple[int, int | None, tuple[bytes, ...]]:
+        """Route request ``rid`` on the live view (the caller holds the lock) and count
+        it in its instance's queue; returns ``(target, source, keys to move)``."""
+        keys = self.jobs[rid][1]
+        now = req.arrival
+        n, bt = self.cluster.n, self.bt
+        for inst in self.insts:
+            inst.advance(now, self.tau)
+        view = cluster_view(self.insts, keys, time=now, loads=self.insts,
+                            session=req.session)
+        dec = self.pol.route(req, view)
+        tgt, src = dec.instance, dec.migrate_from
+        if not 0 <= tgt < n or (src is not None and not 0 <= src < n):
+            raise InvalidInput(f"policy {self.pol.name!r} chose instance {tgt} "
+                               f"(migrating from {src}) of {n}")
+        states = view.instances
+        cover = states[tgt].prefix_hits // bt
+        n_move = 0
+        if src is not None:
+            n_move = max(0, states[src].prefix_hits // bt - cover)
+            if dec.blocks:
+                n_move = min(n_move, dec.blocks)
+        move_keys = keys[cover:cover + n_move]
+        self.est[rid] = req.input_tokens - (cover + n_move) * bt
+        self.insts[tgt].queued += self.est[rid]
+        self.insts[tgt].seen[req.session] = now
+        if n_move:
+            self.pending[rid] = (tgt, rid, move_keys)
+        return tgt, src, move_keys
+
+    def feed(self) -> None:
+        """Each request at its arrival time: routed, then sent to its instance (and a
+        migration's source told to publish). Stops early when the collector ends; on
+        any error the run is stopped and no migrated request is left waiting."""
+        inboxes = self.cluster._inboxes
+        try:
+            for rid, req in enumerate(self.requests):
+                delay = self.t0 + req.arrival - clock()
+                if delay > 0 and self.done.wait(delay):
+                    break
+                tokens, keys = self.jobs[rid]
+                with self.lock:
+                    tgt, src, move_keys = self._route(rid, req)
+                inboxes[tgt].put(("job", Job(rid, tokens, keys, self.t0 + req.arrival,
+                                             migrated=bool(move_keys))))
+                if move_keys:
+                    assert src is not None
+                    inboxes[src].put(("publish", rid, move_keys))
+        except BaseException:
+            self.stop.set()  # late news of this run is dropped by the next reset
+            with self.lock:  # no migrated request may wait for a prefetch that never comes
+                for target, rid, _ in self.pending.values():
+                    inboxes[target].put(("prefetch", rid, ()))
+            raise
+
+    def records(self) -> list[RequestRecord]:
+        """A record per request, in arrival order (every request was served)."""
+        bt, t0 = self.bt, self.t0
+        out = []
+        for rid, req in enumerate(self.requests):
+            s = self.served[rid]
+            arrival = t0 + req.arrival
+            out.append(RequestRecord(
+                req.session, req.turn, req.arrival, s.instance, s.start - t0,
+                s.end - arrival, req.input_tokens, (s.local_blocks + s.migrated_blocks) * bt,
+                s.loaded_blocks * bt, s.migrated_blocks,
+                queue=s.start - arrival, kv_load=s.kv_load, prefill=s.prefill))
+        return out

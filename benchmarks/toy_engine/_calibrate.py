@@ -1,24 +1,19 @@
-"""Calibration: the simulator's cost model measured from the real engine.
+"""Calibration: the simulator's cost model fitted on the toy engine.
 
-:func:`measure_engine` runs inside an engine instance (its process, threads and store)
-and times the pieces a request's TTFT is made of:
-
-* prefill: the model computing ``n`` tokens after ``p`` cached ones, over a grid of
-  ``(n, p)``; attention makes it grow with ``n * p`` as well as ``n``;
-* a local hit: taking a block from the instance's own cache;
-* a store load: ``match`` + ``get_into`` of a block from the shared tensordb KV store;
-* a transfer (migration): the source's ``publish`` plus the target's ``prefetch``.
+``_instance.measure_toy_engine`` runs inside a toy engine instance (its process,
+threads and store) and times the pieces a request's TTFT is made of: the prefill over a
+grid of new and cached tokens, a local hit, a store load and a migration per block.
 
 :func:`fit_costs` turns the measurements into :class:`Costs`: a least-squares fit, in
 relative error, of ``prefill = overhead + a n + b (n p + n (n + 1) / 2) + c p`` (the
 ``c p`` term, stacking the cached blocks for attention, is charged to each cached block
-as part of its hit or load cost), the measured per-block costs, and the engine's cache
-capacity. :func:`calibrate` does both on a running :class:`Cluster`.
+as part of its hit or load cost), the measured per-block costs, and the toy engine's
+cache capacity. :func:`calibrate` does both on a running :class:`ToyCluster`.
 
 A bare probe does not see what a loaded run gets on a host with no core to spare (the
-router and the engines' saving threads take CPU too). :func:`fit_under_load` runs loaded
-workloads on the cluster and :func:`fit_records` fits, on every request's record, the
-contention, the per-request overhead, the compute speed and the hand-offs.
+router and the toy engines' saving threads take CPU too). :func:`fit_under_load` runs
+loaded workloads on the cluster and :func:`fit_records` fits, on every request's record,
+the contention, the per-request overhead, the compute speed and the hand-offs.
 """
 
 from __future__ import annotations
@@ -26,122 +21,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import statistics
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import torch
 
+from engine_bindings.router import Costs, Request, RequestRecord, SimResult, simulate
 from tensordb.errors import InvalidInput
 
-from ._model import split_blocks
-from ._sim import Costs, RequestRecord, SimResult
+from ._cluster import ToyCluster
+from ._engine import ToyEngineConfig
 
-if TYPE_CHECKING:
-    from ._cluster import Cluster
-    from ._engine import Engine, EngineConfig
-    from ._policy import Request
-
-__all__ = ["calibrate", "dispatch_overhead", "fit_costs", "fit_records", "fit_under_load",
-           "measure_engine", "recalibrate"]
+__all__ = ["CONTENTION_GRID", "PROBE_REPS", "calibrate", "dispatch_overhead", "fit_costs",
+           "fit_error", "fit_records", "fit_under_load", "recalibrate"]
 
 
-def _timed(fn: Any, reps: int, stat: Any = statistics.mean) -> float:
-    """``stat`` (default the mean) of ``reps`` timings of ``fn()`` after one warm-up
-    call. The cost grid takes the mean, not the median, because a queue of requests
-    feels the slow ones too; a speed probe takes the fastest, because it compares the
-    host with itself, and repetitions slowed by something passing (a preemption, the
-    allocator faulting pages back in after a cache was emptied) must not rescale a
-    whole run."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(stat(ts))
-
-
-def measure_engine(engine: Engine, *, new_tokens: Sequence[int] = (32, 128, 384),
-                   past_tokens: Sequence[int] = (0, 256, 1024), reps: int = 3,
-                   blocks: int = 16, seed: int = 0, probe: bool = False) -> dict[str, Any]:
-    """Time ``engine``'s parts (see the module doc). Runs in the calling thread for a
-    few seconds; touches the engine's store only under keys of its own, removed
-    before it returns, and leaves the local cache as it was. ``probe``: only the
-    prefill grid, each point the fastest of its repetitions (a speed probe)."""
-    if reps < 1 or blocks < 1 or not new_tokens or not past_tokens:
-        raise InvalidInput("calibration needs reps >= 1, blocks >= 1 and token grids")
-    cfg = engine.cfg
-    bt = cfg.block_tokens
-    rng = np.random.default_rng(seed)
-    model = engine.model
-    longest = max(past_tokens) // bt * bt
-    prefix = torch.from_numpy(rng.integers(0, cfg.model.vocab, longest + max(new_tokens)))
-    cached = split_blocks(model.prefill(prefix[:longest])[1], 0, bt) if longest else []
-    prefill = []
-    for p in past_tokens:
-        nb = p // bt
-        for n in new_tokens:
-            toks = prefix[nb * bt:nb * bt + n]
-            past = torch.stack(cached[:nb]) if nb else None
-            t = _timed(lambda: model.prefill(toks, past), reps,
-                       min if probe else statistics.mean)
-            prefill.append((n, nb * bt, t))
-    if probe:
-        return {"prefill": prefill}
-    shape = cfg.model.block_shape(bt)
-    data = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
-            for i in range(blocks)]
-    keys = [os.urandom(16) for _ in range(blocks)]
-    out: dict[str, Any] = {"prefill": prefill, "block_nbytes": cfg.block_nbytes,
-                           "threads": torch.get_num_threads()}
-    # a local hit: the cache's lookup of a held run of blocks
-    from ._engine import LocalCache
-
-    local = LocalCache(blocks)
-    local.reserve(keys)
-    local.fill(keys, data)
-    # every cached block, local or loaded, is then stacked into the prefill's past
-    out["stack_per_block"] = _timed(lambda: torch.stack(data), reps) / blocks
-    out["hit_per_block"] = _timed(lambda: local.lookup(keys), reps) / blocks
-    kv = engine.kv
-    if kv is None:
-        return out
-    try:
-        t = time.perf_counter()
-        kv.put(keys, data)
-        out["save_per_block"] = (time.perf_counter() - t) / blocks
-
-        def load() -> None:
-            n = kv.match(keys)
-            kv.get_into(keys[:n], [torch.empty(shape) for _ in range(n)])
-
-        out["load_per_block"] = _timed(load, reps) / blocks
-        # a migration: the source publishes (the store lacks the blocks), the target
-        # prefetches them
-        saved = engine.cache
-        engine.cache = local
-        try:
-            def move() -> None:
-                kv.delete(keys)
-                engine.publish(keys)
-                engine.prefetch(-1, keys)
-
-            out["transfer_per_block"] = _timed(move, reps) / blocks
-        finally:
-            engine.cache = saved
-            engine._moved.pop(-1, None)
-    finally:
-        kv.delete(keys)
-    return out
-
-
-def fit_costs(measured: dict[str, Any], cfg: EngineConfig, contention: float = 0.0
+def fit_costs(measured: dict[str, Any], cfg: ToyEngineConfig, contention: float = 0.0
               ) -> Costs:
-    """The simulator's costs for an engine of ``cfg`` from :func:`measure_engine`'s
+    """The simulator's costs for a toy engine of ``cfg`` from ``measure_toy_engine``'s
     result (see the module doc for the model fitted); ``contention``: how much longer
     a prefill takes per other instance prefilling beside it (instances sharing a CPU;
     0 when each has cores of its own)."""
@@ -180,12 +78,12 @@ def fit_error(measured: dict[str, Any], costs: Costs) -> float:
 CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
 
 
-#: repetitions of a speed probe (the fastest is taken): about half a second at the
-#: default grid's longest point, longer than the slow spells seen on a shared host
+#: repetitions of a speed probe (the fastest is taken): enough to outlast the slow
+#: spells of a shared host (docs/routing.md has the figures)
 PROBE_REPS = 15
 
 
-def _probe(cluster: Cluster, n: int, p: int, spec: dict[str, Any], *,
+def _probe(cluster: ToyCluster, n: int, p: int, spec: dict[str, Any], *,
            together: bool = True) -> tuple[float, float | None]:
     """One grid point's prefill time (the fastest of ``PROBE_REPS``) in instance 0
     alone, then (``together``) in all at once: the mean over the instances of each
@@ -208,8 +106,8 @@ def _contention(instances: int, alone: float, together: float) -> float:
     return min(max(CONTENTION_GRID), max(0.0, (together / alone - 1) / (instances - 1)))
 
 
-def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
-    """Measure ``cluster``'s engines and fit the simulator's costs; returns ``(costs,
+def calibrate(cluster: ToyCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
+    """Measure ``cluster``'s toy engines and fit the simulator's costs; returns ``(costs,
     measurements)``. The grid is measured in instance 0 alone; then its longest point
     (the least noisy) alone and in every instance at once: how much slower the latter
     is, spread over the other instances, is ``Costs.contention`` (the host's CPU as the
@@ -229,7 +127,7 @@ def calibrate(cluster: Cluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     return costs, m
 
 
-def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
+def dispatch_overhead(cluster: ToyCluster, costs: Costs, *, requests: int = 12,
                       spacing: float = 0.05) -> tuple[float, float]:
     """What a request costs beyond its prefill, measured end to end: a few requests
     that never queue (``spacing`` apart, round robin, fresh sessions: nothing cached)
@@ -237,11 +135,8 @@ def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
     the same requests with ``costs``. Returns ``(latency, busy)``: ``latency``, the
     median wait before an idle instance starts a request (the hand-off from the router
     to its worker thread: a delay, not work), and ``busy``, the median of what the
-    rest of the real TTFT exceeds the simulator's by (the engine's bookkeeping around
-    the prefill, which the prefill grid does not see), never below 0."""
-    from ._policy import Request
-    from ._sim import simulate
-
+    rest of the real TTFT exceeds the simulator's by (the toy engine's bookkeeping
+    around the prefill, which the prefill grid does not see), never below 0."""
     bt = cluster.cfg.block_tokens
     sizes = (2 * bt + 5, 5 * bt + 3, 9 * bt + 1)
     probe = [Request(f"calibration-{i}", i * spacing, sizes[i % len(sizes)])
@@ -250,7 +145,8 @@ def dispatch_overhead(cluster: Cluster, costs: Costs, *, requests: int = 12,
     sim = simulate(probe, "round_robin", instances=cluster.n, costs=costs,
                    shared_store=cluster.cfg.use_store, cache_output=False).records
     latency = max(0.0, statistics.median(r.queue for r in real))
-    busy = max(0.0, statistics.median(r.ttft - r.queue - s.ttft for r, s in zip(real, sim)))
+    busy = max(0.0, statistics.median(r.ttft - r.queue - s.ttft
+                                      for r, s in zip(real, sim, strict=True)))
     return latency, busy
 
 
@@ -312,9 +208,9 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     instances serving, from the other records). For each ``c`` of ``CONTENTION_GRID``
     a least-squares fit of ``W(c) = overhead + speed * M`` (in seconds, so the fitted
     services add up to the real ones); the ``c`` that fits best wins. So the fit sees
-    what a bare probe cannot: the CPU the router and the engines' saving threads take,
-    the per-request overhead, and how much slower compute runs on a loaded host, on
-    every request of the runs. Beside it, from the same records: ``request_tail``, the
+    what a bare probe cannot: the CPU the router and the toy engines' saving threads
+    take, the per-request overhead, and how much slower compute runs on a loaded host,
+    on every request of the runs. Beside it, from the same records: ``request_tail``, the
     mean time a backlogged instance takes from a first token to its next start, and
     ``dispatch_latency``, the mean time an idle instance takes from an arrival to the
     start. Returns ``(costs, fit)``."""
@@ -371,21 +267,20 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
                     "rel_error_p90": float(np.percentile(rel, 90))}
 
 
-def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
+def fit_under_load(cluster: ToyCluster, costs: Costs, measured: dict[str, Any],
                    workloads: Sequence[Sequence[Request]], *,
                    policy: str | Sequence[str] = "round_robin", repeats: int = 1) -> Costs:
     """``costs`` fitted on loaded real runs (:func:`fit_records`): on a host with no core
     to spare, what a bare probe sees of the contention, the per-request overhead, the
     compute speed and the hand-offs is not what a loaded run gets. Each of ``workloads``
     (calibration workloads, never ones that are compared) goes through ``cluster`` with
-    ``policy`` (or with each of several policies: ones that balance load and ones that
-    pile sessions onto their instance load the cores differently), ``repeats`` times in
-    turn, and every request of every run is fitted. The last workload runs once untimed
-    first, as a warm-up. The fit is recorded in ``measured["load_fit"]``, with each
+    ``policy`` (or with each of several routing policies: ones that balance load and
+    ones that pile sessions onto their instance load the cores differently),
+    ``repeats`` times in turn, and every request of every run is fitted. The last
+    workload runs once untimed first, as a warm-up. The fit is recorded in
+    ``measured["load_fit"]``, with each
     workload's real median and p90 TTFT (medians over the repeats) beside the
     simulator's with the fitted costs; :func:`recalibrate` keeps it."""
-    from ._sim import simulate
-
     if not workloads or not all(workloads):
         raise InvalidInput("fit_under_load needs at least one non-empty workload")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -393,7 +288,7 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
     policies = [policy] if isinstance(policy, str) else list(policy)
     if not policies or not all(isinstance(p, str) for p in policies):
         raise InvalidInput(f"policy must be a policy name or a list of them, got {policy!r}")
-    # one untimed run first: the engines' first loaded run fault in the memory their
+    # one untimed run first: the toy engines' first loaded run faults in the memory their
     # caches and the store's slabs will reuse, which every later run finds ready
     cluster.reset()
     cluster.run(workloads[-1], policies[0])
@@ -409,7 +304,7 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
                      shared_store=cluster.cfg.use_store, cache_output=False).summary()
             for work, pol in cases]
     err = sum(abs(float(np.log(sim[k] / real[k])))
-              for sim, real in zip(sims, reals) for k in ("ttft_median", "ttft_p90"))
+              for sim, real in zip(sims, reals, strict=True) for k in ("ttft_median", "ttft_p90"))
     measured["contention_probe"] = costs.contention
     measured["load_fit"] = {
         **fit, "policy": policies[0] if len(policies) == 1 else policies,
@@ -418,11 +313,11 @@ def fit_under_load(cluster: Cluster, costs: Costs, measured: dict[str, Any],
         "runs": [{"policy": pol, "requests": len(work),
                   "real_median": r["ttft_median"], "real_p90": r["ttft_p90"],
                   "sim_median": s_["ttft_median"], "sim_p90": s_["ttft_p90"]}
-                 for (work, pol), r, s_ in zip(cases, reals, sims)]}
+                 for (work, pol), r, s_ in zip(cases, reals, sims, strict=True)]}
     return fitted
 
 
-def recalibrate(cluster: Cluster, costs: Costs, measured: dict[str, Any], *,
+def recalibrate(cluster: ToyCluster, costs: Costs, measured: dict[str, Any], *,
                 rescale: bool = True) -> tuple[Costs, dict[str, float]]:
     """``costs`` brought up to the host's speed now: the probe point of
     :func:`calibrate` measured again (a second or two), the compute terms scaled by

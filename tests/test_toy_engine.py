@@ -1,36 +1,53 @@
-"""The router's real engine: prefill over cached KV equals prefill from scratch, KV
-moves through the tensordb store between instances (in one process and across engine
-processes), the calibrated simulator against a hand-computed schedule, and bad input."""
+"""The toy engine (benchmarks/toy_engine), the harness that calibrates the routing
+simulator: prefill over cached KV equals prefill from scratch, KV moves through the
+tensordb store between instances (in one process and across toy engine processes), the
+cost fits recover known costs, bad input; and the routing benchmark script."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-
-import tensordb
 from conftest import open_store, remove_store
+
+import benchmarks.routing as bench
+import benchmarks.toy_engine as toy_engine
+import tensordb
+from benchmarks.toy_engine import (
+    Job,
+    LocalCache,
+    ModelConfig,
+    PromptTokens,
+    TinyDecoder,
+    ToyCluster,
+    ToyEngine,
+    ToyEngineConfig,
+    dispatch_overhead,
+    fit_costs,
+    fit_error,
+    fit_records,
+    fit_under_load,
+    open_kv,
+    recalibrate,
+    split_blocks,
+)
 from engine_bindings.router import (
-    Cluster,
     ClusterView,
     Costs,
     Decision,
-    EngineConfig,
-    ModelConfig,
-    PromptTokens,
     Request,
     RoutingPolicy,
-    TinyDecoder,
-    fit_costs,
+    WorkloadConfig,
+    generate,
     simulate,
 )
-from engine_bindings.router._calibrate import fit_error
-from engine_bindings.router._engine import Engine, Job, LocalCache, open_kv
-from engine_bindings.router._model import split_blocks
 from tensordb.errors import InvalidInput
 
 SMALL = ModelConfig(layers=2, d_model=64, heads=2, ffn=128, vocab=512, max_tokens=2048)
@@ -49,6 +66,17 @@ def store(tmp_path: Path) -> Iterator[tensordb.Database]:
         yield db
     finally:
         remove_store(db)
+
+
+def test_public_surface() -> None:
+    assert sorted(toy_engine.__all__) == sorted([
+        "CONTENTION_GRID", "PROBE_REPS", "Job", "LocalCache", "ModelConfig", "PromptTokens",
+        "Served", "TinyDecoder", "ToyCluster", "ToyEngine", "ToyEngineConfig", "calibrate",
+        "clock", "dispatch_overhead", "fit_costs", "fit_error", "fit_records",
+        "fit_under_load", "instance_main", "measure_toy_engine", "open_kv", "recalibrate",
+        "split_blocks"])
+    for name in toy_engine.__all__:
+        assert getattr(toy_engine, name) is not None
 
 
 def tokens(n: int, seed: int = 0) -> torch.Tensor:
@@ -96,9 +124,9 @@ def test_same_config_same_weights_and_bad_input(model: TinyDecoder) -> None:
     with pytest.raises(InvalidInput, match="layers"):
         ModelConfig(layers=0)
     with pytest.raises(InvalidInput, match="cache_blocks"):
-        EngineConfig(cache_blocks=-1)
+        ToyEngineConfig(cache_blocks=-1)
     with pytest.raises(InvalidInput, match="block_tokens"):
-        EngineConfig(block_tokens=0)
+        ToyEngineConfig(block_tokens=0)
 
 
 def test_local_cache_is_an_lru_evicting_a_prompts_tail_first() -> None:
@@ -113,13 +141,13 @@ def test_local_cache_is_an_lru_evicting_a_prompts_tail_first() -> None:
     assert len(c.lookup(a)) == 2
 
 
-# -- one engine over the store ----------------------------------------------------------
-def test_engine_loads_what_another_saved(store: tensordb.Database, model: TinyDecoder
+# -- one toy engine over the store------------------------------------------------------
+def test_toy_engine_loads_what_another_saved(store: tensordb.Database, model: TinyDecoder
                                          ) -> None:
-    cfg = EngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, namespace="eng",
+    cfg = ToyEngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, namespace="eng",
                        store_bytes=64 << 20)
     kv = open_kv(store, cfg)
-    a, b = Engine(cfg, kv, 0, model), Engine(cfg, kv, 1, model)
+    a, b = ToyEngine(cfg, kv, 0, model), ToyEngine(cfg, kv, 1, model)
     toks = tokens(4 * BT + 5, seed=1)
     first = a.serve(job(1, toks, kv))
     assert (first.local_blocks, first.loaded_blocks, first.computed_tokens,
@@ -137,10 +165,10 @@ def test_engine_loads_what_another_saved(store: tensordb.Database, model: TinyDe
 def test_migration_moves_exactly_the_blocks_and_the_target_hits(
         store: tensordb.Database, model: TinyDecoder) -> None:
     # the store only carries migrations: what is in it is what moved
-    cfg = EngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, namespace="mig",
+    cfg = ToyEngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, namespace="mig",
                        use_store=False, store_bytes=64 << 20)
     kv = open_kv(store, cfg)
-    src, dst = Engine(cfg, kv, 0, model), Engine(cfg, kv, 1, model)
+    src, dst = ToyEngine(cfg, kv, 0, model), ToyEngine(cfg, kv, 1, model)
     toks = tokens(6 * BT + 3, seed=3)
     keys = kv.keys(toks.numpy())
     src.serve(job(1, toks, kv))
@@ -157,7 +185,7 @@ def test_migration_moves_exactly_the_blocks_and_the_target_hits(
     assert src.publish(keys[:4]) == 0  # idempotent: the store has them
 
 
-# -- engine processes and the router --------------------------------------------------
+# -- toy engine processes and the router----------------------------------------------
 class _Pinned(RoutingPolicy):
     """Turn 0 on instance 0; turn 1 on 1 with a migration from 0; then stay on 1."""
 
@@ -178,12 +206,12 @@ class _Bad(RoutingPolicy):
         return Decision(len(view.instances))
 
 
-def test_cluster_migrates_through_the_store_and_the_target_hits(tmp_path: Path) -> None:
-    cfg = EngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, use_store=False,
+def test_toy_cluster_migrates_through_the_store_and_the_target_hits(tmp_path: Path) -> None:
+    cfg = ToyEngineConfig(model=SMALL, block_tokens=BT, cache_blocks=64, use_store=False,
                        store_bytes=64 << 20)
     reqs = [Request("s", 0.0, 5 * BT + 4, turn=0), Request("s", 1.0, 7 * BT + 1, turn=1),
             Request("s", 2.0, 8 * BT + 9, turn=2)]
-    with Cluster(2, cfg, home=tmp_path / "store", timeout=300) as cluster:
+    with ToyCluster(2, cfg, home=tmp_path / "store", timeout=300) as cluster:
         res = cluster.run(reqs, "test_pinned_migration")
         r0, r1, r2 = res.records
         assert [r.instance for r in res.records] == [0, 1, 1]
@@ -202,10 +230,10 @@ def test_cluster_migrates_through_the_store_and_the_target_hits(tmp_path: Path) 
         assert res.records[0].cached_tokens == 0
         assert cluster.kv.match(keys) == 0
     with pytest.raises(InvalidInput, match="instances"):
-        Cluster(0, cfg)
+        ToyCluster(0, cfg)
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidInput, match="warm_bytes"):
-            Cluster(1, cfg, home=tmp_path / "never", warm_bytes=bad)  # type: ignore[arg-type]
+            ToyCluster(1, cfg, home=tmp_path / "never", warm_bytes=bad)  # type: ignore[arg-type]
     assert not (tmp_path / "never").exists()  # refused before anything was made
 
 
@@ -214,7 +242,7 @@ def test_fit_recovers_the_cost_model() -> None:
     overhead, a, b = 2e-3, 3e-4, 5e-7
     grid = [(n, p, overhead + a * n + b * (n * p + n * (n + 1) / 2))
             for n in (32, 128, 384) for p in (0, 256, 1024)]
-    cfg = EngineConfig(block_tokens=32, cache_blocks=100)
+    cfg = ToyEngineConfig(block_tokens=32, cache_blocks=100)
     costs = fit_costs({"prefill": grid, "hit_per_block": 1e-6, "stack_per_block": 2e-6,
                        "load_per_block": 5e-4, "transfer_per_block": 9e-4}, cfg, 0.5)
     assert math.isclose(costs.request_overhead, overhead, rel_tol=1e-6)
@@ -229,13 +257,8 @@ def test_fit_recovers_the_cost_model() -> None:
         fit_costs({"prefill": grid[:3]}, cfg)
 
 
-def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None:
-    import dataclasses
-    from types import SimpleNamespace
-
-    from engine_bindings.router._calibrate import dispatch_overhead
-
-    cfg = EngineConfig(block_tokens=32, cache_blocks=100)
+def test_dispatch_overhead_is_what_toy_engine_requests_take_beyond_the_model() -> None:
+    cfg = ToyEngineConfig(block_tokens=32, cache_blocks=100)
     costs = Costs(prefill_per_token=1e-4, request_overhead=1e-3, block_tokens=32,
                   cache_capacity_blocks=100)
     seen: list[tuple[int, str]] = []
@@ -261,21 +284,17 @@ def test_dispatch_overhead_is_what_real_requests_take_beyond_the_model() -> None
     assert dispatch_overhead(faster, costs) == (0.0, 0.0)  # never negative
 
 
-def _fit_case() -> tuple[EngineConfig, Costs, Costs, list]:  # type: ignore[type-arg]
-    """The load fit's test case: an engine config, the probed costs, the "real" costs
+def _fit_case() -> tuple[ToyEngineConfig, Costs, Costs, list]:  # type: ignore[type-arg]
+    """The load fit's test case: a toy engine config, the probed costs, the "real" costs
     (contention 0.4, compute 1.25 x slower, 2 ms of overhead against the probe's 3, a
     0.3 ms tail after each first token, a 0.5 ms hand-off) and a loaded workload."""
-    import dataclasses
-
-    from engine_bindings.router import WorkloadConfig, generate
-
     costs = Costs(prefill_per_token=2e-4, request_overhead=3e-3, block_tokens=32,
                   cache_capacity_blocks=64, kv_load_per_block=1e-4)
     truth = dataclasses.replace(costs, contention=0.4, request_overhead=2e-3,
                                 prefill_per_token=2.5e-4, kv_load_per_block=1.25e-4,
                                 request_tail=3e-4, dispatch_latency=5e-4)
     work = generate(WorkloadConfig.small(sessions=16, rate=40.0, gap_median=0.05))
-    return EngineConfig(block_tokens=32, cache_blocks=64), costs, truth, work
+    return ToyEngineConfig(block_tokens=32, cache_blocks=64), costs, truth, work
 
 
 def _assert_recovered(fitted: Costs, truth: Costs) -> None:
@@ -291,10 +310,6 @@ def test_fit_under_load_recovers_the_costs_of_a_loaded_run() -> None:
     value) exactly, records it, its per-request error is 0 and the fitted simulator
     reproduces the runs; recalibrate keeps the contention rather than the bare probe's;
     without rescale the costs keep their speed."""
-    from types import SimpleNamespace
-
-    from engine_bindings.router import WorkloadConfig, fit_under_load, generate, recalibrate
-
     cfg, costs, truth, work = _fit_case()
     calls: list[str] = []
 
@@ -335,10 +350,6 @@ def test_fit_under_load_fits_every_repeat_and_compares_medians() -> None:
     each workload's real figures are the medians over its runs: one run of three
     slowed 3 x (a noisy host) does not move them. Bad repeat counts are refused before
     anything runs."""
-    from types import SimpleNamespace
-
-    from engine_bindings.router import WorkloadConfig, fit_under_load, generate
-
     cfg, costs, truth, work = _fit_case()
     light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
     slow = {id(light): [1, 1, 1, 3], id(work): [1, 1, 1, 3]}
@@ -371,10 +382,6 @@ def test_fit_under_load_over_several_policies() -> None:
     """Each workload runs under each policy (after one warm-up of the first); the fit
     holds for all of them and records each run; an empty or non-string policy list is
     refused before anything runs, and too few requests to fit are refused."""
-    from types import SimpleNamespace
-
-    from engine_bindings.router import fit_records, fit_under_load
-
     cfg, costs, truth, work = _fit_case()
     calls: list[str] = []
 
@@ -400,84 +407,10 @@ def test_fit_under_load_over_several_policies() -> None:
         fit_records([short], costs, 2)
 
 
-def test_request_tail_keeps_the_instance_busy_but_is_not_in_the_ttft() -> None:
-    """One instance, 1 ms per token, a 2 ms tail: A (10 tokens at t=0) has its first
-    token at 10 ms; B (10 tokens at 5 ms) starts after A's tail, at 12 ms, and ends at
-    22; C (at 30 ms) finds the instance idle and starts at once. A negative tail is
-    refused."""
-
-    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=10,
-                  request_tail=2e-3)
-    reqs = [Request("a", 0.0, 10), Request("b", 0.005, 10), Request("c", 0.030, 10)]
-    a, b, c = simulate(reqs, "round_robin", instances=1, costs=costs, shared_store=False,
-                       cache_output=False).records
-    assert (a.start, a.ttft) == pytest.approx((0.0, 0.010))
-    assert (b.start, b.ttft, b.queue) == pytest.approx((0.012, 0.017, 0.007))
-    assert (c.start, c.ttft) == pytest.approx((0.030, 0.010))
-    with pytest.raises(InvalidInput, match="request_tail"):
-        Costs(request_tail=-1e-3)
-
-
-def test_dispatch_latency_delays_requests_without_occupying_the_instance() -> None:
-    """One instance, 1 ms per token, a 2 ms hand-off: A (10 tokens at t=0) starts at
-    2 ms and ends at 12; B (10 tokens at 5 ms) reached the instance at 7 ms, waits for
-    A and runs 12-22 ms. Without the latency being busy time, B does not wait 2 ms more
-    after A. A negative latency is refused."""
-
-    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=10,
-                  dispatch_latency=2e-3)
-    reqs = [Request("a", 0.0, 10), Request("b", 0.005, 10)]
-    a, b = simulate(reqs, "round_robin", instances=1, costs=costs, shared_store=False,
-                    cache_output=False).records
-    assert (a.start, a.ttft, a.queue) == pytest.approx((0.002, 0.012, 0.002))
-    assert (b.start, b.ttft, b.queue) == pytest.approx((0.012, 0.017, 0.007))
-    with pytest.raises(InvalidInput, match="dispatch_latency"):
-        Costs(dispatch_latency=-1e-3)
-
-
-def test_calibrated_simulator_hand_checked_schedule() -> None:
-    """Two instances on one core (processor sharing: two prefills at once each run at
-    half speed, contention 1), blocks of 10 tokens; costs (ms): overhead 1, per token
-    0.1, per attention pair 0.001, hit 0.5 and store load 2 per block.
-
-    t=0     a0 (25 tok) -> inst 0: work 1 + 2.5 + 0.001 * 325 = 3.825
-    t=1     b0 (25 tok) -> inst 1: work 3.825; a0 has 2.825 left, both at half speed:
-            a0 ends at 1 + 2 * 2.825 = 6.65, by when b0 has done 2.825: 1.0 left
-            alone, so b0 ends at 7.65 (ttft 6.65)
-    t=10    a1 (35 tok) -> inst 0 (round robin), holds a's 2 blocks: hit 2 * 0.5 = 1;
-            15 new tokens after 20: 1 + 1.5 + 0.001 * (15*20 + 120) = 2.92; work 3.92
-    t=11    b1 (35 tok) -> inst 1, same work; a1 has 2.92 left: ends at 11 + 5.84 =
-            16.84 (ttft 6.84); b1 then has 1.0 left: ends 17.84 (ttft 6.84)
-    """
-    costs = Costs(prefill_per_token=1e-4, prefill_per_token_ctx=1e-6, request_overhead=1e-3,
-                  hit_per_block=5e-4, kv_load_per_block=2e-3, decode_per_token=0.0,
-                  block_tokens=10, cache_capacity_blocks=10, contention=1.0)
-    reqs = [Request("a", 0.0, 25), Request("b", 1e-3, 25), Request("a", 10e-3, 35, turn=1),
-            Request("b", 11e-3, 35, turn=1)]
-    res = simulate(reqs, "round_robin", instances=2, costs=costs, cache_output=False)
-    got = [(r.instance, round(r.ttft * 1e3, 6), r.cached_tokens) for r in res.records]
-    assert got == [(0, 6.65, 0), (1, 6.65, 0), (0, 6.84, 20), (1, 6.84, 20)]
-    # the KV part of a1's time is stretched as its whole prefill was
-    assert math.isclose(res.records[2].kv_load, 1e-3 * 6.84 / 3.92)
-    # alone, a1 on the other instance: a's two blocks come from the shared store, 2 ms
-    # each
-    res = simulate([reqs[0], reqs[2]], "round_robin", instances=2, costs=costs,
-                   cache_output=False)
-    r = res.records[1]
-    assert (r.instance, r.cached_tokens, r.loaded_tokens) == (1, 0, 20)
-    assert math.isclose(r.ttft, 4e-3 + 2.92e-3) and math.isclose(r.kv_load, 4e-3)
-    with pytest.raises(InvalidInput, match="contention"):
-        Costs(contention=-1.0)
-
-
 def test_probed_contention_is_capped_at_the_fit_grid() -> None:
     """A probe in which the instances together ran 120 x slower than one alone (a slow
     spell caught by the probe, not contention) sets contention 1.5, the largest the fit
     tries, not 119; a probe at the same speed sets 0."""
-    from types import SimpleNamespace
-
-    from engine_bindings.router import recalibrate
-
     costs = Costs(prefill_per_token=2e-4, block_tokens=32, cache_capacity_blocks=64)
     measured: dict = {"probe": (384, 1024), "probe_alone": 0.01, "spec": {}}
     for together, want in ((1.2, 1.5), (0.01, 0.0)):
@@ -488,3 +421,54 @@ def test_probed_contention_is_capped_at_the_fit_grid() -> None:
                                calibrate_all=lambda t=together, **spec: [probe(t)()] * 2)
         now, drift = recalibrate(fake, costs, measured)
         assert now.contention == want and drift["contention"] == want
+
+
+# -- the routing benchmark script ----------------------------------------------------------
+def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--sessions", "30", "--load-sweep", "0.3,0.6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["load"], r["policy"]) for r in out["rows"]] == [
+        (load, p) for load in ("0.30", "0.60")
+        for p in ("round_robin", "least_load", "cache_aware", "migrate")]
+    assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
+    toy = bench.parse_args(["--engine", "toy", "--sessions", "5"])
+    assert (toy.instances, toy.sessions, toy.block_tokens, toy.load_sweep,
+            toy.repeats) == (2, 5, 32, "0.5,0.8", 3)
+    assert bench.parse_args([]).repeats == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine", "toy", "--repeats", "0"])
+    assert bench.policy("migrate", toy).abs_gap == 1024  # scaled to a 256-token prompt
+
+
+def test_benchmark_ordering_counts_only_pairs_the_simulator_separates() -> None:
+    """Medians (ms) real / sim: a 10/10, b 12/10.5 (a tie in the simulator: within
+    10%), c 20/30, d 25/15. Separated pairs: a-c, a-d, b-c, b-d, c-d; the toy engines
+    order c-d the other way."""
+    med = {"a": (10, 10), "b": (12, 10.5), "c": (20, 30), "d": (25, 15)}
+    rows = [{"load": "0.50", "policy": p, "real": {"ttft_median": r / 1e3},
+             "sim": {"ttft_median": m / 1e3}} for p, (r, m) in med.items()]
+    o = bench.ordering(rows)["0.50"]
+    assert o["real"] == ["a", "b", "c", "d"] and o["sim"] == ["a", "b", "d", "c"]
+    assert (o["same"], o["same_best"]) == (False, True)
+    assert o["separated_pairs"] == 5 and o["misordered_pairs"] == [("c", "d")]
+
+
+def test_benchmark_repeats_median_and_spread() -> None:
+    """Three runs of a policy: every numeric figure is the median over them, the rest
+    is the first run's; the spread is (largest - smallest) / median."""
+    runs = [{"policy": "a", "requests": 10, "ttft_median": 0.010, "ttft_p90": 0.030},
+            {"policy": "a", "requests": 10, "ttft_median": 0.020, "ttft_p90": 0.025},
+            {"policy": "a", "requests": 10, "ttft_median": 0.012, "ttft_p90": 0.090}]
+    assert bench.median_summary(runs) == {"policy": "a", "requests": 10,
+                                          "ttft_median": 0.012, "ttft_p90": 0.030}
+    assert bench.spread([0.010, 0.020, 0.012]) == pytest.approx(0.010 / 0.012)
+    assert bench.spread([0.5]) == 0.0
+
+
+def test_benchmark_utilization_is_work_over_instance_time() -> None:
+    """Two instances; requests at 0 s and 1 s, each 0.25 s of KV load + prefill, the
+    last first token at 1.5 s: 0.5 s of work over 2 x 1.5 s."""
+    recs = [SimpleNamespace(arrival=0.0, ttft=0.3, kv_load=0.05, prefill=0.2),
+            SimpleNamespace(arrival=1.0, ttft=0.5, kv_load=0.0, prefill=0.25)]
+    assert bench.utilization(SimpleNamespace(records=recs), 2) == pytest.approx(0.5 / 3.0)
+    assert bench.utilization(SimpleNamespace(records=[]), 2) == 0.0

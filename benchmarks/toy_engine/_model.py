@@ -1,8 +1,8 @@
 """A tiny decoder-only transformer whose prefill really reuses cached KV.
 
-The router's real engine needs TTFT to be made of real work: a prefill that computes
-only the tokens whose KV it does not hold, and KV blocks that are real tensors a later
-request (on this instance or another) can load instead of recomputing. This model is
+The toy engine needs TTFT to be made of real work: a prefill that computes only the
+tokens whose KV it does not hold, and KV blocks that are real tensors a later request
+(on this instance or another) can load instead of recomputing. This model is
 Llama-shaped (RMSNorm, rotary positions, SwiGLU MLP, no biases) and small enough to run
 on a CPU core: random weights drawn from ``ModelConfig.seed``, so every process that
 builds the same config holds the same weights and the same KV for the same tokens.
@@ -86,7 +86,7 @@ class _Layer(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    """The model. ``prefill`` is the only entry point an engine needs: inference only,
+    """The model. ``prefill`` is the only entry point the toy engine needs: inference only,
     float32, on the CPU; it runs in the calling thread and holds no state between
     calls (the KV lives with the caller)."""
 
@@ -165,7 +165,7 @@ class TinyDecoder(nn.Module):
                 k = torch.cat((prev[li, 0], k), dim=1)
                 v = torch.cat((prev[li, 1], v), dim=1)
             # batched (4-D) inputs: torch's CPU flash-attention kernel takes them, masks
-            # included; 3-D ones fall back to the math path, 2-4x slower here
+            # included; 3-D ones fall back to the slower math path (docs/routing.md)
             a = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                is_causal=mask is None)[0]
             x = x + layer.o(a.transpose(0, 1).reshape(n, cfg.d_model))

@@ -1,5 +1,5 @@
-"""One serving instance of the router's real engine: the tiny model, a bounded local KV
-cache in front of the shared tensordb KV store, and the process that runs it.
+"""One toy engine instance: the tiny model, a bounded local KV cache in front of the
+shared tensordb KV store.
 
 A request's time to first token is made of real work here::
 
@@ -9,9 +9,9 @@ A request's time to first token is made of real work here::
          + prefill  (the model computing the uncached suffix and the first token)
 
 and the new full blocks go into the local cache and (``use_store``) the store, where
-any instance can load them. :class:`Engine` does that work in the calling thread (tests
-and calibration use it directly); :func:`instance_main` runs one in a process of its
-own, taking jobs and control messages from the router (see ``_cluster``).
+any instance can load them. :class:`ToyEngine` does that work in the calling thread
+(tests and calibration use it directly); ``_instance.instance_main`` runs one in a
+process of its own, taking jobs and control messages from the router (``_cluster``).
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from typing import Any
 import numpy as np
 import torch
 
+import tensordb
 from tensordb.errors import InvalidInput
 
 from ._model import ModelConfig, TinyDecoder, split_blocks
 
-__all__ = ["EngineConfig", "Engine", "Job", "LocalCache", "Served", "instance_main",
+__all__ = ["Job", "LocalCache", "Served", "ToyEngine", "ToyEngineConfig", "clock",
            "open_kv"]
 
 clock = time.monotonic  # one system-wide clock: the router and instances compare stamps
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
+class ToyEngineConfig:
     """What every instance of a run shares. ``cache_blocks``: the local cache's
     capacity in blocks; ``use_store``: look up and save every request's blocks in the
     shared store (otherwise the store only carries migrations); ``threads``: torch
@@ -56,10 +57,10 @@ class EngineConfig:
         for name in ("block_tokens", "store_bytes", "threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidInput(f"engine config {name} must be a positive int, not {v!r}")
+                raise InvalidInput(f"toy engine config {name} must be a positive int, not {v!r}")
         if isinstance(self.cache_blocks, bool) or not isinstance(self.cache_blocks, int) \
                 or self.cache_blocks < 0:
-            raise InvalidInput(f"engine config cache_blocks must be an int >= 0, not "
+            raise InvalidInput(f"toy engine config cache_blocks must be an int >= 0, not "
                                f"{self.cache_blocks!r}")
 
     @property
@@ -124,7 +125,7 @@ class LocalCache:
 
     def fill(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
         with self._lock:
-            for k, b in zip(keys, blocks):
+            for k, b in zip(keys, blocks, strict=True):
                 if k in self._d:
                     self._d[k] = b
 
@@ -164,16 +165,16 @@ class Served:
     first_token: int
 
 
-class Engine:
+class ToyEngine:
     """The model, a local cache and (optionally) the shared store ``kv``
-    (``db.kv(...)``). Methods run in the calling thread and may take as long as the
-    model does; ``serve`` must not run in two threads at once, ``publish`` and
-    ``prefetch`` may run beside it."""
+    (``db.kv(...)``, see :func:`open_kv`). Methods run in the calling thread and may
+    take as long as the model does; ``serve`` must not run in two threads at once,
+    ``publish`` and ``prefetch`` may run beside it."""
 
-    def __init__(self, cfg: EngineConfig, kv: Any | None = None, instance: int = 0,
+    def __init__(self, cfg: ToyEngineConfig, kv: Any | None = None, instance: int = 0,
                  model: TinyDecoder | None = None) -> None:
         if cfg.use_store and kv is None:
-            raise InvalidInput("an engine with use_store needs a KV store (db.kv(...))")
+            raise InvalidInput("a toy engine with use_store needs a KV store (db.kv(...))")
         self.cfg = cfg
         self.kv = kv
         self.instance = instance
@@ -185,8 +186,9 @@ class Engine:
         self._saver: threading.Thread | None = None
 
     def start_saver(self) -> None:
-        """Save new blocks to the store from a thread of their own, as engines offload
-        KV beside the forward pass: the next prefill need not wait for the store."""
+        """Save new blocks to the store from a thread of their own, as real engines
+        offload KV beside the forward pass: the next prefill need not wait for the
+        store."""
         if self._saver is None and self.kv is not None:
             self._saves = queue.Queue()
             self._saver = threading.Thread(target=self._save_loop, name="kv-saver",
@@ -274,7 +276,7 @@ class Engine:
         if not held or self.kv is None:
             return 0
         present = self.kv.contains([k for k, _ in held])
-        todo = [(k, t) for (k, t), p in zip(held, present) if not p]
+        todo = [(k, t) for (k, t), p in zip(held, present, strict=True) if not p]
         return self.kv.put([k for k, _ in todo], [t for _, t in todo]) if todo else 0
 
     def prefetch(self, rid: int, keys: Sequence[bytes]) -> int:
@@ -284,8 +286,12 @@ class Engine:
         bufs = [torch.empty(self._shape) for _ in range(n)]
         if n:
             self.kv.get_into(list(keys[:n]), bufs)
-        self._moved[rid] = dict(zip(keys[:n], bufs))
+        self._moved[rid] = dict(zip(keys[:n], bufs, strict=True))
         return n
+
+    def discard(self, rid: int) -> None:
+        """Drop the blocks prefetched for request ``rid`` (one that will not come)."""
+        self._moved.pop(rid, None)
 
     def reset(self) -> None:
         """Forget every block held here (a new run starts)."""
@@ -294,97 +300,9 @@ class Engine:
         self._moved.clear()
 
 
-def open_kv(db: Any, cfg: EngineConfig) -> Any:
+def open_kv(db: tensordb.Database, cfg: ToyEngineConfig) -> tensordb.KVCache:
     """The shared store of ``cfg``'s namespace (memory only: a block the arena cannot
-    hold is evicted, not spilled; a router's blocks are cheaper to recompute than to
-    read from disk)."""
+    hold is evicted, not spilled; the toy engine's blocks are cheaper to recompute than
+    to read from disk)."""
     return db.kv(cfg.namespace, cfg.block_tokens, capacity_bytes=cfg.store_bytes,
                  slab_bytes=min(cfg.store_bytes, 16 << 20), spill=False)
-
-
-def instance_main(index: int, cfg: EngineConfig, connect: dict[str, Any], inbox: Any,
-                  outbox: Any) -> None:
-    """The body of instance process ``index``: build the engine, then serve.
-
-    Messages in (``inbox``, in order): ``("job", Job)`` queues a request (a worker
-    thread prefills them one at a time, in order); ``("publish", mid, keys)`` and
-    ``("prefetch", rid, keys)`` run at once, beside the worker (a migration must not
-    wait behind the source's queue); ``("reset",)`` waits for the queue to drain, then
-    empties the local cache; ``("calibrate", spec)`` measures
-    (see ``_calibrate``); ``("stop",)`` ends the process. Messages out (``outbox``):
-    ``("ready", index)``, ``("start", index, rid, added, evicted)``, ``("done", index,
-    Served)``, ``("published", index, mid, n)``, ``("prefetched", index, rid, n)``,
-    ``("reset", index)``, ``("calibrated", index, result)``, ``("error", index, text)``.
-    """
-    import traceback
-
-    import tensordb
-
-    torch.set_num_threads(cfg.threads)
-    db = tensordb.connect(**connect)
-    kv = open_kv(db, cfg)
-    engine = Engine(cfg, kv, index)
-    engine.start_saver()
-    jobs: queue.Queue[Job | None] = queue.Queue()
-    ready: dict[int, threading.Event] = {}
-    ready_lock = threading.Lock()
-
-    def event(rid: int) -> threading.Event:
-        with ready_lock:
-            return ready.setdefault(rid, threading.Event())
-
-    def work() -> None:
-        while (job := jobs.get()) is not None:
-            try:
-                if job.migrated:
-                    event(job.rid).wait()
-                with ready_lock:
-                    ready.pop(job.rid, None)
-                served = engine.serve(job, lambda a, e, r=job.rid: outbox.put(
-                    ("start", index, r, a, e)))
-                outbox.put(("done", index, served))
-            except Exception:  # the router must hear of it, not wait forever
-                outbox.put(("error", index, traceback.format_exc()))
-            finally:
-                jobs.task_done()
-
-    # the first prefill pays for torch's lazy set-up: not a request's time
-    engine.model.prefill(torch.zeros(2 * cfg.block_tokens, dtype=torch.int64))
-    worker = threading.Thread(target=work, name=f"instance-{index}", daemon=True)
-    worker.start()
-    outbox.put(("ready", index))
-    try:
-        while True:
-            msg = inbox.get()
-            kind = msg[0]
-            try:
-                if kind == "job":
-                    jobs.put(msg[1])
-                elif kind == "publish":
-                    outbox.put(("published", index, msg[1], engine.publish(msg[2])))
-                elif kind == "prefetch":
-                    n = engine.prefetch(msg[1], msg[2])
-                    event(msg[1]).set()
-                    outbox.put(("prefetched", index, msg[1], n))
-                elif kind == "reset":
-                    jobs.join()
-                    engine.reset()
-                    outbox.put(("reset", index))
-                elif kind == "calibrate":
-                    from ._calibrate import measure_engine
-
-                    jobs.join()
-                    engine.flush()
-                    outbox.put(("calibrated", index, measure_engine(engine, **msg[1])))
-                elif kind == "stop":
-                    break
-                else:
-                    raise InvalidInput(f"instance {index}: unknown message {kind!r}")
-            except Exception:
-                outbox.put(("error", index, traceback.format_exc()))
-    finally:
-        jobs.put(None)
-        worker.join(timeout=30)
-        engine.stop_saver()
-        kv.close()
-        db.close()
