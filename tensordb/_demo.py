@@ -40,7 +40,7 @@ from engine_bindings.router import (
     simulate,
 )
 
-from .cli import history_table, human_bytes
+from ._display import history_table, human_bytes
 from .errors import StoreFull
 
 __all__ = ["run"]

@@ -13,12 +13,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -26,15 +24,12 @@ from sqlalchemy.exc import OperationalError
 from typer.core import TyperGroup
 
 from . import Database, connect
+from ._display import TABLE_STYLE, history_table, human_bytes, result_table, shape_text
 from .catalog import current_revision, ensure_schema, make_engine
 from .config import Config
 from .errors import NodeUnavailable, TensorDBError
 
 __all__ = ["app", "main"]
-
-
-_TABLE: dict[str, Any] = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False,
-                         "collapse_padding": True}
 
 
 def _console(*, stderr: bool = False) -> Console:
@@ -103,51 +98,6 @@ def _open(ctx: typer.Context) -> Iterator[Database]:
         db.close()
 
 
-# -- formatting ------------------------------------------------------------------------
-def human_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _when(t: datetime) -> str:
-    if t.tzinfo is None:  # SQLite hands back the stored UTC time without its zone
-        t = t.replace(tzinfo=timezone.utc)
-    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def history_table(commits: Sequence[Any], tags: dict[str, int] | None = None,
-                  title: str | None = None) -> Table:
-    """A rich table of commits (newest first, as ``Database.history`` returns them)."""
-    by_version: dict[int, list[str]] = {}
-    for name, v in (tags or {}).items():
-        by_version.setdefault(v, []).append(name)
-    table = Table(title=title, title_justify="left", **_TABLE)
-    table.add_column("version", justify="right", no_wrap=True, min_width=7)
-    table.add_column("created", no_wrap=True, min_width=19)
-    table.add_column("message", overflow="fold", ratio=1, min_width=10)
-    table.add_column("tensors", justify="right", no_wrap=True, min_width=7)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("written", justify="right", no_wrap=True)
-    if by_version:
-        table.add_column("tags", overflow="fold", min_width=4)
-    for c in commits:
-        row = [str(c.version), _when(c.created_at), escape(c.message or ""), str(c.tensors),
-               human_bytes(c.nbytes), f"{c.written} / {human_bytes(c.written_nbytes)}"]
-        if by_version:
-            row.append(escape(", ".join(sorted(by_version.get(c.version, [])))))
-        table.add_row(*row)
-    return table
-
-
 # -- the commands ----------------------------------------------------------------------
 @app.callback()
 def _root(
@@ -173,7 +123,7 @@ def ls_command(ctx: typer.Context) -> None:
     """List the collections with their head version, tensors and size."""
     out = _console()
     with _open(ctx) as db:
-        table = Table(**_TABLE)
+        table = Table(**TABLE_STYLE)
         table.add_column("collection", overflow="fold")
         table.add_column("head", justify="right", no_wrap=True)
         table.add_column("tensors", justify="right", no_wrap=True, min_width=7)
@@ -226,13 +176,13 @@ def show_command(
         v = snap.version
     table = Table(title=f"{escape(collection)} v{v}: {len(info)} tensors, "
                         f"{human_bytes(sum(i[2] for i in info.values()))}",
-                  title_justify="left", **_TABLE)
+                  title_justify="left", **TABLE_STYLE)
     table.add_column("name", overflow="fold")
     table.add_column("dtype", no_wrap=True)
     table.add_column("shape", overflow="fold")
     table.add_column("nbytes", justify="right", no_wrap=True)
     for name, (dtype, shape, nbytes) in info.items():
-        table.add_row(escape(name), dtype, _shape(shape), str(nbytes))
+        table.add_row(escape(name), dtype, shape_text(shape), str(nbytes))
     out.print(table)
 
 
@@ -289,7 +239,7 @@ def verify_command(ctx: typer.Context) -> None:
                   f"no problems")
         return
     table = Table(title=f"{len(problems)} problem(s)", title_justify="left",
-                  **_TABLE)
+                  **TABLE_STYLE)
     for col in ("collection", "version", "tensor", "segment", "tier", "problem"):
         table.add_column(col, overflow="fold")
     for p in problems:
@@ -309,30 +259,6 @@ def _param_value(text: str) -> object:
         except ValueError:
             pass
     return text
-
-
-def _cell(value: object) -> str:
-    if value is None:
-        return "NULL"
-    if isinstance(value, datetime):
-        return _when(value)
-    if isinstance(value, float):
-        return f"{value:.3f}".rstrip("0").rstrip(".") if abs(value) < 1e15 else repr(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return escape(str(value))
-
-
-def result_table(result: Any, title: str | None = None) -> Table:
-    """A rich table of a query result (a pyarrow.Table)."""
-    table = Table(title=title, title_justify="left", **_TABLE)
-    for field in result.schema:
-        numeric = str(field.type).startswith(("int", "uint", "double", "float"))
-        table.add_column(escape(field.name), justify="right" if numeric else "left",
-                         overflow="fold")
-    for row in zip(*(col.to_pylist() for col in result.columns), strict=True):
-        table.add_row(*(_cell(v) for v in row))
-    return table
 
 
 @app.command("query")
