@@ -21,8 +21,8 @@ from query._grammar import KEYWORDS
 from query._interval import parse_interval
 from query._plan import plan_select
 from tensordb import cli
-from tensordb.catalog.schema import policy_runs
 from tensordb.catalog import write_conn
+from tensordb.catalog.schema import policy_runs
 from tensordb.config import Config
 from tensordb.errors import InvalidInput, NotFound, QueryError
 
