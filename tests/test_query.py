@@ -74,9 +74,14 @@ def test_public_surface() -> None:
             "Snapshot", "Statement", "TABLES", "Unpin", "execute", "parse", "parse_script"}])
     for name in query.__all__:
         assert hasattr(query, name), name
+    assert {"PolicyStore", "EvictResult", "PolicyRunner"} <= set(query.__all__)
     assert set(query.TABLES) >= {"tensors", "versions", "collections", "commits", "tags",
                                  "extents", "nodes", "leases", "kv_namespaces", "pins",
                                  "policies", "policy_runs"}
+
+
+def test_the_store_is_a_policy_store(sqlite_db: tensordb.Database) -> None:
+    assert isinstance(sqlite_db, query.PolicyStore)  # what execute and the runner take
 
 
 # -- SELECT results match the API -------------------------------------------------------

@@ -99,7 +99,9 @@ def _leftovers(db: tensordb.Database) -> list[str]:
 
 def test_public_surface() -> None:
     assert set(transport.__all__) >= {"NodeServer", "FlightTransport", "Transport",
-                                      "pull_segment", "cascade", "start_node", "NodeMetrics"}
+                                      "pull_segment", "cascade", "start_node", "NodeMetrics",
+                                      "LocalTransport", "NodeService", "NodeStore",
+                                      "KVBlocks", "ERROR_KINDS"}
     assert all(hasattr(transport, n) for n in transport.__all__)
 
 
