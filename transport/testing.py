@@ -239,8 +239,9 @@ class TransportTests:
         for token in (None, "wrong-token"):
             t = self.client(token)
             try:
-                calls = {"ping": partial(t.ping, served.node, served.address),
-                         **self._reads(t, served, sid, "contract-kv")}
+                calls: dict[str, Callable[[], object]] = {
+                    "ping": partial(t.ping, served.node, served.address),
+                    **self._reads(t, served, sid, "contract-kv")}
                 for what, call in calls.items():
                     with pytest.raises(Unauthorized) as info:
                         call()
@@ -253,8 +254,9 @@ class TransportTests:
         sid, _ = segment
         transport.ping(served.node, served.address)
         self.stop(served.node)
-        calls = {"ping": lambda: transport.ping(served.node, served.address),
-                 **self._reads(transport, served, sid, "contract-kv")}
+        calls: dict[str, Callable[[], object]] = {
+            "ping": lambda: transport.ping(served.node, served.address),
+            **self._reads(transport, served, sid, "contract-kv")}
         for what, call in calls.items():
             with pytest.raises(NodeUnavailable) as info:
                 call()
