@@ -32,9 +32,8 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import func, select, text
 

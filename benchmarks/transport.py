@@ -51,10 +51,10 @@ import tempfile
 import time
 from typing import Any
 
+import _common
 import numpy as np
 import torch
 
-import _common
 import storage_engine as se
 import tensordb
 from tensordb.catalog import NodeDirectory

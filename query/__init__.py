@@ -9,6 +9,10 @@ UNPIN, EVICT, DROP VERSIONS; EXPLAIN; CREATE POLICY, SHOW POLICIES, DROP POLICY,
 ``PolicyRunner`` (``tensordb policies run`` for the embedded store). Every
 value is bound as a parameter: statement text never reaches the SQL. Errors are
 ``tensordb.errors.QueryError`` with ``line``, ``column`` and ``expected``.
+
+This package never sees a ``Database``: statements and policies run against a
+``PolicyStore``, the catalog and the few client-API actions they use, which
+``tensordb.Database`` has.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from ._ast import (
     Statement,
     Unpin,
 )
-from ._execute import execute
+from ._execute import EvictResult, PolicyStore, execute
 from ._parser import parse, parse_script
 from ._policies import JOB_TABLE, PolicyRun, PolicyRunner
 from ._schedule import check_schedule
@@ -43,12 +47,14 @@ __all__ = [
     "DropPolicy",
     "DropVersions",
     "Evict",
+    "EvictResult",
     "Explain",
     "JOB_TABLE",
     "OneCollection",
     "Pin",
     "PolicyRun",
     "PolicyRunner",
+    "PolicyStore",
     "Replicate",
     "Select",
     "ShowPolicies",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Union
 
 from ._grammar import RESERVED
 
@@ -265,7 +264,7 @@ class Explain(Statement):
     kind = "EXPLAIN"
 
 
-Ref = Union[str, Param]  # a name given literally or as a parameter
+Ref = str | Param  # a name given literally or as a parameter
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +308,7 @@ class Commits:
     where: Expr | None = None
 
 
-Selection = Union[OneCollection, Collections, Commits]
+Selection = OneCollection | Collections | Commits
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,33 +508,52 @@ def _value(r: Ref) -> str:
     return ":" + r.name if isinstance(r, Param) else quote_string(r)
 
 
+def _render_select(s: Select) -> str:
+    parts = ["SELECT"]
+    if s.distinct:
+        parts.append("DISTINCT")
+    if s.items is None:
+        parts.append("*")
+    else:
+        parts.append(", ".join(render_expr(i.expr) + (f" AS {quote_name(i.alias)}"
+                                                        if i.alias is not None else "")
+                               for i in s.items))
+    parts.append(f"FROM {quote_name(s.table)}")
+    if s.where is not None:
+        parts.append(f"WHERE {render_expr(s.where)}")
+    if s.group_by:
+        parts.append("GROUP BY " + ", ".join(render_expr(g) for g in s.group_by))
+    if s.having is not None:
+        parts.append(f"HAVING {render_expr(s.having)}")
+    if s.order_by:
+        parts.append("ORDER BY " + ", ".join(
+            render_expr(o.expr) + (" DESC" if o.descending else "") for o in s.order_by))
+    if s.limit is not None:
+        parts.append(f"LIMIT {_ref(s.limit)}")
+        if s.offset is not None:
+            parts.append(f"OFFSET {_ref(s.offset)}")
+    return " ".join(parts)
+
+
+def _render_trigger(s: CreatePolicy) -> str:
+    if s.trigger == "every":
+        return f"EVERY {quote_string(s.schedule)}"
+    if s.trigger == "cron":
+        return f"CRON {quote_string(s.schedule)}"
+    return f"ON COMMIT TO {_ref(s.schedule)}"
+
+
+def _render_drop_versions(s: DropVersions) -> str:
+    if s.keep_last is not None:
+        return f"DROP VERSIONS OF {_ref(s.collection)} KEEP LAST {_ref(s.keep_last)}"
+    assert s.older_than is not None
+    return f"DROP VERSIONS OF {_ref(s.collection)} OLDER THAN {_value(s.older_than)}"
+
+
 def render(s: Statement) -> str:
     """The normalised text of a statement."""
     if isinstance(s, Select):
-        parts = ["SELECT"]
-        if s.distinct:
-            parts.append("DISTINCT")
-        if s.items is None:
-            parts.append("*")
-        else:
-            parts.append(", ".join(render_expr(i.expr) + (f" AS {quote_name(i.alias)}"
-                                                            if i.alias is not None else "")
-                                   for i in s.items))
-        parts.append(f"FROM {quote_name(s.table)}")
-        if s.where is not None:
-            parts.append(f"WHERE {render_expr(s.where)}")
-        if s.group_by:
-            parts.append("GROUP BY " + ", ".join(render_expr(g) for g in s.group_by))
-        if s.having is not None:
-            parts.append(f"HAVING {render_expr(s.having)}")
-        if s.order_by:
-            parts.append("ORDER BY " + ", ".join(
-                render_expr(o.expr) + (" DESC" if o.descending else "") for o in s.order_by))
-        if s.limit is not None:
-            parts.append(f"LIMIT {_ref(s.limit)}")
-            if s.offset is not None:
-                parts.append(f"OFFSET {_ref(s.offset)}")
-        return " ".join(parts)
+        return _render_select(s)
     if isinstance(s, Explain):
         return f"EXPLAIN {render(s.statement)}"
     if isinstance(s, Snapshot):
@@ -551,18 +569,9 @@ def render(s: Statement) -> str:
     if isinstance(s, Evict):
         return f"EVICT {_selection(s.selection)} FROM TIER {_ref(s.tier)}"
     if isinstance(s, DropVersions):
-        if s.keep_last is not None:
-            return f"DROP VERSIONS OF {_ref(s.collection)} KEEP LAST {_ref(s.keep_last)}"
-        assert s.older_than is not None
-        return f"DROP VERSIONS OF {_ref(s.collection)} OLDER THAN {_value(s.older_than)}"
+        return _render_drop_versions(s)
     if isinstance(s, CreatePolicy):
-        if s.trigger == "every":
-            trig = f"EVERY {quote_string(s.schedule)}"
-        elif s.trigger == "cron":
-            trig = f"CRON {quote_string(s.schedule)}"
-        else:
-            trig = f"ON COMMIT TO {_ref(s.schedule)}"
-        return f"CREATE POLICY {_ref(s.name)} {trig} DO {render(s.statement)}"
+        return f"CREATE POLICY {_ref(s.name)} {_render_trigger(s)} DO {render(s.statement)}"
     if isinstance(s, ShowPolicies):
         return "SHOW POLICIES"
     if isinstance(s, DropPolicy):

@@ -3,24 +3,29 @@
 ``execute(db, text_or_statement, params)`` returns a pyarrow.Table: the rows of a
 SELECT (int64, float64, string, bool, timestamp[us, tz=UTC] columns), or one summary
 row for anything else (``statement``, ``affected``, ``detail``), or the plan for
-EXPLAIN (``item``, ``detail``). Actions call the ``Database`` methods (``tag``,
-``pin``, ``unpin``, ``evict``, ``drop_versions``, ``replicate``), so they check and
-lock exactly as the API does; an action over many versions stops at the first error,
-and the versions before it stay done. Errors are those of ``tensordb.errors``.
+EXPLAIN (``item``, ``detail``). ``db`` is a ``PolicyStore``: the catalog, and the
+client API's actions (``tag``, ``pin``, ``unpin``, ``evict``, ``drop_versions``,
+``replicate``), which ``tensordb.Database`` has; actions go through them, so they
+check and lock exactly as the API does. An action over many versions stops at the
+first error, and the versions before it stay done. Errors are those of
+``tensordb.errors``.
+
+It runs in the calling process and thread (``Database.query``, the CLI, a policy
+runner's scheduler thread) and blocks on the catalog and on the actions' work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta, timezone
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from tensordb.catalog import write_conn
+from tensordb.catalog import Catalog, write_conn
 from tensordb.catalog.schema import policies
 from tensordb.errors import InvalidInput, NotFound, QueryError
 
@@ -29,7 +34,8 @@ from ._interval import parse_interval
 from ._parser import _parse_one, parse
 from ._plan import SelectPlan, check_params, condition_plan, plan_select
 
-__all__ = ["execute", "to_arrow", "SUMMARY_SCHEMA", "EXPLAIN_SCHEMA"]
+__all__ = ["EvictResult", "PolicyStore", "execute", "to_arrow", "SUMMARY_SCHEMA",
+           "EXPLAIN_SCHEMA"]
 
 SUMMARY_SCHEMA = pa.schema([("statement", pa.string()), ("affected", pa.int64()),
                             ("detail", pa.string())])
@@ -38,6 +44,59 @@ EXPLAIN_SCHEMA = pa.schema([("item", pa.string()), ("detail", pa.string())])
 _ARROW = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(),
           "time": pa.timestamp("us", tz="UTC"), "bool": pa.bool_()}
 _SHOWN = 20  # targets named in a summary's detail
+
+
+# -- the store statements run against ------------------------------------------------
+class EvictResult(Protocol):
+    """What an eviction reports (``tensordb.EvictReport``)."""
+
+    @property
+    def segments(self) -> int:
+        """Segments moved down a tier."""
+
+    @property
+    def nbytes(self) -> int:
+        """Their bytes."""
+
+    @property
+    def skipped_pinned(self) -> int:
+        """Segments left in place because a pin holds them."""
+
+
+@runtime_checkable
+class PolicyStore(Protocol):
+    """What statements and policies use of a store: ``tensordb.Database`` has it all.
+
+    SELECT, EXPLAIN and the policy statements read and write the catalog; the actions
+    call these methods, with the client API's contracts (they may block, move bytes
+    between tiers and nodes, and raise its errors)."""
+
+    @property
+    def catalog(self) -> Catalog:
+        """The store's catalog (``engine``, ``info``, ``history``, ``commits_after``)."""
+
+    def tag(self, collection: str, tag: str, *, version: int | None = None) -> int:
+        """SNAPSHOT: tag a version (default the head); returns it."""
+
+    def pin(self, collection: str, *, version: int | None = None, tag: str | None = None,
+            tier: str = ...) -> int:
+        """PIN: keep a version's bytes in ``tier``; returns the version."""
+
+    def unpin(self, collection: str, *, version: int | None = None, tag: str | None = None,
+              tier: str = ...) -> bool:
+        """UNPIN: remove a pin; False if there was none."""
+
+    def evict(self, collection: str, *, version: int | None = None, tag: str | None = None,
+              tier: str = ...) -> EvictResult:
+        """EVICT: move a version's unpinned bytes from ``tier`` down a tier."""
+
+    def drop_versions(self, collection: str, *, keep_last: int | None = None,
+                      older_than: timedelta | None = None) -> int:
+        """DROP VERSIONS: forget old versions; returns how many."""
+
+    def replicate(self, collection: str, *, version: int | None = None,
+                  to: Iterable[str]) -> list[str]:
+        """REPLICATE: make the ``to`` nodes hold a version; returns them."""
 
 
 # -- results ---------------------------------------------------------------------------
@@ -55,8 +114,9 @@ def _array(values: Sequence[Any], kind: str | None) -> pa.Array:
 
 def to_arrow(names: Sequence[str], kinds: Sequence[str | None], rows: Sequence[Any]) -> pa.Table:
     """Rows of a result -> a pyarrow.Table with one column per name (names may repeat)."""
-    cols: list[Sequence[Any]] = list(zip(*rows)) if rows else [()] * len(names)
-    return pa.Table.from_arrays([_array(c, k) for c, k in zip(cols, kinds)], names=list(names))
+    cols: list[Sequence[Any]] = list(zip(*rows, strict=True)) if rows else [()] * len(names)
+    return pa.Table.from_arrays([_array(c, k) for c, k in zip(cols, kinds, strict=True)],
+                                names=list(names))
 
 
 def _summary(kind: str, affected: int, detail: str) -> pa.Table:
@@ -119,7 +179,7 @@ def _tier(v: Any, params: Mapping[str, object], default: str | None,
 
 
 # -- SELECT ------------------------------------------------------------------------------
-def _rows(db: Any, plan: SelectPlan, params: Mapping[str, object]) -> list[Any]:
+def _rows(db: PolicyStore, plan: SelectPlan, params: Mapping[str, object]) -> list[Any]:
     binds = check_params(plan.params, params)
     try:
         with db.catalog.engine.connect() as conn:
@@ -132,7 +192,7 @@ def _rows(db: Any, plan: SelectPlan, params: Mapping[str, object]) -> list[Any]:
                          line=line, column=column, expected=[]) from exc
 
 
-def _select(db: Any, plan: SelectPlan, params: Mapping[str, object]) -> pa.Table:
+def _select(db: PolicyStore, plan: SelectPlan, params: Mapping[str, object]) -> pa.Table:
     return to_arrow(plan.names, plan.kinds, _rows(db, plan, params))
 
 
@@ -148,7 +208,7 @@ def _selection_plan(sel: A.Selection, dialect: str) -> SelectPlan | None:
     return None
 
 
-def _targets(db: Any, sel: A.Selection, params: Mapping[str, object], dialect: str,
+def _targets(db: PolicyStore, sel: A.Selection, params: Mapping[str, object], dialect: str,
              lenient: bool = False) -> list[Target]:
     if isinstance(sel, A.OneCollection):
         return [(_value(sel.collection, params, "a collection", str, lenient),
@@ -181,7 +241,8 @@ def _call(fn: str, t: Target, **kw: object) -> str:
 
 
 # -- actions ---------------------------------------------------------------------------
-def _action(db: Any, stmt: A.Statement, params: Mapping[str, object], dialect: str) -> pa.Table:
+def _action(db: PolicyStore, stmt: A.Statement, params: Mapping[str, object], dialect: str
+            ) -> pa.Table:
     if isinstance(stmt, A.Snapshot):
         coll = _value(stmt.collection, params, "a collection", str)
         tag = _value(stmt.tag, params, "a tag", str)
@@ -214,7 +275,8 @@ def _action(db: Any, stmt: A.Statement, params: Mapping[str, object], dialect: s
         return _summary(stmt.kind, len(done), f"pinned in {tier}: {_listing(done)}")
     if isinstance(stmt, A.Unpin):
         tier = _tier(stmt.tier, params, "host")
-        removed, absent = [], []
+        removed: list[str] = []
+        absent: list[str] = []
         for t in targets:
             (removed if db.unpin(t[0], version=t[1], tag=t[2], tier=tier) else absent).append(
                 _label(t))
@@ -240,7 +302,7 @@ def _action(db: Any, stmt: A.Statement, params: Mapping[str, object], dialect: s
 _SHOW = A.Select(None, "policies", order_by=(A.OrderItem(A.Column("name")),))
 
 
-def _create_policy(db: Any, stmt: A.CreatePolicy) -> pa.Table:
+def _create_policy(db: PolicyStore, stmt: A.CreatePolicy) -> pa.Table:
     line, column = stmt.name_pos or stmt.pos or (1, 1)
     dup = QueryError(f"a policy named {stmt.name!r} already exists (line {line}, column "
                      f"{column}); DROP POLICY it first", line=line, column=column,
@@ -268,7 +330,7 @@ def _trigger_text(stmt: A.CreatePolicy) -> str:
     return f"on each commit to {stmt.schedule}"
 
 
-def _drop_policy(db: Any, stmt: A.DropPolicy) -> pa.Table:
+def _drop_policy(db: PolicyStore, stmt: A.DropPolicy) -> pa.Table:
     with write_conn(db.catalog.engine) as conn:
         gone = conn.execute(delete(policies).where(policies.c.name == stmt.name)).rowcount
     if not gone:
@@ -277,7 +339,7 @@ def _drop_policy(db: Any, stmt: A.DropPolicy) -> pa.Table:
 
 
 # -- EXPLAIN ---------------------------------------------------------------------------
-def _sql(plan: SelectPlan, db: Any) -> list[tuple[str, str]]:
+def _sql(plan: SelectPlan, db: PolicyStore) -> list[tuple[str, str]]:
     compiled = plan.query.compile(dialect=db.catalog.engine.dialect)
     rows = [("sql", " ".join(str(compiled).split()))]
     binds = [f"{k}={v!r}" for k, v in compiled.params.items() if not k.startswith("p_")]
@@ -290,7 +352,7 @@ def _sql(plan: SelectPlan, db: Any) -> list[tuple[str, str]]:
     return rows
 
 
-def _explain_select(plan: SelectPlan, db: Any) -> list[tuple[str, str]]:
+def _explain_select(plan: SelectPlan, db: PolicyStore) -> list[tuple[str, str]]:
     t = plan.table
     rows = [("table", f"{t.name}: {t.doc}"),
             ("reads", " ".join([t.base.name] + [j.text for j in t.joins if j.name in plan.joins]))]
@@ -300,7 +362,7 @@ def _explain_select(plan: SelectPlan, db: Any) -> list[tuple[str, str]]:
     return rows + _sql(plan, db)
 
 
-def _explain(db: Any, stmt: A.Statement, params: Mapping[str, object], dialect: str
+def _explain(db: PolicyStore, stmt: A.Statement, params: Mapping[str, object], dialect: str
              ) -> pa.Table:
     rows: list[tuple[str, str]] = [("statement", str(stmt)), ("dialect", dialect)]
     if isinstance(stmt, A.Select):
@@ -364,9 +426,10 @@ def _prepared(text: str, dialect: str) -> tuple[A.Statement, SelectPlan | None]:
     return stmt, plan_select(stmt, dialect) if isinstance(stmt, A.Select) else None
 
 
-def execute(db: Any, statement: str | A.Statement,
+def execute(db: PolicyStore, statement: str | A.Statement,
             params: Mapping[str, object] | None = None) -> pa.Table:
-    """Run one statement against ``db`` (a ``tensordb.Database``) and return its table.
+    """Run one statement against ``db`` (a ``PolicyStore``, e.g. a ``tensordb.Database``)
+    and return its table.
 
     ``statement``: text (parsed and planned once, then cached) or a Statement from
     ``parse``. ``params``: values of its ``:name`` parameters; names it does not use are

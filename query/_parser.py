@@ -20,6 +20,7 @@ from tensordb.errors import QueryError
 from . import _ast as A
 from ._grammar import GRAMMAR, KEYWORDS, describe_terminal
 from ._interval import parse_interval
+from ._schedule import check_schedule
 
 __all__ = ["parse", "parse_script", "MAX_LENGTH", "MAX_DEPTH", "TIERS"]
 
@@ -98,8 +99,6 @@ def _tier(r: _Ref | None) -> str | A.Param | None:
 
 def _schedule(trigger: str, tok: Token) -> str:
     """The schedule of EVERY / CRON, checked by the rules the policy runner applies."""
-    from ._schedule import check_schedule
-
     text = " ".join(_unquote(tok).split())
     try:
         check_schedule(trigger, text)

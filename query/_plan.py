@@ -319,10 +319,6 @@ def _out_name(item: A.SelectItem) -> str:
     return A.render_expr(item.expr)
 
 
-def _has_agg(e: A.Expr) -> bool:
-    return any(isinstance(n, A.Call) and n.name in AGGREGATES for n in A.walk(e))
-
-
 def _ungrouped(e: A.Expr, groups: set[A.Expr]) -> A.Column | None:
     """A column of ``e`` outside aggregates and GROUP BY, if any."""
     if e in groups or isinstance(e, (A.Literal, A.Param)):
@@ -348,63 +344,33 @@ def _position(e: A.Expr, n_items: int, clause: str) -> int | None:
     return None
 
 
-@lru_cache(maxsize=512)
-def plan_select(stmt: A.Select, dialect: str) -> SelectPlan:
-    """Compile a SELECT for a catalog of ``dialect`` ('sqlite', 'postgresql', ...)."""
-    table = _table(stmt.table, stmt.table_pos)
-    cc = _Compiler(table, dialect)
-    # the select list
+def _check_grouping(stmt: A.Select, items: Sequence[A.SelectItem], groups: Sequence[A.Expr],
+                    order: Sequence[tuple[A.Expr, bool]]) -> None:
+    """An aggregating query: every column outside an aggregate must be grouped."""
     if stmt.items is None:
-        items = tuple(A.SelectItem(A.Column(n, pos=stmt.table_pos)) for n in table.columns)
-    else:
-        items = stmt.items
-    names = [_out_name(i) for i in items]
-    compiled = [cc.expr(i.expr, agg_ok=True) for i in items]
-    aliases = {i.alias: i for i in items if i.alias is not None}
+        raise _err("SELECT * cannot be used with GROUP BY or aggregates; name the "
+                   "columns", stmt.table_pos, ["the grouped columns and aggregates"])
+    gset = set(groups)
+    for e in [i.expr for i in items] + [e for e, _ in order] + (
+            [stmt.having] if stmt.having is not None else []):
+        bad = _ungrouped(e, gset)
+        if bad is not None:
+            raise _err(f"column {bad.name!r} must appear in GROUP BY or be used in an "
+                       f"aggregate", bad.pos, [f"GROUP BY {bad.name}", "an aggregate"])
 
-    def resolve(e: A.Expr, clause: str) -> A.Expr:
-        """An alias or position of the select list in GROUP BY / ORDER BY -> its expr.
 
-        As in SQL, ORDER BY reads an output name before a column of the table, and
-        GROUP BY a column of the table before an output name."""
-        k = _position(e, len(items), clause)
-        if k is not None:
-            return items[k].expr
-        if isinstance(e, A.Column) and e.name in aliases and (
-                clause == "ORDER BY" or e.name not in table.columns):
-            return aliases[e.name].expr
-        return e
+def _check_distinct(items: Sequence[A.SelectItem], order: Sequence[tuple[A.Expr, bool]]
+                    ) -> None:
+    """SELECT DISTINCT: ORDER BY may only name what is selected."""
+    selected = {i.expr for i in items}
+    for e, _ in order:
+        if e not in selected:
+            raise _err(f"with SELECT DISTINCT, ORDER BY {A.render_expr(e)} must be in the "
+                       f"select list", e.pos, [A.render_expr(i.expr) for i in items])
 
-    where = cc.condition(stmt.where, agg_ok=False) if stmt.where is not None else None
-    groups = [resolve(g, "GROUP BY") for g in stmt.group_by]
-    cc.clause = "GROUP BY"
-    group_sql = [cc.expr(g, agg_ok=False).sql for g in groups]
-    having = cc.condition(stmt.having, agg_ok=True) if stmt.having is not None else None
-    aggregated = bool(groups) or having is not None or any(c.agg for c in compiled)
-    order = [(resolve(o.expr, "ORDER BY"), o.descending) for o in stmt.order_by]
-    order_sql = []
-    cc.clause = "ORDER BY of a query that does not aggregate"
-    for e, desc in order:
-        t = cc.expr(e, agg_ok=aggregated)
-        order_sql.append(t.sql.desc() if desc else t.sql.asc())
-    if aggregated:
-        if stmt.items is None:
-            raise _err("SELECT * cannot be used with GROUP BY or aggregates; name the "
-                       "columns", stmt.table_pos, ["the grouped columns and aggregates"])
-        gset = set(groups)
-        for e in [i.expr for i in items] + [e for e, _ in order] + (
-                [stmt.having] if stmt.having is not None else []):
-            bad = _ungrouped(e, gset)
-            if bad is not None:
-                raise _err(f"column {bad.name!r} must appear in GROUP BY or be used in an "
-                           f"aggregate", bad.pos, [f"GROUP BY {bad.name}", "an aggregate"])
-    if stmt.distinct:
-        selected = {i.expr for i in items}
-        for e, _ in order:
-            if e not in selected:
-                raise _err(f"with SELECT DISTINCT, ORDER BY {A.render_expr(e)} must be in the "
-                           f"select list", e.pos, [A.render_expr(i.expr) for i in items])
-    # output labels: unique, whatever the names
+
+def _labels(names: Sequence[str]) -> list[str]:
+    """Output labels: unique, whatever the names (``n``, ``n_2``, ...)."""
     labels: list[str] = []
     for n in names:
         label, k = n, 1
@@ -412,7 +378,56 @@ def plan_select(stmt: A.Select, dialect: str) -> SelectPlan:
             k += 1
             label = f"{n}_{k}"
         labels.append(label)
-    q = select(*(c.sql.label(lab) for c, lab in zip(compiled, labels)))
+    return labels
+
+
+def _resolve(e: A.Expr, clause: str, items: Sequence[A.SelectItem], table: VTable) -> A.Expr:
+    """An alias or position of the select list in GROUP BY / ORDER BY -> its expr.
+
+    As in SQL, ORDER BY reads an output name before a column of the table, and GROUP BY
+    a column of the table before an output name."""
+    k = _position(e, len(items), clause)
+    if k is not None:
+        return items[k].expr
+    if isinstance(e, A.Column) and (clause == "ORDER BY" or e.name not in table.columns):
+        for i in reversed(items):  # the last of two equal aliases wins, as in a dict
+            if i.alias == e.name:
+                return i.expr
+    return e
+
+
+def _limit(cc: _Compiler, v: int | A.Param) -> Any:
+    return cc.param(v, "int") if isinstance(v, A.Param) else v
+
+
+@lru_cache(maxsize=512)
+def plan_select(stmt: A.Select, dialect: str) -> SelectPlan:
+    """Compile a SELECT for a catalog of ``dialect`` ('sqlite', 'postgresql', ...)."""
+    table = _table(stmt.table, stmt.table_pos)
+    cc = _Compiler(table, dialect)
+    if stmt.items is None:
+        items = tuple(A.SelectItem(A.Column(n, pos=stmt.table_pos)) for n in table.columns)
+    else:
+        items = stmt.items
+    names = [_out_name(i) for i in items]
+    compiled = [cc.expr(i.expr, agg_ok=True) for i in items]
+    where = cc.condition(stmt.where, agg_ok=False) if stmt.where is not None else None
+    groups = [_resolve(g, "GROUP BY", items, table) for g in stmt.group_by]
+    cc.clause = "GROUP BY"
+    group_sql = [cc.expr(g, agg_ok=False).sql for g in groups]
+    having = cc.condition(stmt.having, agg_ok=True) if stmt.having is not None else None
+    aggregated = bool(groups) or having is not None or any(c.agg for c in compiled)
+    order = [(_resolve(o.expr, "ORDER BY", items, table), o.descending) for o in stmt.order_by]
+    cc.clause = "ORDER BY of a query that does not aggregate"
+    order_sql = []
+    for e, desc in order:
+        t = cc.expr(e, agg_ok=aggregated)
+        order_sql.append(t.sql.desc() if desc else t.sql.asc())
+    if aggregated:
+        _check_grouping(stmt, items, groups, order)
+    if stmt.distinct:
+        _check_distinct(items, order)
+    q = select(*(c.sql.label(lab) for c, lab in zip(compiled, _labels(names), strict=True)))
     q = q.select_from(table.from_clause(cc.needs))
     conds = list(table.where) + ([where.sql] if where is not None else [])
     if conds:
@@ -426,11 +441,9 @@ def plan_select(stmt: A.Select, dialect: str) -> SelectPlan:
     if order_sql:
         q = q.order_by(*order_sql)
     if stmt.limit is not None:
-        q = q.limit(cc.param(stmt.limit, "int") if isinstance(stmt.limit, A.Param)
-                    else stmt.limit)
+        q = q.limit(_limit(cc, stmt.limit))
     if stmt.offset is not None:
-        q = q.offset(cc.param(stmt.offset, "int") if isinstance(stmt.offset, A.Param)
-                     else stmt.offset)
+        q = q.offset(_limit(cc, stmt.offset))
     return SelectPlan(stmt, table, q, tuple(names), tuple(c.kind for c in compiled),
                       tuple(cc.params.values()), tuple(j.name for j in table.joins
                                                        if j.name in cc.needs),

@@ -18,14 +18,14 @@ removed by ``DROP POLICY``): a trigger, a schedule and the statement to run.
 
 How a store runs its policies
 -----------------------------
-Embedded store: one process of those sharing the store calls
-``PolicyRunner(db).start()`` (a long-lived one: a trainer, an engine, or a small
-``tensordb serve``) and ``stop()`` at exit; the runner is also a context manager. Cluster
-mode: ``tensordb serve`` owns one runner per host. Any number of runners may be started on
-one store: they elect a leader (a file lock beside a SQLite catalog, a PostgreSQL
-session advisory lock otherwise), only the leader schedules and runs policies, and when
-it stops or dies another takes over within ``poll`` seconds. Other dialects get no lock:
-start one runner per store there.
+A long-lived process (a trainer, an engine, or ``tensordb policies run``) calls
+``PolicyRunner(db).start()`` and ``stop()`` at exit; the runner is also a context
+manager. ``db`` is a ``PolicyStore`` (``tensordb.Database`` is one). In cluster mode,
+start one on as many hosts as should be able to take over. Any number of runners may
+be started on one store: they elect a leader (a file lock beside a SQLite catalog, a
+PostgreSQL session advisory lock otherwise), only the leader schedules and runs
+policies, and when it stops or dies another takes over within ``poll`` seconds. Other
+dialects get no lock: start one runner per store there.
 
 The leader runs an APScheduler 3 ``BackgroundScheduler`` whose jobs live in the catalog
 database (``SQLAlchemyJobStore``, table ``apscheduler_jobs``), so an interval keeps its
@@ -44,8 +44,8 @@ the scheduler or to other policies. Details of commit-triggered runs start with
 ``version N:``; a restarted leader resumes each ON COMMIT policy after the last version
 whose run finished (a run interrupted by a dying runner is made again), and a new policy
 starts after the head it saw when it was created. Runs execute in scheduler threads, so
-the ``Database`` is shared between threads; ``stop`` waits for runs in progress. Stop the
-runner before closing its ``Database``.
+the store is shared between threads; ``stop`` waits for runs in progress. Stop the
+runner before closing its store.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.base import BaseJobStore
@@ -70,13 +70,12 @@ from apscheduler.triggers.base import BaseTrigger
 from sqlalchemy import Connection, Engine, insert, select, text, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from ._schedule import check_schedule, parse_interval, trigger_of
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import policies, policy_runs
 from tensordb.errors import InvalidInput, NotFound, QueryError, TensorDBError
 
-if TYPE_CHECKING:
-    from tensordb import Database
+from ._execute import PolicyStore, execute
+from ._schedule import check_schedule, parse_interval, trigger_of
 
 __all__ = ["PolicyRunner", "PolicyRun", "parse_interval", "check_schedule", "JOB_TABLE"]
 
@@ -89,7 +88,8 @@ _JOB_PREFIX = "policy:"
 _PG_LOCK_KEY = 0x7E75D9  # advisory lock id of the policy leader (migrations use ...D8)
 _DETAIL_MAX = 2000
 
-Executor = Callable[..., Any]
+#: runs one statement of a policy: (store, statement, its parameters) -> result
+Executor = Callable[[PolicyStore, str, Mapping[str, object] | None], Any]
 
 # -- values -----------------------------------------------------------------------------------
 
@@ -299,7 +299,7 @@ class PolicyRunner:
     heads of ON COMMIT policies' collections.
     """
 
-    def __init__(self, db: Database, *, executor: Executor | None = None,
+    def __init__(self, db: PolicyStore, *, executor: Executor | None = None,
                  retry_delay: float = 5.0, max_attempts: int = 3, poll: float = 5.0,
                  watch_poll: float = 0.25, max_workers: int = 8) -> None:
         if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
@@ -313,7 +313,7 @@ class PolicyRunner:
         self.poll = float(poll)
         self.watch_poll = float(watch_poll)
         self._max_workers = max_workers
-        self._executor_fn = executor
+        self._executor: Executor = executor or execute
         self._engine: Engine = db.catalog.engine
         self._key = _store_key(self._engine)
         self._mutex = threading.RLock()
@@ -475,7 +475,7 @@ class PolicyRunner:
             else:
                 wanted[_JOB_PREFIX + p.name] = (p, trig, spec)
         jobs = {j.id: j for j in sched.get_jobs() if j.id.startswith(_JOB_PREFIX)}
-        for jid, job in jobs.items():
+        for jid in jobs:
             if jid not in wanted:
                 sched.remove_job(jid)
         for jid, (p, trig, spec) in wanted.items():
@@ -563,12 +563,7 @@ class PolicyRunner:
 
     # -- running --------------------------------------------------------------------------
     def _execute(self, statement: str, params: Mapping[str, object] | None) -> Any:
-        fn = self._executor_fn
-        if fn is None:
-            from . import execute  # the statement language; imported when first needed
-
-            fn = self._executor_fn = execute
-        return fn(self.db, statement, params)
+        return self._executor(self.db, statement, params)
 
     def _attempt(self, p: _Policy, attempt: int, available: Mapping[str, object],
                  prefix: str) -> Any:

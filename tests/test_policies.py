@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import open_store
 from sqlalchemy import delete, insert, select, update
 
 import tensordb
-from conftest import open_store
 from query._policies import (
     JOB_TABLE,
     PolicyRunner,

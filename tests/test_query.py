@@ -21,8 +21,8 @@ from query._grammar import KEYWORDS
 from query._interval import parse_interval
 from query._plan import plan_select
 from tensordb import cli
-from tensordb.catalog.schema import policy_runs
 from tensordb.catalog import write_conn
+from tensordb.catalog.schema import policy_runs
 from tensordb.config import Config
 from tensordb.errors import InvalidInput, NotFound, QueryError
 
@@ -74,9 +74,14 @@ def test_public_surface() -> None:
             "Snapshot", "Statement", "TABLES", "Unpin", "execute", "parse", "parse_script"}])
     for name in query.__all__:
         assert hasattr(query, name), name
+    assert {"PolicyStore", "EvictResult", "PolicyRunner"} <= set(query.__all__)
     assert set(query.TABLES) >= {"tensors", "versions", "collections", "commits", "tags",
                                  "extents", "nodes", "leases", "kv_namespaces", "pins",
                                  "policies", "policy_runs"}
+
+
+def test_the_store_is_a_policy_store(sqlite_db: tensordb.Database) -> None:
+    assert isinstance(sqlite_db, query.PolicyStore)  # what execute and the runner take
 
 
 # -- SELECT results match the API -------------------------------------------------------

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PG_BASE, _pg_admin, _pg_available
 from sqlalchemy import text
 
 import tensordb
-from conftest import PG_BASE, _pg_admin, _pg_available
 from tensordb.catalog import NodeDirectory
 from tensordb.errors import InvalidInput, NodeUnavailable, NotFound, Unauthorized
-from transport import FlightTransport, THROTTLE_ENV, pull_segment
+from transport import THROTTLE_ENV, FlightTransport, pull_segment
 
 pytestmark = pytest.mark.postgres
 
@@ -304,8 +304,8 @@ def test_segment_bytes_take_the_data_plane(cluster: Cluster) -> None:
     good.read_segment_into("a", addr, seg, 4096, dst, lambda n: None)
     assert np.array_equal(dst, want[4096:5096])
 
-    def errors(text: str) -> None:
-        raise RuntimeError(text)
+    def errors(payload: object) -> None:  # the error payload, as the data plane sent it
+        raise RuntimeError(payload)
 
     host = addr.rsplit(":", 1)[0]
     for token, sid, offset, needle in ((None, seg, 0, "Unauthorized"),
@@ -366,7 +366,7 @@ def test_kv_blocks_by_key_from_another_node(cluster: Cluster) -> None:
     kv_a.put(keys[:2], blocks[:2])
     assert b.pull_kv("qwen-test", keys, block_tokens=4, nodes=["a"]) == 2
     got = b.kv("qwen-test", block_tokens=4).get(keys[:2])
-    assert all(torch.equal(g, x) for g, x in zip(got, blocks[:2]))
+    assert all(torch.equal(g, x) for g, x in zip(got, blocks[:2], strict=True))
     assert b.pull_kv("qwen-test", keys[:2], block_tokens=4) == 0  # held already
 
 

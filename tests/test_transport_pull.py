@@ -1,10 +1,14 @@
-"""Pulling segments between nodes, in one process: two nodes share a catalog, and the
-transport is an in-process implementation of the ``Transport`` ABC that reads the
-holder's tier (optionally damaging or cutting the stream), so checksums, resumption and
-registration are tested without a network. The real Flight path: test_transport.py."""
+"""Pulling segments between nodes, and the transport contract, in one process.
+
+Two nodes share a catalog, and the transport is ``transport.LocalTransport`` (each
+node's handlers called in process) with faults added (a damaged byte, a stream cut), so
+checksums, resumption and registration are tested without a network. The contract suite
+of ``transport.testing`` runs against ``LocalTransport`` and against ``FlightTransport``
+on loopback to a ``NodeServer`` of this process. Real processes: test_transport.py."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,65 +16,68 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import open_store, remove_store
 
 import tensordb
+import tensordb.errors
 import transport
-from conftest import open_store, remove_store
 from tensordb.catalog import NodeDirectory
-from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
-from transport import ExtentHasher, Transport, pull_segment, split_ranges
+from tensordb.errors import (
+    CommitConflict,
+    CorruptData,
+    InvalidInput,
+    NodeUnavailable,
+    NotFound,
+    QueryError,
+    TensorDBError,
+)
+from transport import ExtentHasher, LocalTransport, NodeStore, pull_segment, split_ranges
+from transport.testing import TransportTests
 
 
-class LocalTransport(Transport):
-    """Reads a segment straight from the holder's store; ``damage`` flips a byte at
-    that offset, ``cut_after`` makes the stream die after that many bytes (once)."""
+class FaultyTransport(LocalTransport):
+    """The in-process transport over the nodes of ``stores``, streaming ``chunk`` bytes
+    at a time; ``damage`` flips the byte at that offset of a segment, ``cut_after`` makes
+    a stream die after that many bytes (once); ``reads`` records each segment read."""
 
     def __init__(self, stores: dict[str, tensordb.Database], chunk: int = 1000) -> None:
-        self.stores = stores
+        super().__init__()
         self.chunk = chunk
+        for db in stores.values():
+            self.add(db, chunk_bytes=chunk)
         self.damage: int | None = None
         self.cut_after: int | None = None
         self.reads: list[tuple[str, int, int]] = []
-
-    def ping(self, node: str, address: str) -> dict[str, Any]:
-        if node not in self.stores:
-            raise NodeUnavailable(f"node {node!r} does not answer", node=node)
-        return {"node": node}
 
     def read_segment(self, node: str, address: str, segment_id: str, offset: int, length: int,
                      sink: Callable[[memoryview], None]) -> None:
         self.ping(node, address)
         self.reads.append((node, offset, length))
-        db = self.stores[node]
-        tier = NodeDirectory(db.catalog.engine).local_tier(segment_id, node)
-        data = np.frombuffer(db.tier(tier or "host").open(segment_id), np.uint8).copy()
-        if self.damage is not None:
-            data[self.damage] ^= 0xFF
-        sent = 0
-        for lo in range(offset, offset + length, self.chunk):
-            hi = min(lo + self.chunk, offset + length)
+        pos, sent = offset, 0
+
+        def faulty(view: memoryview) -> None:
+            nonlocal pos, sent
             if self.cut_after is not None and sent >= self.cut_after:
                 self.cut_after = None
                 raise NodeUnavailable(f"node {node!r} died mid-stream", node=node)
-            sink(memoryview(data[lo:hi]))
-            sent += hi - lo
+            if self.damage is not None and pos <= self.damage < pos + len(view):
+                bad = np.frombuffer(view, np.uint8).copy()
+                bad[self.damage - pos] ^= 0xFF
+                view = memoryview(bad)
+            sink(view)
+            pos += len(view)
+            sent += len(view)
 
-    def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
-                     source: str | None, streams: int | None = None) -> dict[str, Any]:
-        raise NodeUnavailable("not served in-process", node=node)
-
-    def read_kv(self, node: str, address: str, namespace: str, block_tokens: int,
-                keys: Sequence[bytes]) -> list[Any]:
-        return []
+        super().read_segment(node, address, segment_id, offset, length, faulty)
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[tensordb.Database, tensordb.Database, LocalTransport]]:
+def pair(tmp_path: Path) -> Iterator[tuple[tensordb.Database, tensordb.Database, FaultyTransport]]:
     """Node "w" (the writer) and node "r" (the reader) on one SQLite catalog."""
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     w = open_store(tmp_path / "w", url, node="w")
     r = open_store(tmp_path / "r", url, node="r")
-    fake = LocalTransport({"w": w})
+    fake = FaultyTransport({"w": w})
     r._flight = fake
     NodeDirectory(w.catalog.engine).register("w", "in-process", ["host", "disk"], None)
     try:
@@ -92,7 +99,9 @@ def _leftovers(db: tensordb.Database) -> list[str]:
 
 def test_public_surface() -> None:
     assert set(transport.__all__) >= {"NodeServer", "FlightTransport", "Transport",
-                                      "pull_segment", "cascade", "start_node", "NodeMetrics"}
+                                      "pull_segment", "cascade", "start_node", "NodeMetrics",
+                                      "LocalTransport", "NodeService", "NodeStore",
+                                      "KVBlocks", "ERROR_KINDS"}
     assert all(hasattr(transport, n) for n in transport.__all__)
 
 
@@ -131,10 +140,10 @@ def test_cut_stream_resumes_at_the_next_holder(pair, tmp_path: Path  # type: ign
     seg = _segment(w, "m")
     third = open_store(tmp_path / "t", w.config.catalog_url, node="t")
     try:
-        third._flight = LocalTransport({"w": w})
+        third._flight = FaultyTransport({"w": w})
         third.get("m", "x")  # t holds a replica now
         NodeDirectory(w.catalog.engine).register("t", "in-process", ["host"], None)
-        fake.stores["t"] = third
+        fake.add(third, chunk_bytes=fake.chunk)
         fake.cut_after = 8000
         tiers = {n: r.tier(n) for n in ("host", "disk")}
         assert pull_segment(NodeDirectory(r.catalog.engine), fake, "r", tiers, seg,
@@ -154,7 +163,7 @@ def test_no_live_holder_raises_node_unavailable(pair) -> None:  # type: ignore[n
     with pytest.raises(NodeUnavailable) as info:
         r.get("m", "a")
     assert info.value.node == "w" and info.value.collection == "m"
-    del fake.stores["w"]
+    fake.remove("w")
     NodeDirectory(w.catalog.engine).register("w", "in-process", ["host"], None)
     with pytest.raises(NodeUnavailable):  # registered, but it does not answer
         r.get("m", "a")
@@ -235,8 +244,8 @@ def _peer(behave: Callable[[Any], None]) -> tuple[int, Any]:
     return srv.getsockname()[1], t
 
 
-def _no_error(text: str) -> None:
-    raise AssertionError(f"unexpected error answer {text!r}")
+def _no_error(payload: object) -> None:
+    raise AssertionError(f"unexpected error answer {payload!r}")
 
 
 def test_data_plane_cut_stream_hands_over_what_arrived() -> None:
@@ -277,3 +286,114 @@ def test_data_plane_cut_stream_hands_over_what_arrived() -> None:
         fetch_into("n", "127.0.0.1", port, None, "s", 0, np.zeros(8, np.uint8),
                    lambda n: None, 5.0, _no_error)
     t.join(5)
+
+
+# -- the transport contract ----------------------------------------------------------------
+class _StoreHooks(TransportTests):
+    """The suite's hooks on a tensordb store: node "n1" on its own SQLite catalog."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[tensordb.Database]:
+        db = open_store(tmp_path / "n1", node="n1")
+        try:
+            yield db
+        finally:
+            remove_store(db)
+
+    def put_segment(self, store: NodeStore, data: np.ndarray) -> str:
+        assert isinstance(store, tensordb.Database)
+        store.commit("contract", {"bytes": torch.from_numpy(data.copy())})
+        info = store.catalog.require("contract")
+        (sid,) = [s for s, _ in NodeDirectory(store.catalog.engine).version_segments(
+            info.id, info.head)]
+        assert np.array_equal(store.get("contract", "bytes").numpy(), data)
+        return sid
+
+    def put_kv(self, store: NodeStore, namespace: str, block_tokens: int,
+               keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
+        assert isinstance(store, tensordb.Database)
+        kv = store.kv(namespace, block_tokens, capacity_bytes=1 << 20, slab_bytes=64 << 10)
+        assert kv.put(keys, blocks) == len(keys)
+
+
+class TestLocalTransportContract(_StoreHooks):
+    nodes: LocalTransport
+
+    def serve(self, store: NodeStore, token: str | None) -> str:
+        self.nodes = LocalTransport()
+        self.nodes.add(store, token=token, chunk_bytes=64 << 10)
+        return "in-process"
+
+    def stop(self, node: str) -> None:
+        self.nodes.remove(node)
+
+    def client(self, token: str | None) -> transport.Transport:
+        return LocalTransport(self.nodes.nodes, token=token)
+
+
+class TestFlightTransportContract(_StoreHooks):
+    server: transport.NodeServer | None = None
+
+    def serve(self, store: NodeStore, token: str | None) -> str:
+        self.server = transport.NodeServer(store, token=token, chunk_bytes=64 << 10,
+                                           timeout=2.0)
+        return f"127.0.0.1:{self.server.port}"
+
+    def stop(self, node: str) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            server.close()
+
+    def client(self, token: str | None) -> transport.Transport:
+        return transport.FlightTransport(token, timeout=2.0)
+
+
+def test_the_store_is_a_node_store(tmp_path: Path) -> None:
+    db = open_store(tmp_path / "s")
+    try:
+        assert isinstance(db, transport.NodeStore)
+    finally:
+        remove_store(db)
+
+
+# -- errors on the wire --------------------------------------------------------------------
+def test_every_error_class_has_a_wire_kind() -> None:
+    classes = {name for name, cls in inspect.getmembers(tensordb.errors, inspect.isclass)
+               if issubclass(cls, TensorDBError)}
+    assert set(transport.ERROR_KINDS) == classes
+    assert set(transport.ERROR_KINDS) >= set(tensordb.errors.__all__)
+
+
+def test_error_payloads_are_plain_json_and_rebuild_the_class() -> None:
+    import json
+
+    exc = CommitConflict("head moved", collection="c", names=["a"], base=1, head=2)
+    payload = json.loads(json.dumps(transport.error_payload(exc)))
+    assert payload["kinds"] == ["CommitConflict", "TensorDBError"]
+    got = transport.error_from_payload(payload, "n")
+    assert type(got) is CommitConflict and got.message == "node 'n': head moved"
+    assert (got.collection, got.names, got.base, got.head, got.node) == ("c", ["a"], 1, 2, "n")
+    q = transport.error_from_payload(transport.error_payload(
+        QueryError("bad", line=3, column=4, expected=["FROM"], node="m")), "n")
+    assert type(q) is QueryError and (q.line, q.column, q.expected, q.node) == (3, 4, ["FROM"], "m")
+
+
+def test_an_unknown_error_kind_degrades_safely() -> None:
+    class Newer(NotFound):  # a class only a newer node has
+        pass
+
+    got = transport.error_from_payload(transport.error_payload(Newer("gone", tensor="t")), "n")
+    assert type(got) is NotFound and got.tensor == "t" and isinstance(got, KeyError)
+    got = transport.error_from_payload({"kinds": ["FromTheFuture"], "message": "hm",
+                                        "attrs": {"node": "x", "_secret": 1, "get": 2}}, "n")
+    assert type(got) is TensorDBError and got.node == "x" and not hasattr(got, "_secret")
+    for junk in (None, "text", {"kinds": "NotFound"}, {"kinds": [], "message": 1, "attrs": {}}):
+        assert transport.error_from_payload(junk, "n") is None
+    import pyarrow.flight as fl
+
+    from transport._flight_client import raise_remote
+
+    for text in ("boom", "tensordb.error: {not json", 'tensordb.error: {"kinds": 1}'):
+        with pytest.raises(NodeUnavailable) as info:  # a Flight error with no payload
+            raise_remote(fl.FlightServerError(text), "n", "127.0.0.1:1")
+        assert info.value.node == "n"

@@ -3,7 +3,8 @@ header of every call, compared in constant time.
 
 Servers bind 127.0.0.1 unless told otherwise, and a non-loopback bind needs a token
 (``require_token_for``): on a shared network, anyone who can reach the port could
-otherwise read every tensor the node holds.
+otherwise read every tensor the node holds. The middleware runs in the serving process
+(``tensordb serve``), on Flight's threads; the helpers in every process that calls a node.
 """
 
 from __future__ import annotations

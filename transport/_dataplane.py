@@ -14,8 +14,12 @@ and says which in its ``ping`` answer (``data_port``); a node that gives none is
 through Flight. One request per connection::
 
     client -> server   u32 length, JSON {"token", "id", "offset", "length"}
-    server -> client   u32 length, JSON {"ok": true} or {"error": "tensordb.<Kind>: ..."}
+    server -> client   u32 length, JSON {"ok": true} or {"error": {error payload}}
                        then, on ok, exactly ``length`` bytes of the segment
+
+(the error payload of ``_base.error_payload``: the error's classes, message and
+attributes). The server half runs in the node's serving process, a thread per
+connection; the client half (``fetch_into``) in the process that pulls.
 
 The token is compared in constant time, as the Flight middleware does; a wrong one is
 answered with ``Unauthorized`` and the connection closed. Checksums are the caller's
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import socket
 import struct
 import threading
@@ -38,11 +43,16 @@ import numpy as np
 
 from tensordb.errors import InvalidInput, NodeUnavailable, TensorDBError, Unauthorized
 
+from ._auth import TOKEN_ENV
+from ._base import error_payload
+
 __all__ = ["DataPlaneServer", "fetch_into", "MAX_HEADER"]
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 64 << 10  # a request or answer header is a small JSON object
 _REPORT = 1 << 20  # hand received bytes to the caller (to hash, in cache) every MiB
+
+_log = logging.getLogger("tensordb.transport")
 
 
 def _send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
@@ -77,18 +87,16 @@ def _recv_frame(sock: socket.socket) -> dict[str, Any]:
 
 class DataPlaneServer:
     """The listening half, owned by a ``NodeServer``: ``serve(req)`` turns a request into
-    (bytes to send, done callback) or raises a TensorDBError; ``error_text`` renders one
-    for the client; ``chunk``/``throttle`` pace the stream as the Flight path does."""
+    (bytes to send, done callback) or raises a TensorDBError, which goes back as its
+    payload; ``chunk``/``throttle`` pace the stream as the Flight path does."""
 
     def __init__(self, host: str, port: int, token: str | None, timeout: float,
                  serve: Callable[[dict[str, Any]], tuple[memoryview, Callable[[float], None]]],
-                 error_text: Callable[[TensorDBError], str],
                  on_request: Callable[[str], None], *, chunk: int,
                  throttle: float | None) -> None:
         self._expected = token.encode() if token else None
         self._timeout = timeout
         self._serve = serve
-        self._error_text = error_text
         self._on_request = on_request
         self._chunk = chunk
         self._throttle = throttle
@@ -119,11 +127,12 @@ class DataPlaneServer:
                 if self._expected is not None and not (
                         isinstance(got, str)
                         and hmac.compare_digest(got.encode(), self._expected)):
-                    raise Unauthorized("this node requires its token")
+                    raise Unauthorized(f"this node refused the request: missing or wrong "
+                                       f"token (give token= to connect, or set ${TOKEN_ENV})")
                 data, done = self._serve(req)
             except TensorDBError as exc:
                 self._on_request(type(exc).__name__)
-                _send_frame(conn, {"error": self._error_text(exc)})
+                _send_frame(conn, {"error": error_payload(exc)})
                 answered = True
                 return
             _send_frame(conn, {"ok": True})
@@ -139,9 +148,12 @@ class DataPlaneServer:
         except (OSError, ConnectionError):
             pass  # the client went away or stalled: it resumes elsewhere
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the listener
+            # the details stay in this node's log: the client learns the kind, not a trace
+            _log.exception("the data plane failed on a request")
             if not answered:
                 try:
-                    _send_frame(conn, {"error": f"tensordb.NodeUnavailable: {exc!r}"})
+                    _send_frame(conn, {"error": error_payload(NodeUnavailable(
+                        f"the data plane failed on the request ({type(exc).__name__})"))})
                 except OSError:
                     pass
         finally:
@@ -161,11 +173,11 @@ class DataPlaneServer:
 
 def fetch_into(node: str, host: str, port: int, token: str | None, segment_id: str,
                offset: int, dst: np.ndarray, on_bytes: Callable[[int], None],
-               timeout: float, raise_error: Callable[[str], None]) -> None:
+               timeout: float, raise_error: Callable[[object], None]) -> None:
     """Receive bytes ``[offset, offset + len(dst))`` of a segment straight into ``dst``
     (uint8, contiguous). ``on_bytes(n)``: the next ``n`` bytes of ``dst`` are in (called
-    every MiB, and for what arrived before a failure). ``raise_error(text)`` raises the
-    typed error a server's error text stands for. Fails with NodeUnavailable when the
+    every MiB, and for what arrived before a failure). ``raise_error(payload)`` raises
+    the typed error a server's error payload stands for. Fails with NodeUnavailable when the
     node does not answer, stalls longer than ``timeout`` or ends the stream early."""
     length = len(dst)
     try:
@@ -189,7 +201,7 @@ def fetch_into(node: str, host: str, port: int, token: str | None, segment_id: s
                                   f"{segment_id} with a malformed header: {exc}",
                                   node=node) from exc
         if "error" in answer:
-            raise_error(str(answer["error"]))
+            raise_error(answer["error"])
         if answer.get("ok") is not True:
             raise NodeUnavailable(f"node {node!r} answered {answer!r}", node=node)
         view = memoryview(dst)

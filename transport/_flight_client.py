@@ -1,14 +1,18 @@
-"""The client side of node-to-node transfers: a ``Transport`` ABC and its Arrow Flight
-implementation.
+"""The client half of Arrow Flight: ``FlightTransport``, and the Flight wire format
+both halves share.
 
-A segment travels as a Flight stream of record batches, one ``large_binary`` value per
-batch holding the next chunk of the segment's bytes, in order. The receiver hands each
-chunk to a sink (which writes it straight into a local extent and hashes it there), so a
-transfer cut half-way can resume from another holder at the byte it stopped at.
+Runs in the process that needs another node's bytes: a client's ``Database`` (remote
+reads, ``replicate``, ``pull_kv``) or a node server told to pull. Each call pings the
+node first, so a dead address fails within ``timeout``; segment bytes then take the
+node's TCP data plane (``_dataplane``) when it has one, else a Flight stream of record
+batches, one ``large_binary`` chunk each, handed to a sink in order (which writes it
+straight into a local extent and hashes it there), so a transfer cut half-way can
+resume from another holder at the byte it stopped at.
 
 Failures are converted at this boundary: a node that cannot be reached, dies mid-stream
 or stalls longer than ``timeout`` raises ``NodeUnavailable``; a refused token raises
-``Unauthorized``; the server's own typed errors come back as the same types.
+``Unauthorized``; an error the node raised arrives as itself, with its attributes
+(``_base``: its JSON payload after a mark in the Flight error's text).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,33 +27,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from tensordb.errors import (
-    CorruptData,
-    InvalidInput,
-    NodeUnavailable,
-    NotFound,
-    StoreFull,
-    TensorDBError,
-    Unauthorized,
-)
+from tensordb.errors import InvalidInput, NodeUnavailable, TensorDBError
 
 from ._auth import auth_headers, unauthorized
+from ._base import DEFAULT_TIMEOUT, KVBlock, Transport, error_from_payload, error_from_text
 from ._dataplane import fetch_into
 
-__all__ = ["Transport", "FlightTransport", "KVBlock", "DEFAULT_TIMEOUT", "SEGMENT_SCHEMA",
-           "CHANNEL_OPTIONS",
-           "chunk_batch", "error_kind", "raise_remote"]
-
-#: seconds a dead address or a stalled stream may take to fail (connect, ping, gap
-#: between two chunks of a stream)
-DEFAULT_TIMEOUT = 5.0
-
-# typed errors a server sends back as "tensordb.<Kind>: message"
-_KINDS: dict[str, type[TensorDBError]] = {
-    "NotFound": NotFound, "InvalidInput": InvalidInput, "CorruptData": CorruptData,
-    "StoreFull": StoreFull, "NodeUnavailable": NodeUnavailable, "Unauthorized": Unauthorized,
-}
-_PREFIX = "tensordb."
+__all__ = ["FlightTransport", "SEGMENT_SCHEMA", "KV_SCHEMA", "CHANNEL_OPTIONS", "chunk_batch",
+           "kv_blocks", "raise_remote"]
 
 #: gRPC settings of the client side of a stream (the receiver of segment bytes): the
 #: largest HTTP/2 frames, and a flow-control window that lets the sender run 64 MiB
@@ -62,14 +46,9 @@ CHANNEL_OPTIONS = [("grpc.http2.max_frame_size", (1 << 24) - 1),
 #: a segment stream: one chunk of bytes per record batch
 SEGMENT_SCHEMA = pa.schema([("data", pa.large_binary())])
 
-#: one KV block as it travels: key, dtype name, shape, bytes (uint8), checksum
-KVBlock = tuple[bytes, str, tuple[int, ...], np.ndarray, str]
-
-
-def error_kind(exc: TensorDBError) -> str:
-    """The text a server puts in a FlightServerError so the client can re-raise it."""
-    kind = next((k for k, t in _KINDS.items() if type(exc) is t), "NodeUnavailable")
-    return f"{_PREFIX}{kind}: {exc}"
+#: KV blocks as they travel: a row per block held
+KV_SCHEMA = pa.schema([("key", pa.binary()), ("dtype", pa.string()), ("shape", pa.string()),
+                       ("data", pa.large_binary()), ("checksum", pa.string())])
 
 
 def raise_remote(exc: BaseException, node: str, address: str) -> None:
@@ -79,69 +58,23 @@ def raise_remote(exc: BaseException, node: str, address: str) -> None:
     if isinstance(exc, fl.FlightUnauthenticatedError):
         raise unauthorized(node, address) from exc
     text = str(exc)
-    at = text.find(_PREFIX)
-    if at >= 0:
-        kind, _, message = text[at + len(_PREFIX):].partition(": ")
-        cls = _KINDS.get(kind)
-        if cls is not None:
-            # the server's message ends at the first gRPC detail line
-            message = message.split(". Detail:")[0].split("\n")[0]
-            raise cls(f"node {node!r}: {message}", node=node) from exc
+    typed = error_from_text(text, node)
+    if typed is not None:
+        raise typed from exc
     reason = text.splitlines()[0] if text else type(exc).__name__
     raise NodeUnavailable(f"node {node!r} at {address} failed: {reason}", node=node) from exc
 
 
-class Transport(ABC):
-    """Moves bytes between nodes. Implementations are thread-safe; every method may
-    block on the network and fails within the transport's timeout when the other end
-    is dead or silent."""
-
-    @abstractmethod
-    def ping(self, node: str, address: str) -> dict[str, Any]:
-        """The node's identity ({'node': name, 'tiers': [...]}); NodeUnavailable if it
-        does not answer within the timeout."""
-
-    @abstractmethod
-    def read_segment(self, node: str, address: str, segment_id: str, offset: int, length: int,
-                     sink: Callable[[memoryview], None]) -> None:
-        """Stream bytes ``[offset, offset + length)`` of a segment the node holds to
-        ``sink``, chunk by chunk in order. On a failure mid-stream the chunks already
-        given to the sink stay given."""
-
-    def read_segment_into(self, node: str, address: str, segment_id: str, offset: int,
-                          dst: np.ndarray, on_bytes: Callable[[int], None]) -> None:
-        """Receive bytes ``[offset, offset + len(dst))`` of a segment into ``dst`` (uint8,
-        contiguous); ``on_bytes(n)`` says the next ``n`` bytes of ``dst`` are in, in order
-        (also for what arrived before a failure). This default streams through
-        ``read_segment`` and copies; a transport with a faster path overrides it."""
-        pos = 0
-
-        def sink(view: memoryview) -> None:
-            nonlocal pos
-            n = len(view)
-            if pos + n > len(dst):
-                raise CorruptData(f"node {node!r} sent more of segment {segment_id} than "
-                                  f"asked", node=node)
-            np.copyto(dst[pos : pos + n], np.frombuffer(view, np.uint8))
-            pos += n
-            on_bytes(n)
-
-        self.read_segment(node, address, segment_id, offset, len(dst), sink)
-
-    @abstractmethod
-    def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
-                     source: str | None, streams: int | None = None) -> dict[str, Any]:
-        """Tell a node to pull segments (from ``source`` first, then any holder; in
-        ``streams`` parallel ranges, default the node's) and register its replicas;
-        returns its report. Blocks until it is done."""
-
-    @abstractmethod
-    def read_kv(self, node: str, address: str, namespace: str, block_tokens: int,
-                keys: Sequence[bytes]) -> list[KVBlock]:
-        """The blocks of ``keys`` the node holds in ``namespace`` (absent ones skipped)."""
-
-    def close(self) -> None:
-        """Drop connections. Idempotent."""
+def kv_blocks(table: pa.Table) -> list[KVBlock]:
+    """The blocks of a ``KV_SCHEMA`` table (their bytes viewed, not copied)."""
+    out: list[KVBlock] = []
+    for batch in table.to_batches():
+        keys_c, dtypes, shapes, datas, sums = (batch.column(i) for i in range(5))
+        for i in range(batch.num_rows):
+            shape = tuple(int(d) for d in shapes[i].as_py().split(",") if d)
+            out.append((keys_c[i].as_py(), dtypes[i].as_py(), shape,
+                        np.frombuffer(datas[i].as_buffer(), np.uint8), sums[i].as_py()))
+    return out
 
 
 class _Watchdog:
@@ -171,7 +104,8 @@ class _Watchdog:
 
 
 class FlightTransport(Transport):
-    """Arrow Flight (gRPC) transport with bearer-token auth and bounded waits."""
+    """Arrow Flight (gRPC) transport with bearer-token auth and bounded waits. One per
+    process is enough: it keeps a client per address, shared by its threads."""
 
     def __init__(self, token: str | None = None, timeout: float = DEFAULT_TIMEOUT, *,
                  data_plane: bool = True) -> None:
@@ -255,10 +189,12 @@ class FlightTransport(Transport):
             return
         host = address.rsplit(":", 1)[0].strip("[]")
 
-        def raise_error(text: str) -> None:
-            if text.startswith(f"{_PREFIX}Unauthorized"):
-                raise unauthorized(node, address)
-            raise_remote(RuntimeError(text), node, address)
+        def raise_error(payload: object) -> None:
+            typed = error_from_payload(payload, node)
+            if typed is None:
+                raise NodeUnavailable(f"node {node!r} at {address} answered a malformed "
+                                      f"error for segment {segment_id}", node=node)
+            raise typed
 
         fetch_into(node, host, port, self._token, segment_id, offset, dst, on_bytes,
                    self.timeout, raise_error)
@@ -276,18 +212,11 @@ class FlightTransport(Transport):
         ticket = fl.Ticket(json.dumps({"kind": "kv", "namespace": namespace,
                                        "block_tokens": block_tokens,
                                        "keys": [k.hex() for k in keys]}).encode())
-        out: list[KVBlock] = []
         try:
             table = self._client(address).do_get(ticket, self._options(self.timeout * 4)).read_all()
         except Exception as exc:  # noqa: BLE001
             raise_remote(exc, node, address)
-        for batch in table.to_batches():
-            keys_c, dtypes, shapes, datas, sums = (batch.column(i) for i in range(5))
-            for i in range(batch.num_rows):
-                shape = tuple(int(d) for d in shapes[i].as_py().split(",") if d)
-                out.append((keys_c[i].as_py(), dtypes[i].as_py(), shape,
-                            np.frombuffer(datas[i].as_buffer(), np.uint8), sums[i].as_py()))
-        return out
+        return kv_blocks(table)
 
     def close(self) -> None:
         with self._lock:

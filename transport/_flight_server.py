@@ -1,8 +1,13 @@
-"""The node server: an Arrow Flight server that owns its host's store.
+"""The node server: what a node answers (``NodeService``) and the Arrow Flight server
+around it (``NodeServer``).
 
-One per host (``tensordb serve``). It serves the segments and KV blocks this node holds
-to other nodes, and pulls segments from others when told to (the cascade of
-``Database.replicate``). Requests:
+Runs in the process that owns the host's store: one ``tensordb serve`` per host
+(``_node.start_node``), whose handlers run on Flight's threads and the data plane's,
+any number at once. It serves the segments and KV blocks this node holds to other
+nodes, and pulls segments from others when told to (the cascade of
+``Database.replicate``). ``NodeService`` holds the handlers and opens no socket:
+``NodeServer`` puts it on Flight and the TCP data plane, ``LocalTransport`` calls it in
+process. Requests:
 
 - ``do_get`` ticket ``{"kind": "segment", "id", "offset", "length"}``: the bytes of a
   segment range as record batches of one ``large_binary`` chunk each, sent straight
@@ -14,18 +19,22 @@ to other nodes, and pulls segments from others when told to (the cascade of
   way clients read them when they can);
 - action ``pull`` ``{"segments": [...], "source": node}``: fetch and register replicas.
 
-Typed errors go back as ``FlightServerError("tensordb.<Kind>: ...")`` and are raised as
-the same types by the client.
+A ``tensordb.errors`` exception goes back as ``FlightServerError`` whose text carries
+its JSON payload (``_base.error_text``), and the client raises it as the same class
+with the same attributes; any other failure is logged here and goes back as
+``NodeUnavailable`` naming only its type.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -34,18 +43,16 @@ import xxhash
 
 import storage_engine as se
 from tensordb.catalog import NodeDirectory
-from tensordb.errors import InvalidInput, NotFound, TensorDBError
+from tensordb.errors import InvalidInput, NodeUnavailable, NotFound, TensorDBError
 
 from ._auth import TokenMiddlewareFactory, require_token_for
-from ._flight_client import DEFAULT_TIMEOUT, SEGMENT_SCHEMA, FlightTransport, chunk_batch, error_kind
+from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text
 from ._dataplane import DataPlaneServer
+from ._flight_client import KV_SCHEMA, SEGMENT_SCHEMA, FlightTransport, chunk_batch
 from ._metrics import NodeMetrics
 from ._pull import pull_segment
 
-if TYPE_CHECKING:
-    from tensordb import Database
-
-__all__ = ["NodeServer", "KV_SCHEMA", "THROTTLE_ENV", "CHUNK_BYTES"]
+__all__ = ["NodeServer", "NodeService", "THROTTLE_ENV", "CHUNK_BYTES", "block_bytes"]
 
 #: bytes per record batch of a segment stream (measured: 1-8 MiB are alike on loopback)
 CHUNK_BYTES = 4 << 20
@@ -54,47 +61,42 @@ CHUNK_BYTES = 4 << 20
 THROTTLE_ENV = "TENSORDB_SERVE_THROTTLE"
 
 _T = TypeVar("_T")
-
-KV_SCHEMA = pa.schema([("key", pa.binary()), ("dtype", pa.string()), ("shape", pa.string()),
-                       ("data", pa.large_binary()), ("checksum", pa.string())])
+_log = logging.getLogger("tensordb.transport")
 
 
-def _flight_error(exc: TensorDBError) -> fl.FlightServerError:
-    return fl.FlightServerError(error_kind(exc))
+class NodeService:
+    """The requests one node answers, without sockets. ``transport`` is how this node
+    reaches others when told to pull; ``token`` the one its callers must carry.
+    Thread-safe; ``close`` drops the KV handles it opened."""
 
-
-class NodeServer(fl.FlightServerBase):
-    """Serves one node's store over Flight. Listening starts at construction; ``close``
-    stops it. Handlers run on the server's threads, any number at once."""
-
-    def __init__(self, db: Database, host: str = "127.0.0.1", port: int = 0, *,
-                 token: str | None = None, metrics: NodeMetrics | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
-                 data_plane: bool = True, data_port: int = 0) -> None:
-        require_token_for(host, token)
-        middleware = {"auth": TokenMiddlewareFactory(token)} if token else None
-        super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
+    def __init__(self, db: NodeStore, transport: Transport, *, token: str | None = None,
+                 metrics: NodeMetrics | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.db = db
         self.node = db.config.node
-        self.host = host
+        self.token = token
         self.directory = NodeDirectory(db.catalog.engine)
-        self.transport = FlightTransport(token, timeout)
+        self.transport = transport
         self.metrics = metrics or NodeMetrics(self.node)
         self.tiers: dict[str, se.Tier] = {n: db.tier(n) for n in ("host", "disk")}
         throttle = float(os.environ.get(THROTTLE_ENV, "") or 0)
         self.throttle = throttle if throttle > 0 else None
         self.chunk_bytes = (max(64 << 10, min(chunk_bytes, int(throttle / 20)))
                             if self.throttle else chunk_bytes)
-        self._kv: dict[tuple[str, int], Any] = {}
+        #: the port of the data plane serving this node's segments, told in pings
+        self.data_port: int | None = None
+        self._kv: dict[tuple[str, int], KVBlocks] = {}
         self._kv_lock = threading.Lock()
-        self.data_plane = DataPlaneServer(
-            host, data_port, token, timeout, self._segment_range, error_kind,
-            lambda status: self.metrics.request("segment", status),
-            chunk=self.chunk_bytes, throttle=self.throttle) if data_plane else None
 
     # -- requests ---------------------------------------------------------------------
+    def authorized(self, token: str | None) -> bool:
+        """Whether a caller with ``token`` may ask (compared in constant time)."""
+        if self.token is None:
+            return True
+        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
+
     @staticmethod
-    def _request(raw: bytes) -> dict[str, Any]:
+    def request(raw: bytes) -> dict[str, Any]:
+        """A request's JSON body as a dict (InvalidInput otherwise)."""
         try:
             req = json.loads(raw or b"{}")
         except ValueError as exc:
@@ -103,59 +105,46 @@ class NodeServer(fl.FlightServerBase):
             raise InvalidInput("a request must be a JSON object")
         return req
 
-    def _answer(self, kind: str, work: Callable[[], _T]) -> _T:
-        """Run one request: count it, and turn a typed error into a Flight error."""
+    def checked(self, kind: str, work: Callable[[], _T]) -> _T:
+        """Run one request. A TensorDBError passes through; any other failure is logged
+        here and raised as NodeUnavailable naming only its type (its text may hold
+        paths of this host, its trace this process's code)."""
         try:
-            out = work()
+            return work()
+        except TensorDBError:
+            raise
+        except Exception as exc:
+            _log.exception("node %s failed on a %s request", self.node, kind)
+            raise NodeUnavailable(f"node {self.node!r} failed on a {kind} request "
+                                  f"({type(exc).__name__})", node=self.node) from exc
+
+    def answer(self, kind: str, work: Callable[[], _T]) -> _T:
+        """Run one request as ``checked`` does, and count it by its outcome."""
+        try:
+            out = self.checked(kind, work)
         except TensorDBError as exc:
             self.metrics.request(kind, type(exc).__name__)
-            raise _flight_error(exc) from None
+            raise
         self.metrics.request(kind, "ok")
         return out
 
-    def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
-        try:
-            req = self._request(ticket.ticket)
-        except TensorDBError as exc:
-            raise _flight_error(exc) from None
-        kind = str(req.get("kind"))
-        handlers = {"segment": self._segment, "kv": self._kv_blocks}
-
-        def run() -> fl.FlightDataStream:
-            if kind not in handlers:
-                raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv)")
-            return handlers[kind](req)
-
-        return self._answer(kind, run)
-
-    def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[fl.Result]:
-        kind = action.type
-
-        def run() -> dict[str, Any]:
-            body = self._request(action.body.to_pybytes() if action.body else b"")
-            if kind == "ping":
-                host = self.tiers.get("host")
-                spare = host.spare_ready() if isinstance(host, se.HostTier) else 0
-                return {"node": self.node, "tiers": sorted(self.tiers), "pid": os.getpid(),
-                        "spare_ready": spare,
-                        "data_port": self.data_plane.port if self.data_plane else None}
-            if kind == "pull":
-                return self._pull(body)
-            raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
-
-        return iter([fl.Result(json.dumps(self._answer(kind, run)).encode())])
-
-    def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
-        return [("ping", "the node's name and tiers"),
-                ("pull", "fetch segments from other nodes and register the replicas")]
+    def ping(self) -> dict[str, Any]:
+        """The node's identity: name, tiers, pid, the bytes of its ready spare and the
+        port of its data plane."""
+        host = self.tiers.get("host")
+        spare = host.spare_ready() if isinstance(host, se.HostTier) else 0
+        return {"node": self.node, "tiers": sorted(self.tiers), "pid": os.getpid(),
+                "spare_ready": spare, "data_port": self.data_port}
 
     # -- segments -------------------------------------------------------------------
-    def _segment(self, req: dict[str, Any]) -> fl.FlightDataStream:
+    def segment_stream(self, req: dict[str, Any]) -> Iterator[memoryview]:
+        """The chunks of the segment range ``req`` names, in order (checked now, sent
+        as the iterator is read; counted once all are)."""
         data, offset, length, tier = self._segment_bytes(req)
-        return fl.GeneratorStream(SEGMENT_SCHEMA, self._chunks(data, offset, length, tier))
+        return self._chunks(data, offset, length, tier)
 
-    def _segment_range(self, req: dict[str, Any]
-                       ) -> tuple[memoryview, Callable[[float], None]]:
+    def segment_range(self, req: dict[str, Any]
+                      ) -> tuple[memoryview, Callable[[float], None]]:
         """A data-plane request: the bytes to send, and what to count once they are."""
         data, offset, length, tier = self._segment_bytes(req)
         return data[offset : offset + length], \
@@ -184,18 +173,20 @@ class NodeServer(fl.FlightServerBase):
         return data, offset, length, tier
 
     def _chunks(self, data: memoryview, offset: int, length: int, tier: str
-                ) -> Iterator[pa.RecordBatch]:
+                ) -> Iterator[memoryview]:
         t0 = time.perf_counter()
         step = self.chunk_bytes
         end = offset + length
         for lo in range(offset, end, step):
             hi = min(lo + step, end)
-            yield chunk_batch(data[lo:hi])
+            yield data[lo:hi]
             if self.throttle:
                 time.sleep((hi - lo) / self.throttle)
         self.metrics.sent(tier, length, time.perf_counter() - t0)
 
-    def _pull(self, body: dict[str, Any]) -> dict[str, Any]:
+    def pull(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Fetch the segments ``body`` names from other nodes and register the replicas;
+        blocks for the transfers. Returns the tier each landed in."""
         segments, source, streams = body.get("segments"), body.get("source"), \
             body.get("streams")
         if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments) \
@@ -211,7 +202,7 @@ class NodeServer(fl.FlightServerBase):
         return {"node": self.node, "segments": tiers, "seconds": time.perf_counter() - t0}
 
     # -- KV blocks --------------------------------------------------------------------
-    def _kv_cache(self, namespace: str, block_tokens: int) -> Any:
+    def _kv_cache(self, namespace: str, block_tokens: int) -> KVBlocks:
         with self._kv_lock:
             cache = self._kv.get((namespace, block_tokens))
             if cache is None:
@@ -219,7 +210,8 @@ class NodeServer(fl.FlightServerBase):
                                                                          block_tokens)
             return cache
 
-    def _kv_blocks(self, req: dict[str, Any]) -> fl.FlightDataStream:
+    def kv_table(self, req: dict[str, Any]) -> pa.Table:
+        """The blocks of the keys ``req`` names that this node holds (``KV_SCHEMA``)."""
         namespace, block_tokens, keys = req.get("namespace"), req.get("block_tokens"), \
             req.get("keys")
         if not isinstance(namespace, str) or not isinstance(block_tokens, int) \
@@ -231,32 +223,108 @@ class NodeServer(fl.FlightServerBase):
         except ValueError as exc:
             raise InvalidInput(f"kv keys must be hex: {exc}") from exc
         kv = self._kv_cache(namespace, block_tokens)
-        present = [k for k, held in zip(raw, kv.contains(raw)) if held]
+        present = [k for k, held in zip(raw, kv.contains(raw), strict=True) if held]
         cols: list[list[Any]] = [[], [], [], [], []]
         if present:
-            for key, t in zip(present, kv.get(present)):
+            for key, t in zip(present, kv.get(present), strict=True):
                 data = block_bytes(t)
                 cols[0].append(key)
                 cols[1].append(str(t.dtype).removeprefix("torch."))
                 cols[2].append(",".join(str(d) for d in t.shape))
                 cols[3].append(data.tobytes())
                 cols[4].append(xxhash.xxh3_64_hexdigest(data))
-        batch = pa.RecordBatch.from_arrays([pa.array(c, f.type) for c, f in zip(cols, KV_SCHEMA)],
-                                           schema=KV_SCHEMA)
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(c, f.type) for c, f in zip(cols, KV_SCHEMA, strict=True)],
+            schema=KV_SCHEMA)
         self.metrics.sent("kv", sum(len(d) for d in cols[3]), 0.0)
-        return fl.RecordBatchStream(pa.Table.from_batches([batch]))
+        return pa.Table.from_batches([batch])
 
-    # -- life ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the KV handles. Idempotent."""
+        with self._kv_lock:
+            caches, self._kv = list(self._kv.values()), {}
+        for cache in caches:
+            cache.close()
+
+
+def _flight_error(exc: TensorDBError) -> fl.FlightServerError:
+    return fl.FlightServerError(error_text(exc))
+
+
+class NodeServer(fl.FlightServerBase):
+    """Serves one node's store over Flight, and its segment bytes over the data plane.
+    Listening starts at construction; ``close`` stops it. Handlers run on the server's
+    threads, any number at once."""
+
+    def __init__(self, db: NodeStore, host: str = "127.0.0.1", port: int = 0, *,
+                 token: str | None = None, metrics: NodeMetrics | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
+                 data_plane: bool = True, data_port: int = 0) -> None:
+        require_token_for(host, token)
+        middleware = {"auth": TokenMiddlewareFactory(token)} if token else None
+        super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
+        self.host = host
+        # this node reaches others (to pull) with its own token
+        self.service = NodeService(db, FlightTransport(token, timeout), token=token,
+                                   metrics=metrics, chunk_bytes=chunk_bytes)
+        self.node = self.service.node
+        self.metrics = self.service.metrics
+        self.data_plane = DataPlaneServer(
+            host, data_port, token, timeout,
+            lambda req: self.service.checked("segment",
+                                             lambda: self.service.segment_range(req)),
+            lambda status: self.metrics.request("segment", status),
+            chunk=self.service.chunk_bytes, throttle=self.service.throttle) \
+            if data_plane else None
+        self.service.data_port = self.data_plane.port if self.data_plane else None
+
+    def _answer(self, kind: str, work: Callable[[], _T]) -> _T:
+        try:
+            return self.service.answer(kind, work)
+        except TensorDBError as exc:
+            raise _flight_error(exc) from None
+
+    def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
+        try:
+            req = self.service.request(ticket.ticket)
+        except TensorDBError as exc:
+            raise _flight_error(exc) from None
+        kind = str(req.get("kind"))
+
+        def run() -> fl.FlightDataStream:
+            if kind == "segment":
+                chunks = self.service.segment_stream(req)
+                return fl.GeneratorStream(SEGMENT_SCHEMA, (chunk_batch(c) for c in chunks))
+            if kind == "kv":
+                return fl.RecordBatchStream(self.service.kv_table(req))
+            raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv)")
+
+        return self._answer(kind, run)
+
+    def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[fl.Result]:
+        kind = action.type
+
+        def run() -> dict[str, Any]:
+            body = self.service.request(action.body.to_pybytes() if action.body else b"")
+            if kind == "ping":
+                return self.service.ping()
+            if kind == "pull":
+                return self.service.pull(body)
+            raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
+
+        return iter([fl.Result(json.dumps(self._answer(kind, run)).encode())])
+
+    def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
+        return [("ping", "the node's name and tiers"),
+                ("pull", "fetch segments from other nodes and register the replicas")]
+
     def close(self) -> None:
         """Stop serving (waits for calls in flight) and drop the KV handles. Idempotent."""
         if self.data_plane is not None:
             self.data_plane.close()
         self.shutdown()
-        self.transport.close()
-        with self._kv_lock:
-            caches, self._kv = list(self._kv.values()), {}
-        for cache in caches:
-            cache.close()
+        self.service.transport.close()
+        self.service.close()
 
 
 def block_bytes(t: Any) -> np.ndarray:

@@ -3,6 +3,8 @@
 Counters (bytes in and out per tier, requests per kind and outcome) and a histogram of
 transfer latency are updated by the server as it works; the store's gauges (extents
 and bytes per tier, leases) are read from the tiers and the catalog at scrape time.
+All of it lives in the serving process (``tensordb serve``); the endpoint answers on a
+daemon thread of its own.
 """
 
 from __future__ import annotations

@@ -1,28 +1,87 @@
 """Running a node: the server, its registration and heartbeat, its metrics endpoint,
-until a signal stops it (what ``tensordb serve`` does)."""
+until a signal stops it. This is the main of the ``tensordb serve`` process, one per
+host; the heartbeat runs on a daemon thread of it.
+
+A node's presence lives in the catalog: it registers on start, heartbeats while it runs,
+deregisters on shutdown, and on every beat marks down the nodes whose heartbeat lapsed.
+PostgreSQL holds the truth; there is no election and no consensus: any node that sees a
+heartbeat older than the lapse may mark that node down, and a node that beats again
+comes back up.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tensordb.catalog import NodeDirectory
 
 from ._auth import resolve_token
-from ._flight_client import DEFAULT_TIMEOUT
-from ._metrics import NodeMetrics
-from ._registry import DEFAULT_HEARTBEAT, NodeRegistration
+from ._base import DEFAULT_TIMEOUT, NodeStore
 from ._flight_server import NodeServer
+from ._metrics import NodeMetrics
 
-if TYPE_CHECKING:
-    from tensordb import Database
+__all__ = ["DEFAULT_HEARTBEAT", "NodeRegistration", "RunningNode", "ready_line", "start_node"]
 
-__all__ = ["RunningNode", "ready_line", "start_node"]
+#: seconds between two heartbeats (the lapse is several of them)
+DEFAULT_HEARTBEAT = 1.0
+
+_log = logging.getLogger("tensordb.transport")
+
+
+class NodeRegistration:
+    """Keeps one node registered while ``start``-ed; ``stop`` deregisters it.
+
+    The heartbeat runs on a daemon thread; a catalog that does not answer for a beat is
+    logged and retried on the next one (the node then lapses if it stays away)."""
+
+    def __init__(self, directory: NodeDirectory, name: str, address: str,
+                 tiers: Sequence[str], capacity: int | None, *,
+                 interval: float = DEFAULT_HEARTBEAT) -> None:
+        self.directory = directory
+        self.name = name
+        self.address = address
+        self.tiers = list(tiers)
+        self.capacity = capacity
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Register now (raises if the catalog refuses), then beat in the background."""
+        self.directory.register(self.name, self.address, self.tiers, self.capacity)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="tensordb-heartbeat")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if not self.directory.heartbeat(self.name):  # someone removed our row
+                    self.directory.register(self.name, self.address, self.tiers,
+                                            self.capacity)
+                lapsed = self.directory.mark_lapsed()
+                if lapsed:
+                    _log.warning("marked down (heartbeat lapsed): %s", ", ".join(lapsed))
+            except Exception as exc:  # noqa: BLE001 - the next beat retries
+                _log.warning("heartbeat of node %s failed: %s", self.name, exc)
+
+    def stop(self) -> None:
+        """Stop beating and mark the node down. Idempotent."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        try:
+            self.directory.deregister(self.name)
+        except Exception as exc:  # noqa: BLE001 - it lapses instead
+            _log.warning("could not deregister node %s: %s", self.name, exc)
 
 
 @dataclass
@@ -65,7 +124,7 @@ def _advertised(host: str, port: int, advertise: str | None) -> str:
     return f"{host}:{port}"
 
 
-def start_node(db: Database, *, host: str = "127.0.0.1", port: int = 0,
+def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
                token: str | None = None, metrics_port: int | None = None,
                advertise: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
                timeout: float | None = None, data_port: int = 0) -> RunningNode:

@@ -1,4 +1,9 @@
-"""Pulling a segment from the nodes that hold it into a local tier, verified.
+"""Pulling a segment from the nodes that hold it into a local tier, verified; and
+fanning a version out to many nodes as a cascade of such pulls.
+
+Both run in the process that wants the bytes moved: a client's ``Database`` (a remote
+read, ``replicate``) or a node server answering a pull action. A pull blocks for its
+transfer, on a thread per byte range.
 
 The bytes stream straight into a new local segment file under a temporary name and are
 hashed there, extent by extent, as they arrive. Only when every extent matches its
@@ -7,6 +12,11 @@ in one SQL transaction that confirms the segment still exists. A transfer cut by
 holder's death resumes from the same byte at the next holder; if none is left, the
 partial file is deleted and nothing is registered (a puller killed outright leaves an
 unlocked temporary file that the tier's orphan reclaim deletes).
+
+The cascade: round by round, every node that holds the version tells one node that
+lacks it to pull from it, all pairs in parallel; each node that has received the
+version serves it in the next round. N targets take ceil(log2(N + 1)) rounds from one
+source instead of N transfers out of it.
 """
 
 from __future__ import annotations
@@ -19,18 +29,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
 import storage_engine as se
 from tensordb.catalog import NodeDirectory, SegmentInfo
-from tensordb.errors import CorruptData, NodeUnavailable, NotFound, StoreFull
+from tensordb.errors import CorruptData, NodeUnavailable, NotFound, StoreFull, TensorDBError
 
-from ._flight_client import Transport
+from ._base import Transport
 
-__all__ = ["ExtentHasher", "pull_segment", "replica_tier", "split_ranges", "PullStats",
-           "DEFAULT_STREAMS"]
+__all__ = ["CascadeReport", "ExtentHasher", "cascade", "pull_segment", "replica_tier",
+           "split_ranges", "PullStats", "DEFAULT_STREAMS"]
 
 #: parallel streams per large segment: one gRPC stream is bound by one core, so a host
 #: with cores to spare splits; on 2 cores (sender and receiver on one host) splitting
@@ -166,7 +177,7 @@ def split_ranges(extents: Sequence[tuple[int, int, str]], nbytes: int, parts: in
             cuts.append(starts[at])
     bounds = [0, *dict.fromkeys(cuts), nbytes]
     return [(lo, hi, [e for e in extents if lo <= e[0] < hi])
-            for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+            for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
 
 
 def _fetch_range(transport: Transport, segment_id: str, dst: np.ndarray, lo: int, hi: int,
@@ -213,7 +224,8 @@ def _transfer(directory: NodeDirectory, transport: Transport, me: str,
             # one stream per range at once: a single gRPC stream is bound by one core
             with ThreadPoolExecutor(len(args), thread_name_prefix="tensordb-pull") as pool:
                 results = list(pool.map(lambda a: _fetch_range(*a), args))
-        short = [(lo, hi, got) for (lo, hi, _), (got, _, _) in zip(parts, results) if got < hi]
+        short = [(lo, hi, got) for (lo, hi, _), (got, _, _) in zip(parts, results, strict=True)
+                 if got < hi]
         if short:
             failures = sorted({f for _, _, fs in results for f in fs})
             lo, hi, got = short[0]
@@ -242,3 +254,73 @@ def _transfer(directory: NodeDirectory, transport: Transport, me: str,
     if on_pulled is not None:
         on_pulled(tier.name, info.nbytes, time.perf_counter() - t0)
     return tier.name
+
+
+# -- the cascade ------------------------------------------------------------------------
+#: pull ``segments`` into the calling process's own node (from ``source`` first)
+LocalPull = Callable[[Sequence[str], str | None], None]
+
+
+@dataclass(slots=True)
+class CascadeReport:
+    """What a fan-out did: the (source, target) pairs of each round, its failures."""
+
+    rounds: list[list[tuple[str, str]]] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # target -> why
+    seconds: float = 0.0
+
+
+def cascade(directory: NodeDirectory, transport: Transport, me: str,
+            segments: Sequence[str], targets: Sequence[str], local_pull: LocalPull,
+            ) -> CascadeReport:
+    """Make every node of ``targets`` hold all of ``segments``.
+
+    ``me`` is pulled in-process through ``local_pull`` (this node need not run a
+    server); the others through their servers' pull action. A target whose pull fails
+    is reported in ``failed``; the others still get the version. Raises
+    NodeUnavailable when no live node holds the segments to start from.
+    """
+    t0 = time.perf_counter()
+    report = CascadeReport()
+    held = directory.held_by(segments)
+    live = directory.live()
+    pending = [t for t in dict.fromkeys(targets) if any(t not in held[s] for s in segments)]
+    if not pending:
+        return report
+    whole = [n for n in live if all(n in held[s] for s in segments)]
+    # no node holds every segment: start from nodes holding some (pulls fall back to
+    # any holder for the others)
+    sources = whole or [n for n in live if any(n in held[s] for s in segments)]
+    if not sources:
+        holders = sorted({n for s in segments for n in held[s]})
+        raise NodeUnavailable(f"no live node holds the version's segments (held by "
+                              f"{', '.join(holders) or 'nobody'})",
+                              node=holders[0] if holders else None)
+
+    def one(pair: tuple[str, str]) -> tuple[str, str | None]:
+        source, target = pair
+        missing = [s for s in segments if target not in held[s]]
+        try:
+            if target == me:
+                local_pull(missing, source)
+            elif target not in live:
+                return target, f"node {target!r} is down or not serving"
+            else:
+                transport.request_pull(target, live[target].address or "", missing, source)
+        except TensorDBError as exc:
+            return target, str(exc)
+        return target, None
+
+    with ThreadPoolExecutor(max(1, min(len(pending), 32)),
+                            thread_name_prefix="tensordb-cascade") as pool:
+        while pending:
+            pairs = list(zip(sources, pending, strict=False))  # as many pairs as sources
+            report.rounds.append(pairs)
+            pending = pending[len(pairs):]
+            for target, error in pool.map(one, pairs):
+                if error is None:
+                    sources.append(target)
+                else:
+                    report.failed[target] = error
+    report.seconds = time.perf_counter() - t0
+    return report
