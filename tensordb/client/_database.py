@@ -7,7 +7,6 @@ and pre-faulted buffers are not carried across fork).
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 import uuid
@@ -211,7 +210,7 @@ class Database:
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise InvalidInput(f"nbytes must be a non-negative int, not {nbytes!r}")
         tier = self._tiers["host"]
-        assert isinstance(tier, se.HostTier)
+        assert isinstance(tier, se.Prefaulting)
         nbytes = int(nbytes)
         if nbytes:
             tier.prefault(tier.spare_for(nbytes), wait=True)
@@ -344,12 +343,12 @@ class Database:
 
     # -- reading -----------------------------------------------------------------------
     def _map(self, segment_id: str, tier: str, collection: str, tensor: str
-             ) -> mmap.mmap | se.GpuView:
+             ) -> se.SegmentView:
         # a fresh private mapping per read: a reader's writes into one snapshot's tensors
         # must not show through another snapshot in the same process (GPU views are
         # shared, read-only by convention)
         try:
-            return self._store(tier).open(segment_id)  # type: ignore[return-value]
+            return self._store(tier).open(segment_id)
         except se.GpuError as exc:
             raise NodeUnavailable(f"cannot map {collection}/{tensor} from the GPU tier: {exc}",
                                   collection=collection, tensor=tensor) from exc
@@ -391,7 +390,7 @@ class Database:
                                 s, prefer=prefer) for s in segment_ids}
 
     def _map_replica(self, segment_id: str, collection: str, tensor: str
-                     ) -> mmap.mmap | se.GpuView:
+                     ) -> se.SegmentView:
         directory = self._directory()
         for attempt in (1, 2):
             holders = directory.holders(segment_id)
@@ -410,7 +409,7 @@ class Database:
                     raise NotFound(f"{collection}/{tensor} was removed while being read",
                                    collection=collection, tensor=tensor) from exc
             try:
-                return self._store(here).open(segment_id)  # type: ignore[return-value]
+                return self._store(here).open(segment_id)
             except se.SegmentMissing:
                 # a replica registered here whose file is gone (host memory lost in a
                 # reboot): forget it and pull again, once
@@ -420,7 +419,7 @@ class Database:
                           tensor=tensor)
 
     def _materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
-                     maps: dict[str, mmap.mmap] | None = None) -> dict[str, torch.Tensor]:
+                     maps: dict[str, se.SegmentView] | None = None) -> dict[str, torch.Tensor]:
         """Zero-copy tensors over the segments' copy-on-write mappings (``maps``: the
         mappings already made for this snapshot)."""
         out: dict[str, torch.Tensor] = {}
@@ -440,14 +439,12 @@ class Database:
                     mm = maps[segment_id] = self._map(segment_id, tier or "host", collection,
                                                       name)
                 if verify:
-                    got = se.checksum(mm.to_host(offset, nbytes) if isinstance(mm, se.GpuView)
-                                      else np.frombuffer(mm, np.uint8, count=nbytes,
-                                                         offset=offset))
+                    got = se.checksum(mm.host_bytes(offset, nbytes))  # no copy on the host
                     if got != csum:
                         raise _corrupt(collection, name, csum, got)
             if found is None:
                 dt = torch_dtype(dtype)
-                if isinstance(mm, se.GpuView):  # the IPC mapping itself: no copy
+                if mm is not None and mm.on_device:  # the IPC mapping itself: no copy
                     base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
                 else:
                     base = torch.frombuffer(mm, dtype=dt)
@@ -610,8 +607,7 @@ class Database:
             return False
         writer = self._store(dst).create(segment_id, len(mm))
         try:
-            se.copy(writer.buffer, mm.to_host() if isinstance(mm, se.GpuView)
-                    else np.frombuffer(mm, np.uint8))
+            se.copy(writer.buffer, mm.host_bytes())
             del mm
             writer.finish()
             moved = self.catalog.move_segment(segment_id, src, dst)
@@ -803,7 +799,7 @@ class Database:
         """Check every stored extent of this node against its checksum; [] when all good."""
         self._check_open()
         problems: list[Corruption] = []
-        current: tuple[str, mmap.mmap | None] | None = None
+        current: tuple[str, se.SegmentView | None] | None = None
         for coll, first, r in self.catalog.all_rows():
             assert r.segment_id is not None and r.tier is not None
             if current is None or current[0] != r.segment_id:
@@ -818,8 +814,7 @@ class Database:
             if r.offset + r.nbytes > len(mm):
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "truncated"))
                 continue
-            got = se.checksum(mm.to_host(r.offset, r.nbytes) if isinstance(mm, se.GpuView)
-                              else np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
+            got = se.checksum(mm.host_bytes(r.offset, r.nbytes))
             if got != r.checksum:
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier,
                                            f"checksum {got} != {r.checksum}"))

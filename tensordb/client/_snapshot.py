@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -57,7 +56,7 @@ class Snapshot:
             collection, version, tag, se.current_holder(), db.config.lease_ttl)
         self._rows = {r.name: r for r in rows}
         self._cache: dict[str, torch.Tensor] = {}
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, se.SegmentView] = {}
         self._closed = False
 
     def __enter__(self) -> Snapshot:
