@@ -36,9 +36,10 @@ Why the protocol looks as it does:
 
 ``BlockStore`` is a facade over its parts, each in its own module: ``KVIndex`` and
 ``ReadLeases`` (``_kv_index``), ``HostArena`` (``_kv_arena``), ``DiskSpill``
-(``_kv_spill``), ``GpuBlockCache`` (``_kv_gpu``), ``BlockTable`` (``_kv_blocks``, the
-records and their moves between tiers), ``HostCopies`` and ``DeviceCopies``
-(``_kv_copies``, the byte copies), and an ``Eviction`` (``_kv_eviction``).
+(``_kv_spill``), ``GpuSlabs`` and ``GpuBlockCache`` (``_kv_gpu``), ``BlockTable``
+(``_kv_blocks``, the records and their moves between tiers), ``HostCopies`` and
+``DeviceCopies`` (``_kv_copies``, the byte copies), and an ``Eviction``
+(``_kv_eviction``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from ._kv_arena import HostArena
 from ._kv_blocks import BlockTable
 from ._kv_copies import DeviceCopies, HostCopies
 from ._kv_eviction import Eviction, make_eviction
-from ._kv_gpu import GpuBlockCache, GpuBlockView
+from ._kv_gpu import GpuBlockCache, GpuBlockView, GpuSlabs
 from ._kv_index import KVIndex, ReadLeases
 from ._kv_spill import DiskSpill
 from ._kv_types import (
@@ -111,7 +112,7 @@ class BlockStore:
             if d is not None:
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
                 os.chmod(d, 0o700)
-        GpuBlockCache.check_options(gpu_device, gpu_capacity)
+        GpuSlabs.check_options(gpu_device, gpu_capacity)
         self._index = KVIndex(self.root / "index", map_size=map_size)
         self._index.open()
         self._pid = os.getpid()
@@ -122,15 +123,15 @@ class BlockStore:
         self._arena = HostArena(self._index, self.root / "slabs", capacity=self.capacity,
                                 slab_bytes=self.slab_bytes)
         self._spill = DiskSpill(self._index, self.disk_root, disk_capacity)
-        self._gpu = GpuBlockCache(self._index, self._leases, self.root / "gpu",
-                                  device=gpu_device, capacity=gpu_capacity,
-                                  slab_bytes=self.slab_bytes)
+        self._gpu_slabs = GpuSlabs(self._index, self.root / "gpu", device=gpu_device,
+                                   capacity=gpu_capacity, slab_bytes=self.slab_bytes)
+        self._gpu = GpuBlockCache(self._index, self._leases, self._gpu_slabs)
         self._blocks = BlockTable(self._index, self._leases, self._arena, self._spill,
                                   self._gpu, self.eviction)
         self._host = HostCopies(self._index, self._leases, self._arena, self._blocks)
         self._device = DeviceCopies(self._host, self._blocks, self._gpu)
         # every write transaction first drops released leases, then stale mappings
-        self._index.hooks = [self._leases, self._gpu, self._arena]
+        self._index.hooks = [self._leases, self._gpu_slabs, self._arena]
         self._bind()
 
     # -- environment ---------------------------------------------------------------
@@ -150,11 +151,12 @@ class BlockStore:
         """Open the index's databases and let the parts take their state from them."""
         index = self._index
         index.open_dbs(["counters", "settings", *ReadLeases.DB_NAMES, *HostArena.DB_NAMES,
-                        *BlockTable.DB_NAMES, *DiskSpill.DB_NAMES, *GpuBlockCache.DB_NAMES,
-                        *self.eviction.db_names])
+                        *BlockTable.DB_NAMES, *DiskSpill.DB_NAMES, *GpuSlabs.DB_NAMES,
+                        *GpuBlockCache.DB_NAMES, *self.eviction.db_names])
         self.eviction.bind({n: index.dbs[n] for n in self.eviction.db_names}, index.counter)
+        self._gpu.bind()
         with index.env.begin(write=True) as txn:
-            self._gpu.bind(txn)
+            self._gpu_slabs.bind(txn)
             self._blocks.reclaim_orphans(txn)
 
     def _check_pid(self) -> None:
@@ -167,7 +169,7 @@ class BlockStore:
 
     def _release_chunk(self, txn: lmdb.Transaction, slab: int, chunk: int) -> None:
         """A chunk nobody reads any more goes back to its arena's free list."""
-        (self._gpu if slab & GPU_BIT else self._arena).release_chunk(txn, slab, chunk)
+        (self._gpu_slabs if slab & GPU_BIT else self._arena).release_chunk(txn, slab, chunk)
 
     def close(self) -> None:
         with self._lock:
@@ -175,7 +177,7 @@ class BlockStore:
                 self._host.flush_releases()
                 self._index.close()
                 self._arena.close()
-                self._gpu.close()
+                self._gpu_slabs.close()
             else:
                 self._arena.reset()
 

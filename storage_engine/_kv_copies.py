@@ -119,7 +119,7 @@ class HostCopies:
                 if dst.size != nbytes:
                     raise ValueError(f"block {key.hex()} holds {nbytes} bytes; its "
                                      f"output buffer {dst.size}")
-                jobs.append((dst, self.leased_bytes(f)))
+                jobs.append((dst, self._arena.shared_bytes(f[0], f[2], nbytes)))
                 metas.append(meta)
             total = sum(d.size for d, _ in jobs)
             if verify:

@@ -24,10 +24,11 @@ GPU slab ids have the top bit set (``GPU_BIT``), so read leases and deferred fre
 share the host's tables and rules: a chunk that a process reads through a view is not
 reused until that view is gone.
 
-How blocks enter the tier and leave it (``get_device``, ``admit_device``,
-``get_into_device``) is in ``_kv_copies``; this module keeps the tier's records.
-Eviction drops a GPU copy (least recently used first, skipping chunks being read);
-pins are the host's business, since the host copy is the one that must stay.
+``GpuSlabs`` keeps the device slabs (the GPU's ``HostArena``), ``GpuBlockCache`` the
+block copies in them. How blocks enter the tier and leave it (``get_device``,
+``admit_device``, ``get_into_device``) is in ``_kv_copies``. Eviction drops a GPU copy
+(least recently used first, skipping chunks being read); pins are the host's business,
+since the host copy is the one that must stay.
 """
 
 from __future__ import annotations
@@ -85,27 +86,24 @@ class GpuBlockView:
         return out
 
 
-class GpuBlockCache:
-    """The GPU tier's records and device slabs. Methods that take ``txn`` run inside
-    the caller's write transaction; ``lease_all`` and ``fill`` open their own.
+class GpuSlabs:
+    """The device slabs of one store and this process's mappings of them. Methods that
+    take ``txn`` run inside the caller's write transaction.
 
-    ``device`` is where this process puts GPU copies (None: the tier is off in this
-    process, though it still forgets copies of blocks it deletes); ``capacity`` is the
-    tier's bytes, fixed by the first process to give it (``bind``).
+    ``device`` is where this process allocates (None: the tier is off in this process,
+    though it still forgets copies of blocks it deletes); ``capacity`` is the tier's
+    bytes, fixed by the first process to give it (``bind``).
     """
 
-    DB_NAMES = ("gpu_blocks", "gpu_slabs", "gpu_free", "gpu_slab_keys", "gpu_writing",
-                "gpu_lru_pos", "gpu_lru_queue")
+    DB_NAMES = ("gpu_slabs", "gpu_free", "gpu_writing")
 
-    def __init__(self, index: KVIndex, leases: ReadLeases, root: Path, *,
-                 device: int | None, capacity: int | None, slab_bytes: int) -> None:
+    def __init__(self, index: KVIndex, root: Path, *, device: int | None,
+                 capacity: int | None, slab_bytes: int) -> None:
         self._index = index
-        self._leases = leases
         self.device = device
         self.capacity = capacity or 0
         self.slab_bytes = slab_bytes
         self._tier = GpuTier(root, device=device or 0)
-        self._order = LRUEviction()
         self._views: dict[int, GpuView] = {}
         self._seen_drops = -1
 
@@ -119,52 +117,29 @@ class GpuBlockCache:
 
     def bind(self, txn: lmdb.Transaction) -> None:
         """Once the index's databases are open (again after a fork): adopt the tier's
-        capacity."""
+        capacity; the parent's mappings are not this process's."""
         self._views = {}
         self._seen_drops = -1
-        dbs = self._index.dbs
-        self._order.bind({"lru_pos": dbs["gpu_lru_pos"], "lru_queue": dbs["gpu_lru_queue"]},
-                         self._index.counter)
         raw = self._index.setting(txn, b"gpu_capacity", None if self.device is None
                                   else str(self.capacity).encode())
         if raw is not None:
             self.capacity = int(raw)
 
-    @property
-    def enabled(self) -> bool:
-        return self.device is not None
-
-    def need(self) -> None:
-        if not self.enabled:
-            raise ValueError("this store was opened without a GPU tier (gpu_device)")
-
     def close(self) -> None:
         self._views = {}
-        if self.enabled and loaded():
+        if self.device is not None and loaded():
             try:
                 self._tier.sweep()
             except GpuError:
                 pass
 
-    # -- slabs -----------------------------------------------------------------------
-    def _slab(self, txn: lmdb.Transaction, slab: int) -> tuple[int, int, int, bytes] | None:
+    def info(self, txn: lmdb.Transaction, slab: int) -> tuple[int, int, int, bytes] | None:
+        """(chunk size, chunks, chunks in use, owner) of a slab; None if it is gone."""
         raw = txn.get(SLAB_ID.pack(slab), db=self._index.dbs["gpu_slabs"])
         if raw is None:
             return None
         csize, nchunks, used = GSLAB.unpack_from(raw)
         return csize, nchunks, used, bytes(raw[GSLAB.size:])
-
-    def _slab_live(self, txn: lmdb.Transaction, slab: int, alive: Alive
-                   ) -> tuple[int, int, int, bytes] | None:
-        """The slab's record if its owner lives; else forget the slab (its memory died
-        with the owner) and return None."""
-        info = self._slab(txn, slab)
-        if info is None:
-            return None
-        if not self._index.live(info[3], alive):
-            self._drop_slab(txn, slab, info)
-            return None
-        return info
 
     def view(self, slab: int) -> GpuView | None:
         """This process's mapping of a slab (the owner's own, or an IPC import)."""
@@ -177,7 +152,8 @@ class GpuBlockCache:
             self._views[slab] = view
         return view
 
-    def _new_slab(self, txn: lmdb.Transaction, csize: int) -> bool:
+    def new(self, txn: lmdb.Transaction, csize: int) -> bool:
+        """Allocate a slab of chunks of ``csize`` if the capacity and the device allow."""
         index = self._index
         used = index.counter(txn, "gpu_arena_bytes", 0)
         nchunks = min(max(1, self.slab_bytes // csize), (self.capacity - used) // csize)
@@ -205,12 +181,122 @@ class GpuBlockCache:
         index.counter(txn, "gpu_arena_bytes", csize * nchunks)
         return True
 
+    def drop(self, txn: lmdb.Transaction, slab: int, info: tuple[int, int, int, bytes]
+             ) -> None:
+        """Forget a slab, its free chunks and its reservations (the copies in it are the
+        cache's to forget first)."""
+        index, dbs = self._index, self._index.dbs
+        csize, nchunks, _, _ = info
+        fdb = dbs["gpu_free"]
+        for c in range(nchunks):
+            txn.delete(FREE.pack(csize, slab, c), db=fdb)
+            txn.delete(LOC.pack(slab, c), db=dbs["gpu_writing"])
+        txn.delete(SLAB_ID.pack(slab), db=dbs["gpu_slabs"])
+        index.counter(txn, "gpu_arena_bytes", -csize * nchunks)
+        index.counter(txn, "slab_drops", 1)  # other processes let go of their mappings
+        index.doom(self._tier.path(f"{slab:08x}"))
+        self._views.pop(slab, None)
+
+    def empty(self, txn: lmdb.Transaction, keep: int
+              ) -> tuple[int, tuple[int, int, int, bytes]] | None:
+        """A slab with no chunk in use whose size is not ``keep`` (its memory is wanted
+        for another size class), with its info; None when there is none."""
+        for raw_id, raw in txn.cursor(db=self._index.dbs["gpu_slabs"]):
+            csize, nchunks, used = GSLAB.unpack_from(raw)
+            if used == 0 and csize != keep:
+                return SLAB_ID.unpack(raw_id)[0], (csize, nchunks, used,
+                                                   bytes(raw[GSLAB.size:]))
+        return None
+
+    def take(self, txn: lmdb.Transaction, fkey: bytes,
+             info: tuple[int, int, int, bytes]) -> tuple[int, int]:
+        """Reserve the free chunk ``fkey`` (a ``gpu_free`` key) of a live slab for a copy
+        by this process: (slab, chunk)."""
+        dbs = self._index.dbs
+        csize, slab, chunk = FREE.unpack(fkey)
+        txn.delete(fkey, db=dbs["gpu_free"])
+        txn.put(SLAB_ID.pack(slab), GSLAB.pack(csize, info[1], info[2] + 1) + info[3],
+                db=dbs["gpu_slabs"])
+        txn.put(LOC.pack(slab, chunk), self._index.holder, db=dbs["gpu_writing"])
+        return slab, chunk
+
+    def release_chunk(self, txn: lmdb.Transaction, slab: int, chunk: int) -> None:
+        """Back on the free list (once nobody reads it: see ``ReadLeases.free``)."""
+        info = self.info(txn, slab)
+        if info is None:
+            return  # the slab went meanwhile
+        csize, nchunks, used, owner = info
+        txn.put(SLAB_ID.pack(slab), GSLAB.pack(csize, nchunks, used - 1) + owner,
+                db=self._index.dbs["gpu_slabs"])
+        txn.put(FREE.pack(csize, slab, chunk), b"", db=self._index.dbs["gpu_free"])
+
+    def begin(self, txn: lmdb.Transaction) -> None:
+        """Let go of this process's mappings of slabs that were dropped (a WriteHooks
+        step, like the host arena's)."""
+        drops = self._index.counter(txn, "slab_drops", 0)
+        if drops == self._seen_drops:
+            return
+        self._seen_drops = drops
+        db = self._index.dbs["gpu_slabs"]
+        for slab in [s for s in self._views if txn.get(SLAB_ID.pack(s), db=db) is None]:
+            del self._views[slab]
+
+    def aborted(self) -> None:
+        """Nothing to undo (a WriteHooks step)."""
+
+
+class GpuBlockCache:
+    """The GPU tier's block copies, in ``GpuSlabs``. Methods that take ``txn`` run
+    inside the caller's write transaction; ``lease_all`` and ``fill`` open their own."""
+
+    DB_NAMES = ("gpu_blocks", "gpu_slab_keys", "gpu_lru_pos", "gpu_lru_queue")
+
+    def __init__(self, index: KVIndex, leases: ReadLeases, slabs: GpuSlabs) -> None:
+        self._index = index
+        self._leases = leases
+        self.slabs = slabs
+        self._order = LRUEviction()
+
+    def bind(self) -> None:
+        """Once the index's databases are open (again after a fork)."""
+        dbs = self._index.dbs
+        self._order.bind({"lru_pos": dbs["gpu_lru_pos"], "lru_queue": dbs["gpu_lru_queue"]},
+                         self._index.counter)
+
+    @property
+    def device(self) -> int | None:
+        return self.slabs.device
+
+    @property
+    def capacity(self) -> int:
+        return self.slabs.capacity
+
+    @property
+    def enabled(self) -> bool:
+        return self.slabs.device is not None
+
+    def need(self) -> None:
+        if not self.enabled:
+            raise ValueError("this store was opened without a GPU tier (gpu_device)")
+
+    # -- slabs and the copies in them -------------------------------------------------
+    def _slab_live(self, txn: lmdb.Transaction, slab: int, alive: Alive
+                   ) -> tuple[int, int, int, bytes] | None:
+        """The slab's record if its owner lives; else forget the slab (its memory died
+        with the owner) and return None."""
+        info = self.slabs.info(txn, slab)
+        if info is None:
+            return None
+        if not self._index.live(info[3], alive):
+            self._drop_slab(txn, slab, info)
+            return None
+        return info
+
     def _drop_slab(self, txn: lmdb.Transaction, slab: int,
                    info: tuple[int, int, int, bytes]) -> None:
         """Forget a slab and every block copy in it (its owner exited, or it is empty
         and its memory is wanted for another size class)."""
         index, dbs = self._index, self._index.dbs
-        csize, nchunks, _, _ = info
         prefix = SLAB_ID.pack(slab)
         kdb = dbs["gpu_slab_keys"]
         cur = txn.cursor(db=kdb)
@@ -229,49 +315,7 @@ class GpuBlockCache:
                 self._order.on_remove(txn, key)
                 index.counter(txn, "gpu_blocks", -1)
                 index.counter(txn, "gpu_bytes", -GREC.unpack(rec)[2])
-        fdb = dbs["gpu_free"]
-        for c in range(nchunks):
-            txn.delete(FREE.pack(csize, slab, c), db=fdb)
-            txn.delete(LOC.pack(slab, c), db=dbs["gpu_writing"])
-        txn.delete(prefix, db=dbs["gpu_slabs"])
-        index.counter(txn, "gpu_arena_bytes", -csize * nchunks)
-        index.counter(txn, "slab_drops", 1)  # other processes let go of their mappings
-        index.doom(self._tier.path(f"{slab:08x}"))
-        self._views.pop(slab, None)
-
-    def _drop_empty_slab(self, txn: lmdb.Transaction, keep: int) -> bool:
-        for raw_id, raw in txn.cursor(db=self._index.dbs["gpu_slabs"]):
-            csize, nchunks, used = GSLAB.unpack_from(raw)
-            if used == 0 and csize != keep:
-                self._drop_slab(txn, SLAB_ID.unpack(raw_id)[0],
-                                (csize, nchunks, used, bytes(raw[GSLAB.size:])))
-                return True
-        return False
-
-    def begin(self, txn: lmdb.Transaction) -> None:
-        """Let go of this process's mappings of slabs that were dropped (a WriteHooks
-        step, like the host arena's)."""
-        drops = self._index.counter(txn, "slab_drops", 0)
-        if drops == self._seen_drops:
-            return
-        self._seen_drops = drops
-        db = self._index.dbs["gpu_slabs"]
-        for slab in [s for s in self._views if txn.get(SLAB_ID.pack(s), db=db) is None]:
-            del self._views[slab]
-
-    def aborted(self) -> None:
-        """Nothing to undo (a WriteHooks step)."""
-
-    # -- chunks ----------------------------------------------------------------------
-    def release_chunk(self, txn: lmdb.Transaction, slab: int, chunk: int) -> None:
-        """Back on the free list (once nobody reads it: see ``ReadLeases.free``)."""
-        info = self._slab(txn, slab)
-        if info is None:
-            return  # the slab went meanwhile
-        csize, nchunks, used, owner = info
-        txn.put(SLAB_ID.pack(slab), GSLAB.pack(csize, nchunks, used - 1) + owner,
-                db=self._index.dbs["gpu_slabs"])
-        txn.put(FREE.pack(csize, slab, chunk), b"", db=self._index.dbs["gpu_free"])
+        self.slabs.drop(txn, slab, info)
 
     def _reclaim_dead_writers(self, txn: lmdb.Transaction, alive: Alive) -> int:
         freed = 0
@@ -290,28 +334,24 @@ class GpuBlockCache:
         """Reserve a chunk (slab, chunk, chunk size) for a copy of ``nbytes``, evicting
         GPU copies as needed; None when the tier has no room."""
         csize = size_class(nbytes)
-        if csize > self.capacity:
+        if csize > self.slabs.capacity:
             return None
-        dbs = self._index.dbs
         prefix = struct.pack(">Q", csize)
-        fdb = dbs["gpu_free"]
+        fdb = self._index.dbs["gpu_free"]
         reclaimed = False
         while True:
             cur = txn.cursor(db=fdb)
             if cur.set_range(prefix) and bytes(cur.key())[:8] == prefix:
                 fkey = bytes(cur.key())
-                _, slab, chunk = FREE.unpack(fkey)
-                info = self._slab_live(txn, slab, alive)
+                info = self._slab_live(txn, FREE.unpack(fkey)[1], alive)
                 if info is None:
                     continue  # its owner died: dropped with its free list
-                txn.delete(fkey, db=fdb)
-                txn.put(SLAB_ID.pack(slab), GSLAB.pack(csize, info[1], info[2] + 1) + info[3],
-                        db=dbs["gpu_slabs"])
-                txn.put(LOC.pack(slab, chunk), self._index.holder, db=dbs["gpu_writing"])
-                return slab, chunk, csize
-            if self._new_slab(txn, csize):
+                return (*self.slabs.take(txn, fkey, info), csize)
+            if self.slabs.new(txn, csize):
                 continue
-            if self._drop_empty_slab(txn, csize):
+            empty = self.slabs.empty(txn, csize)
+            if empty is not None:
+                self._drop_slab(txn, *empty)
                 continue
             if not reclaimed:
                 reclaimed = True
@@ -351,7 +391,7 @@ class GpuBlockCache:
         process published a copy first (then the chunk goes back)."""
         index, dbs = self._index, self._index.dbs
         txn.delete(LOC.pack(slab, chunk), db=dbs["gpu_writing"])
-        if self._slab(txn, slab) is None:
+        if self.slabs.info(txn, slab) is None:
             return False  # dropped under us (its owner died)
         rec = txn.get(key, db=dbs["blocks"])
         if rec is None or rec[0] == WRITING or REC.unpack_from(rec)[3] != nbytes \
@@ -376,7 +416,7 @@ class GpuBlockCache:
         info = self._slab_live(txn, slab, alive)
         if info is None:
             return None
-        view = self.view(slab)
+        view = self.slabs.view(slab)
         if view is None:  # its owner unlinked it or exited between two checks
             self._drop_slab(txn, slab, info)
             return None
@@ -417,7 +457,7 @@ class GpuBlockCache:
                 reserved.append((i, *got))
         done: list[int] = []
         try:
-            views = {slab: self.view(slab) for _, slab, _, _ in reserved}
+            views = {slab: self.slabs.view(slab) for _, slab, _, _ in reserved}
             for i, slab, chunk, csize in reserved:
                 view = views[slab]
                 if view is None:
@@ -446,5 +486,5 @@ class GpuBlockCache:
             if raw is None:
                 return None
             slab, chunk, nbytes = GREC.unpack(raw)
-            info = self._slab(txn, slab)
+            info = self.slabs.info(txn, slab)
             return None if info is None else (slab, chunk * info[0], nbytes)
