@@ -6,8 +6,8 @@ shares one eviction order. Each method runs inside the caller's LMDB write trans
 the host arena; pins and read leases are the store's business: ``victim`` asks the
 store's ``evictable`` callback and skips what it refuses.
 
-The shared sequence counter keeps its stored name, ``policy_seq``: stores already on
-disk count on in it.
+The shared sequence counter keeps its stored name, ``policy_seq``: stores made before
+the rename to "eviction" count on in it.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ class KVIndex:
     def __init__(self, path: Path, *, map_size: int) -> None:
         self.path = path
         self.map_size = map_size
-        self.env: Any = None
-        self.dbs: dict[str, Any] = {}
+        self.env: lmdb.Environment  # set by ``open``
+        self.dbs: dict[str, Any] = {}  # name -> LMDB database handle
         self.holder = b""
         #: the parts run at the start of each write transaction, in order
         self.hooks: list[WriteHooks] = []
