@@ -1,43 +1,53 @@
-"""tensordb's storage engine: the bytes of tensors on tiers (host shm, disk).
+"""tensordb's storage engine: the bytes of tensors on tiers (host shm, disk, GPU) and
+the KV block store.
 
-Imports nothing else of tensordb. See ``_tier.Tier`` for the protocol every tier obeys.
+Imports nothing else of tensordb. ``Tier`` is the ABC every tier implements, with
+capability properties (``supports_gpu``, ``persistent``, ``file_backed``) that callers
+read instead of the tier's type; ``SegmentView`` is what ``Tier.open`` returns, on the
+host or on a device. ``storage_engine.testing.TierTests`` is the contract suite a tier
+passes. See docs/storage.md.
 """
 
 from __future__ import annotations
 
-from ._checksum import (ALGORITHM, HASH_PIECE, STREAMING, Hasher, checksum, copy,
-                        copy_and_checksum)
+from ._checksum import ALGORITHM, HASH_PIECE, STREAMING, Hasher, checksum, copy, copy_and_checksum
+from ._cuda import GpuError
 from ._errors import SegmentMissing, StorageError, TierFull
-from ._files import DiskTier, FileTier, HostTier, shm_root
-from ._gpu import GpuError, GpuTier, GpuView
-from ._kv import BlockStore, bloom_may_hold
-from ._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy
-from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull
+from ._files import DiskTier, FileTier, HostTier, HostView, shm_root
+from ._gpu import GpuTier, GpuView
 from ._io import ALIGN, Source, fill_segment, io_pool, pack
+from ._kv import BlockStore
+from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
+from ._kv_gpu import GpuBlockView
+from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
 from ._procs import boot_id, current_holder, holder_alive
-from ._tier import SegmentWriter, Tier
+from ._tier import Prefaulting, SegmentView, SegmentWriter, Tier
 
 __all__ = [
-    "BlockStore",
-    "BlockView",
-    "EvictionPolicy",
-    "KVCorrupt",
-    "KVStats",
-    "KVStoreFull",
-    "LRUPolicy",
-    "S3FIFOPolicy",
     "ALGORITHM",
     "ALIGN",
+    "BlockStore",
+    "BlockView",
     "DiskTier",
+    "Eviction",
     "FileTier",
+    "GpuBlockView",
     "GpuError",
     "GpuTier",
     "GpuView",
     "HASH_PIECE",
-    "STREAMING",
     "Hasher",
     "HostTier",
+    "HostView",
+    "KVCorrupt",
+    "KVStats",
+    "KVStoreFull",
+    "LRUEviction",
+    "Prefaulting",
+    "S3FIFOEviction",
+    "STREAMING",
     "SegmentMissing",
+    "SegmentView",
     "SegmentWriter",
     "Source",
     "StorageError",

@@ -30,7 +30,7 @@ from ._errors import SegmentMissing, TierFull
 from ._io import io_pool
 from ._tier import SegmentWriter, Tier
 
-__all__ = ["FileTier", "HostTier", "DiskTier", "shm_root"]
+__all__ = ["FileTier", "HostTier", "DiskTier", "HostView", "shm_root"]
 
 _SUFFIX = ".seg"
 _SPARE_PREFIX = "spare-"
@@ -49,6 +49,24 @@ def _lock_nb(fd: int) -> bool:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
         raise
+
+
+class HostView(mmap.mmap):
+    """A private (copy-on-write) mapping of a segment file: the file tiers'
+    ``SegmentView``. It is an ``mmap``, so ``torch.frombuffer``, ``np.frombuffer`` and
+    ``memoryview`` map it with no copy, and a reader's writes stay in its own pages."""
+
+    __slots__ = ()
+
+    #: the bytes are in host memory: ``host_bytes`` is a view, not a copy
+    on_device = False
+    device = None
+
+    def host_bytes(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """``nbytes`` from ``offset`` (default: to the end) as a uint8 view of the
+        mapping: no copy."""
+        n = len(self) - offset if nbytes is None else nbytes
+        return np.frombuffer(self, np.uint8, count=n, offset=offset)
 
 
 class _FileWriter(SegmentWriter):
@@ -113,6 +131,8 @@ def _close_quietly(mm: mmap.mmap) -> None:
 class FileTier(Tier):
     """Segments as files of mode 0600 in a directory of mode 0700."""
 
+    file_backed = True
+
     def __init__(self, name: str, root: Path, *, capacity: int | None = None,
                  persistent: bool) -> None:
         self.name = name
@@ -124,6 +144,7 @@ class FileTier(Tier):
 
     # -- paths ---------------------------------------------------------------------
     def path(self, segment_id: str) -> Path:
+        """The file of a segment (``file_backed``)."""
         return self.root / f"{segment_id}{_SUFFIX}"
 
     def _sync_dir(self) -> None:
@@ -193,10 +214,10 @@ class FileTier(Tier):
         except FileNotFoundError as exc:
             raise SegmentMissing(self.name, segment_id) from exc
 
-    def open(self, segment_id: str) -> mmap.mmap:
+    def open(self, segment_id: str) -> HostView:
         fd = self._open_ro(segment_id)
         try:
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            return HostView(fd, 0, access=mmap.ACCESS_COPY)
         except ValueError as exc:  # an empty file: truncated under us
             raise SegmentMissing(self.name, segment_id) from exc
         finally:

@@ -31,16 +31,13 @@ Writers: ``create`` allocates the device memory at once. Callers either fill
 device by ``finish``) or copy device tensors straight into ``writer.device_view()``
 (``torch.as_tensor(w.device_view(), device=...)``), with no host round trip.
 
-cuda-python is imported lazily (``cuda.bindings.runtime``, or ``cuda.cudart`` before
-12.6), so this module imports without it; ``GpuTier.available()`` says whether the tier
-can run here. Checking initialises the CUDA driver in the calling process, as
-``torch.cuda.is_available()`` does: a process forked after that cannot use CUDA.
+cuda-python is imported on first use (``_cuda``), so this module imports without it;
+``GpuTier.available()`` says whether the tier can run here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
@@ -54,122 +51,27 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import SegmentMissing, StorageError, TierFull
+from ._cuda import (
+    GpuError,
+    check,
+    handle_bytes,
+    handle_from,
+    is_oom,
+    loaded,
+    memcpy,
+    on_device,
+    probe,
+    runtime,
+)
+from ._errors import SegmentMissing, TierFull
 from ._procs import current_holder, holder_alive
 from ._tier import SegmentWriter, Tier
 
-__all__ = ["GpuTier", "GpuView", "GpuError", "IPC_SUFFIX"]
+__all__ = ["GpuTier", "GpuView"]
 
 IPC_SUFFIX = ".ipc"
 _TMP_SUFFIX = ".ipc.tmp"
-_HANDLE_BYTES = 64
 _TMP_GRACE_S = 60.0
-
-
-class GpuError(StorageError):
-    """A CUDA runtime call failed."""
-
-
-# -- the CUDA runtime, imported on first use ----------------------------------------------
-_rt: Any = None
-_rt_lock = threading.Lock()
-_probe_result: str | None | bool = False  # False: not probed yet
-
-
-def _import_runtime() -> Any:
-    try:
-        from cuda.bindings import runtime as rt  # cuda-python >= 12.6
-    except ImportError:
-        from cuda import cudart as rt  # type: ignore[no-redef]  # older releases
-    return rt
-
-
-def _runtime() -> Any:
-    """The cuda-python runtime module; GpuError when cuda-python is missing."""
-    global _rt
-    if _rt is None:
-        with _rt_lock:
-            if _rt is None:
-                try:
-                    _rt = _import_runtime()
-                except ImportError as exc:
-                    raise GpuError("the GPU tier needs cuda-python (pip install "
-                                   "'tensordb[gpu]')") from exc
-    return _rt
-
-
-def _check(result: Any, what: str) -> Any:
-    """Unpack a cuda-python ``(err, value...)`` tuple; GpuError unless cudaSuccess."""
-    rt = _runtime()
-    err = result[0] if isinstance(result, tuple) else result
-    if err != rt.cudaError_t.cudaSuccess:
-        try:
-            name = rt.cudaGetErrorName(err)[1].decode()
-            text = rt.cudaGetErrorString(err)[1].decode()
-        except Exception:  # the error of a broken runtime: say what we can
-            name, text = str(err), ""
-        raise GpuError(f"{what} failed: {name}: {text}".rstrip(": "))
-    if not isinstance(result, tuple) or len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def _is_oom(exc: GpuError) -> bool:
-    return "cudaErrorMemoryAllocation" in str(exc)
-
-
-def _probe() -> str | None:
-    """None when the tier can run here, else why not (cached per process)."""
-    global _probe_result
-    if _probe_result is not False:
-        return _probe_result  # type: ignore[return-value]
-    reason: str | None
-    try:
-        rt = _runtime()
-    except GpuError:
-        reason = "cuda-python is not installed (pip install 'tensordb[gpu]')"
-    except Exception as exc:  # a broken install: report it rather than crash the import
-        reason = f"cuda-python does not import: {type(exc).__name__}: {exc}"
-    else:
-        try:
-            count = _check(rt.cudaGetDeviceCount(), "cudaGetDeviceCount")
-            reason = None if count and int(count) > 0 else "no CUDA device is present"
-        except GpuError as exc:
-            reason = f"no usable CUDA device: {exc}"
-        except Exception as exc:  # e.g. libcuda cannot be loaded
-            reason = f"the CUDA driver cannot be loaded: {type(exc).__name__}: {exc}"
-    _probe_result = reason
-    return reason
-
-
-def _handle_bytes(handle: Any) -> bytes:
-    return ctypes.string_at(handle.getPtr(), _HANDLE_BYTES)
-
-
-def _handle_from(raw: bytes) -> Any:
-    handle = _runtime().cudaIpcMemHandle_t()
-    ctypes.memmove(handle.getPtr(), raw, _HANDLE_BYTES)
-    return handle
-
-
-@contextlib.contextmanager
-def _on_device(device: int) -> Iterator[None]:
-    """Make ``device`` current for the calling thread, and restore the previous one: the
-    caller's framework (torch) keeps its own idea of the current device."""
-    rt = _runtime()
-    prev = _check(rt.cudaGetDevice(), "cudaGetDevice")
-    if prev != device:
-        _check(rt.cudaSetDevice(device), "cudaSetDevice")
-    try:
-        yield
-    finally:
-        if prev != device:
-            rt.cudaSetDevice(prev)
-
-
-def _memcpy(dst: int, src: int, nbytes: int, kind: str) -> None:
-    rt = _runtime()
-    _check(rt.cudaMemcpy(dst, src, nbytes, getattr(rt.cudaMemcpyKind, kind)), "cudaMemcpy")
 
 
 # -- views and the records that keep device memory alive ---------------------------------
@@ -202,8 +104,8 @@ class _Import:
 
 def _close_import(ptr: int, device: int, fd: int) -> None:
     try:
-        with _on_device(device):
-            _runtime().cudaIpcCloseMemHandle(ptr)
+        with on_device(device):
+            runtime().cudaIpcCloseMemHandle(ptr)
     except Exception:  # unmapping at teardown: nothing useful to do with a failure
         pass
     finally:
@@ -211,7 +113,8 @@ def _close_import(ptr: int, device: int, fd: int) -> None:
 
 
 class GpuView:
-    """The device bytes of one segment as a 1-D uint8 ``__cuda_array_interface__``.
+    """The device bytes of one segment as a 1-D uint8 ``__cuda_array_interface__``: the
+    GPU tier's ``SegmentView``.
 
     ``torch.as_tensor(view, device=f"cuda:{view.device}")`` is a zero-copy tensor of
     them (it keeps the view, and so the mapping, alive). Read-only by convention: the
@@ -219,6 +122,9 @@ class GpuView:
     """
 
     __slots__ = ("segment_id", "ptr", "nbytes", "device", "_keep", "__weakref__")
+
+    #: the bytes are in device memory: ``host_bytes`` copies them
+    on_device = True
 
     def __init__(self, segment_id: str, ptr: int, nbytes: int, device: int,
                  keep: object) -> None:
@@ -246,9 +152,14 @@ class GpuView:
                              f"of {self.nbytes}")
         out = np.empty(n, np.uint8)
         if n:
-            with _on_device(self.device):
-                _memcpy(out.ctypes.data, self.ptr + offset, n, "cudaMemcpyDeviceToHost")
+            with on_device(self.device):
+                memcpy(out.ctypes.data, self.ptr + offset, n, "cudaMemcpyDeviceToHost")
         return out
+
+    def host_bytes(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """``SegmentView.host_bytes``: a copy (``to_host``), since the bytes are on the
+        device."""
+        return self.to_host(offset, nbytes)
 
 
 # Process-wide registries, keyed by the .ipc file's path: one process may open a store
@@ -307,14 +218,14 @@ class _GpuWriter(SegmentWriter):
         rec = self._rec
         if rec is None:
             return
-        with _on_device(rec.device):
+        with on_device(rec.device):
             if self._staging is not None:
-                _memcpy(rec.ptr, self._staging.ctypes.data, self.nbytes,
+                memcpy(rec.ptr, self._staging.ctypes.data, self.nbytes,
                         "cudaMemcpyHostToDevice")
                 self._staging = None
             # a reader in another process must find every byte there, whichever stream
             # wrote it
-            _check(_runtime().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+            check(runtime().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
     def release(self) -> None:
         if self._rec is not None:
@@ -358,12 +269,12 @@ class GpuTier(Tier):
     @staticmethod
     def available() -> bool:
         """cuda-python imports and a CUDA device answers (cached per process)."""
-        return _probe() is None
+        return probe() is None
 
     @staticmethod
     def unavailable_reason() -> str | None:
         """Why ``available()`` is False; None when it is True."""
-        return _probe()
+        return probe()
 
     # -- paths and metadata ----------------------------------------------------------
     def path(self, segment_id: str) -> Path:
@@ -372,7 +283,7 @@ class GpuTier(Tier):
     def _bus_id(self) -> str | None:
         """The device's PCI bus id, which names it the same in every process."""
         try:
-            raw = _check(_runtime().cudaDeviceGetPCIBusId(32, self.device),
+            raw = check(runtime().cudaDeviceGetPCIBusId(32, self.device),
                          "cudaDeviceGetPCIBusId")
         except Exception:  # optional: readers fall back on the ordinal
             return None
@@ -404,7 +315,7 @@ class GpuTier(Tier):
         bus = meta.get("pci_bus_id")
         if bus:
             try:
-                return int(_check(_runtime().cudaDeviceGetByPCIBusId(bus.encode()),
+                return int(check(runtime().cudaDeviceGetByPCIBusId(bus.encode()),
                                   "cudaDeviceGetByPCIBusId"))
             except Exception:  # an older binding's signature: use the ordinal
                 pass
@@ -420,17 +331,17 @@ class GpuTier(Tier):
             used = self.used_bytes()
             if used + nbytes > self.capacity:
                 raise TierFull(self.name, nbytes, used, self.capacity)
-        rt = _runtime()
-        with _on_device(self.device):
+        rt = runtime()
+        with on_device(self.device):
             try:
-                ptr = int(_check(rt.cudaMalloc(nbytes), "cudaMalloc"))
+                ptr = int(check(rt.cudaMalloc(nbytes), "cudaMalloc"))
             except GpuError as exc:
-                if _is_oom(exc):
+                if is_oom(exc):
                     used = self.used_bytes()
                     raise TierFull(self.name, nbytes, used, self.capacity or used) from exc
                 raise
             try:
-                handle = _check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+                handle = check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
                 bus = self._bus_id()
             except BaseException:
                 rt.cudaFree(ptr)
@@ -441,7 +352,7 @@ class GpuTier(Tier):
         try:
             meta = {"owner": current_holder(), "device": self.device,
                     "pci_bus_id": bus, "nbytes": nbytes,
-                    "handle": _handle_bytes(handle).hex()}
+                    "handle": handle_bytes(handle).hex()}
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
             # locked while half-written: reclaim_orphans takes a lockable tmp file for
             # the leftover of a creator that died here
@@ -464,7 +375,7 @@ class GpuTier(Tier):
                 os.close(fd)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-            with contextlib.suppress(Exception), _on_device(self.device):
+            with contextlib.suppress(Exception), on_device(self.device):
                 rt.cudaFree(ptr)
             raise
         return _GpuWriter(self, segment_id, rec)
@@ -515,11 +426,11 @@ class GpuTier(Tier):
             if holder_alive(str(meta.get("owner"))) is not True:
                 raise SegmentMissing(self.name, segment_id)  # its memory died with the owner
             device = self._local_device(meta)
-            rt = _runtime()
-            handle = _handle_from(bytes.fromhex(meta["handle"]))
+            rt = runtime()
+            handle = handle_from(bytes.fromhex(meta["handle"]))
             try:
-                with _on_device(device):
-                    ptr = int(_check(rt.cudaIpcOpenMemHandle(
+                with on_device(device):
+                    ptr = int(check(rt.cudaIpcOpenMemHandle(
                         handle, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
             except GpuError as exc:
                 raise SegmentMissing(self.name, segment_id) from exc
@@ -549,8 +460,8 @@ class GpuTier(Tier):
                 if not _lock_nb(rec.fd, fcntl.LOCK_EX):
                     continue  # another process still maps it
                 try:
-                    with _on_device(rec.device):
-                        _check(_runtime().cudaFree(rec.ptr), "cudaFree")
+                    with on_device(rec.device):
+                        check(runtime().cudaFree(rec.ptr), "cudaFree")
                 finally:
                     os.close(rec.fd)
                     del _owned[key]
@@ -638,5 +549,5 @@ class GpuTier(Tier):
     def close(self) -> None:
         """Free what was deleted and is no longer mapped. Live segments stay: their
         memory belongs to this process until it exits."""
-        if _rt is not None:
+        if loaded():
             self.sweep()

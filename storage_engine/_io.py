@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeAlias
 
 import numpy as np
 
@@ -21,7 +22,7 @@ ALIGN = 64
 #: loaders reading files into the extent). A function may return the checksum of what it
 #: wrote (``Hasher`` over the bytes, fed while they were in cache); else they are hashed
 #: after it returns
-Source = np.ndarray | Callable[[np.ndarray], str | None]
+Source: TypeAlias = "np.ndarray | Callable[[np.ndarray], str | None]"
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -65,7 +66,7 @@ def fill_segment(writer: SegmentWriter, sources: Sequence[Source], offsets: Sequ
     n = len(sources)
     total = sum(sizes)
     if total < (8 << 20) or n == 1:
-        return [_fill_one(buf[o : o + s], src) for src, o, s in zip(sources, offsets, sizes)]
+        return [_fill_one(buf[o : o + s], src) for src, o, s in zip(sources, offsets, sizes, strict=True)]
     pool = io_pool()
     workers = pool._max_workers
     order = sorted(range(n), key=lambda i: -sizes[i])

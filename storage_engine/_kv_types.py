@@ -1,13 +1,17 @@
-"""Values, errors and layouts of the KV block store (see ``_kv``)."""
+"""Values, errors and record layouts of the KV block store (see ``_kv``).
+
+The layouts are shared by the store's parts (index, arena, spill, GPU cache), so they
+have plain names here; the package exports only the values and errors.
+"""
 
 from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import xxhash
@@ -15,22 +19,31 @@ import xxhash
 from ._errors import StorageError
 from ._io import io_pool
 
-__all__ = ["BlockView", "KVCorrupt", "KVStats", "KVStoreFull", "bloom_may_hold", "size_class",
-           "PAGE", "MAX_KEY"]
+__all__ = ["BlockView", "KVCorrupt", "KVStats", "KVStoreFull", "bloom_may_hold"]
 
 PAGE = mmap.ALLOCATIONGRANULARITY
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MAX_KEY = 255
 
-_WRITING, _HOST, _DISK = 1, 2, 3
-# state, pad, slab, chunk, nbytes, checksum, pins; the block's metadata follows
-_REC = struct.Struct("<BxxxIIQ8sI")
-_SLAB = struct.Struct("<QII")  # chunk size, chunks, chunks in use
-_ID = struct.Struct(">I")
-_LOC = struct.Struct(">II")  # slab, chunk
-_FREE = struct.Struct(">QII")  # chunk size, slab, chunk: a cursor on the size finds one
-_I64 = struct.Struct("<q")
-_CORRUPT = object()  # what _promote returns for a disk block that fails its checksum
+#: a block record's state: being written, in the host arena, spilled to disk
+WRITING, HOST, DISK = 1, 2, 3
+#: a block record: state, pad, slab, chunk, nbytes, checksum, pins; the metadata follows
+REC = struct.Struct("<BxxxIIQ8sI")
+SLAB = struct.Struct("<QII")  # chunk size, chunks, chunks in use
+SLAB_ID = struct.Struct(">I")
+LOC = struct.Struct(">II")  # slab, chunk
+FREE = struct.Struct(">QII")  # chunk size, slab, chunk: a cursor on the size finds one
+I64 = struct.Struct("<q")
+#: GPU slab ids have this bit set, so read leases and deferred frees share the host's
+#: tables and rules
+GPU_BIT = 0x8000_0000
+
+#: a chunk: (slab, chunk)
+Loc: TypeAlias = tuple[int, int]
+#: which lease holders are alive, cached for the length of one transaction
+Alive: TypeAlias = dict[bytes, bool]
+#: a chunk leased for reading: slab, chunk, offset in the slab, nbytes, checksum, meta
+Leased: TypeAlias = tuple[int, int, int, int, bytes, bytes]
 
 
 class KVStoreFull(StorageError):
@@ -101,11 +114,44 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
-def _bloom_positions(key: bytes, nbits: int, k: int) -> Iterator[int]:
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """The keys as ``bytes``; ValueError for one that is not 1 to MAX_KEY bytes."""
+    out = []
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_KEY:
+            raise ValueError(f"a block key must be 1 to {MAX_KEY} bytes, not {k!r:.60}")
+        out.append(bytes(k))
+    return out
+
+
+def as_bytes(buf: Any) -> np.ndarray:
+    """A C-contiguous buffer as a flat uint8 array over the same memory."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("a block buffer must be C-contiguous")
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+def bloom_positions(key: bytes, nbits: int, k: int) -> Iterator[int]:
     h = xxhash.xxh3_128_intdigest(key)
     h1, h2 = h & 0xFFFFFFFFFFFFFFFF, (h >> 64) | 1
     for i in range(k):
         yield (h1 + i * h2) % nbits
+
+
+def bloom_filter(keys: Iterable[bytes], n: int, fp: float) -> tuple[bytes, int]:
+    """A Bloom filter of ``keys`` (about ``n`` of them) at false-positive rate ``fp``:
+    its bits and its number of hashes."""
+    # m = -n ln p / ln^2 2 bits, k = m/n ln 2 hashes
+    nbits = max(1024, int(-max(n, 1) * np.log(fp) / (np.log(2) ** 2)))
+    nbits = -(-nbits // 8) * 8
+    k = min(max(1, round(nbits / max(n, 1) * np.log(2))), 16)
+    bits = bytearray(nbits // 8)
+    for key in keys:
+        for p in bloom_positions(key, nbits, k):
+            bits[p >> 3] |= 1 << (p & 7)
+    return bytes(bits), k
 
 
 def bloom_may_hold(bloom: bytes, hashes: int, key: bytes) -> bool:
@@ -113,10 +159,10 @@ def bloom_may_hold(bloom: bytes, hashes: int, key: bytes) -> bool:
     negatives; about 1 % false positives at the filter's sizing)."""
     nbits = len(bloom) * 8
     return nbits > 0 and all(bloom[p >> 3] >> (p & 7) & 1
-                             for p in _bloom_positions(key, nbits, hashes))
+                             for p in bloom_positions(key, nbits, hashes))
 
 
-def _each(fn: Any, items: list[Any], nbytes: int) -> list[Any]:
+def each(fn: Callable[..., Any], items: list[Any], nbytes: int) -> list[Any]:
     """``[fn(*item) for item in items]``, on the I/O pool when there is enough to share
     (copies and hashes release the GIL)."""
     if nbytes < (8 << 20) or len(items) < 2:
@@ -140,11 +186,3 @@ def _each(fn: Any, items: list[Any], nbytes: int) -> list[Any]:
     for f in rest:
         out.extend(f.result())
     return out
-
-
-def _as_bytes(buf: Any) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise ValueError("a block buffer must be C-contiguous")
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)

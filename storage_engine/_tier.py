@@ -13,18 +13,63 @@ Protocol for a writer (any process):
 A writer that dies anywhere in 1-3 leaves an unregistered segment whose lock died with
 it: ``reclaim_orphans`` deletes exactly those, never one whose writer still runs.
 
-Readers ``open`` a segment as a private copy-on-write mapping: their writes never reach
-the tier, and the mapping stays valid after the segment is deleted.
+Readers ``open`` a segment as a ``SegmentView``. On a host tier it is a private
+copy-on-write mapping: their writes never reach the tier, and the mapping stays valid
+after the segment is deleted. On the GPU tier it is shared device memory, read-only by
+convention, also valid after a delete. Callers read the view's ``on_device`` rather
+than its type, and the tier's capability properties rather than the tier's type.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Tier", "SegmentWriter"]
+__all__ = ["Tier", "SegmentWriter", "SegmentView", "Prefaulting"]
+
+
+@runtime_checkable
+class SegmentView(Protocol):
+    """The bytes of one open segment, on the host or on a device (zarr's one ``Buffer``
+    type for CPU and GPU bytes).
+
+    A host view also has the buffer protocol (``torch.frombuffer``/``np.frombuffer``
+    map it with no copy); a device view has ``__cuda_array_interface__``.
+    """
+
+    @property
+    def on_device(self) -> bool:
+        """The bytes are in device memory (then ``host_bytes`` copies them)."""
+
+    @property
+    def device(self) -> int | None:
+        """The CUDA ordinal, in this process, of a device view; None on the host."""
+
+    def __len__(self) -> int:
+        """The segment's size in bytes."""
+
+    def host_bytes(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """``nbytes`` from ``offset`` (default: to the end) as a uint8 array on the host:
+        a view over the mapping (no copy) for a host view, a new copy for a device view.
+        ValueError (device) when the range lies outside the segment."""
+
+
+@runtime_checkable
+class Prefaulting(Protocol):
+    """An optional feature of a tier: a pre-faulted *spare* file, so that the next
+    segment that fits is written at memcpy speed (the host tier has it)."""
+
+    def prefault(self, nbytes: int, *, wait: bool = True) -> None:
+        """Allocate and map a spare of ``nbytes`` (``wait``: block until it is ready)."""
+
+    def spare_ready(self) -> int:
+        """Bytes of the spare ready now (0: none, or still being faulted)."""
+
+    def spare_for(self, nbytes: int) -> int:
+        """The spare size that holds a segment of ``nbytes`` of tensors."""
 
 
 class SegmentWriter(ABC):
@@ -52,25 +97,35 @@ class SegmentWriter(ABC):
 
 
 class Tier(ABC):
-    """One place for segment bytes (host shared memory, disk, GPU memory)."""
+    """One place for segment bytes (host shared memory, disk, GPU memory).
+
+    Capability properties, read by callers instead of the tier's type: ``supports_gpu``
+    (views are on a device), ``persistent`` (segments survive a reboot), ``file_backed``
+    (segments are files, one each, at ``path(segment_id)``). The contract every tier
+    passes is ``storage_engine.testing.TierTests``.
+    """
 
     name: str
-    #: the tier's mappings live in GPU memory
+    #: the tier's views live in GPU memory (``SegmentView.on_device``)
     supports_gpu: bool = False
     #: segments survive a reboot of the host
     persistent: bool = False
+    #: each segment is a file of its own, ``path(segment_id)``, that a caller may write
+    #: and rename into place (a pulled replica arrives that way)
+    file_backed: bool = False
 
     @abstractmethod
     def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
         """Start a new segment of ``nbytes`` (> 0). Raises TierFull past capacity."""
 
     @abstractmethod
-    def open(self, segment_id: str) -> memoryview | object:
-        """Map a segment copy-on-write; raises SegmentMissing. Safe from any process."""
+    def open(self, segment_id: str) -> SegmentView:
+        """A view of a segment (see the module docstring); raises SegmentMissing. Safe
+        from any process."""
 
     @abstractmethod
     def delete(self, segment_id: str) -> bool:
-        """Delete a segment; existing mappings stay valid. False if it was not there."""
+        """Delete a segment; existing views stay valid. False if it was not there."""
 
     @abstractmethod
     def segments(self) -> Iterator[str]:
@@ -101,5 +156,5 @@ class Tier(ABC):
         (the caller then copies from a mapping). Raises SegmentMissing."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op default: most tiers hold nothing
         """Release process-local resources (spare buffers, threads). Idempotent."""

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from storage_engine import _gpu
+from storage_engine import _cuda, _gpu
+
 
 class _Err(enum.IntEnum):
     cudaSuccess = 0
@@ -141,7 +142,7 @@ class FakeRuntime:
 def install(root: Path, limit: int | None = None) -> FakeRuntime:
     (root / "device").mkdir(parents=True, exist_ok=True)
     fake = FakeRuntime(root / "device", limit)
-    _gpu._rt = fake
+    _cuda._rt = fake
     return fake
 
 
@@ -149,13 +150,13 @@ def install(root: Path, limit: int | None = None) -> FakeRuntime:
 def installed(root: Path, limit: int | None = None) -> Iterator[FakeRuntime]:
     """The stand-in in place for a test; afterwards the real runtime (or none) is back
     and the GPU tier's process-wide registries hold nothing of ``root``."""
-    saved = _gpu._rt
+    saved = _cuda._rt
     fake = install(root, limit)
     try:
         yield fake
     finally:
         gc.collect()  # close the stand-in mappings while the stand-in is installed
-        _gpu._rt = saved
+        _cuda._rt = saved
         with _gpu._lock:
             for key in [k for k in _gpu._owned if k.startswith(str(root))]:
                 os.close(_gpu._owned.pop(key).fd)

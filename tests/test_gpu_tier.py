@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cuda_standin import FakeRuntime, _Err, install, installed
 
 import storage_engine as se
-from cuda_standin import FakeRuntime, _Err, install, installed
-from storage_engine import _gpu
+from storage_engine import _cuda, _gpu
 from storage_engine._gpu import IPC_SUFFIX, GpuError, GpuTier, GpuView
+from storage_engine.testing import TierTests
 
 CTX = mp.get_context("spawn")  # a child of a CUDA process must not be forked
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,11 +80,6 @@ def fake(tmp_path: Path) -> Iterator[FakeRuntime]:
         yield fake
 
 
-@pytest.fixture
-def tier(tmp_path: Path, fake: FakeRuntime) -> GpuTier:
-    return GpuTier(tmp_path / "gpu")
-
-
 def _write(tier: GpuTier, data: bytes, sid: str = "s1") -> se.SegmentWriter:
     w = tier.create(sid, len(data))
     w.buffer[:] = np.frombuffer(data, np.uint8)
@@ -91,7 +87,22 @@ def _write(tier: GpuTier, data: bytes, sid: str = "s1") -> se.SegmentWriter:
     return w
 
 
-class TestGpuTierBookkeeping:
+class TestGpuTierBookkeeping(TierTests):
+    """The tier contract, and what is the GPU tier's own, on the stand-in runtime."""
+
+    @pytest.fixture(autouse=True)
+    def _standin(self, fake: FakeRuntime) -> None:
+        """Every test of the class runs on the stand-in (``make`` included)."""
+
+    def make(self, root: Path, capacity: int | None = None) -> se.Tier:
+        return GpuTier(root, capacity=capacity)
+
+    def stored_bytes(self, tier: se.Tier, segment_id: str) -> bytes:
+        # the stand-in's "device memory" is host memory: read it at the owner's pointer
+        assert isinstance(tier, GpuTier)
+        rec = _gpu._owned[str(tier.path(segment_id))]
+        return ctypes.string_at(rec.ptr, rec.nbytes)
+
     def test_roundtrip_in_the_owner(self, tier: GpuTier, fake: FakeRuntime) -> None:
         _write(tier, b"abcdefgh" * 100).release()
         view = tier.open("s1")
@@ -184,7 +195,7 @@ def _importer(root: str, fake_root: str, sid: str, conn: mp.connection.Connectio
     tier = GpuTier(root)
     view = tier.open(sid)
     again = tier.open(sid)  # one mapping per process: CUDA opens a handle only once
-    fake: FakeRuntime = _gpu._rt
+    fake: FakeRuntime = _cuda._rt
     conn.send((view.ptr == again.ptr, view.ptr in fake.imports, bytes(view.to_host())))
     assert conn.recv() == "deleted"
     conn.send(bytes(view.to_host()))  # still mapped after the owner's delete

@@ -16,12 +16,12 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+from conftest import open_store
 from sqlalchemy import select
 
 import tensordb
-from conftest import open_store
-from storage_engine._kv import BlockStore, KVStoreFull, size_class
-from storage_engine._kv_policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from storage_engine import BlockStore, Eviction, KVStoreFull, LRUEviction, S3FIFOEviction
+from storage_engine._kv_types import size_class
 from tensordb import KVCache
 from tensordb.catalog.schema import kv_namespaces
 from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
@@ -91,7 +91,7 @@ def test_keys_stable_across_processes_and_hash_seeds(kv: KVCache, store_home: Pa
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for seed in ("0", "12345")]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert out.strip().split(",") == [k.hex() for k in keys]
 
@@ -117,14 +117,14 @@ def test_put_get_roundtrip_dtypes_shapes(kv: KVCache) -> None:
     assert kv.put(keys, blocks) == 3
     assert kv.put(keys, blocks) == 0  # present: first writer wins, no error
     got = kv.get(keys)
-    for g, b in zip(got, blocks):
+    for g, b in zip(got, blocks, strict=True):
         assert g.dtype == b.dtype and g.shape == b.shape and torch.equal(g, b)
     g0 = got[0]
     g0.zero_()  # copy-on-write: the reader's copy only
     assert torch.equal(kv.get(keys[:1])[0], blocks[0])
     outs = [torch.empty_like(b).contiguous() for b in blocks]
     assert kv.get_into(keys, outs) == 3
-    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
     strided = torch.zeros(3, 5, dtype=torch.float16).t()  # a non-contiguous destination
     kv.get_into(keys[2:], [strided])
     assert torch.equal(strided, blocks[2])
@@ -134,14 +134,14 @@ def test_put_get_roundtrip_dtypes_shapes(kv: KVCache) -> None:
     assert kv.put([b"o" * 16, b"z" * 16], odd) == 2
     outs = [torch.arange(4, 8, dtype=torch.bfloat16).view(1, 4).t(), torch.tensor(0.0)]
     assert kv.get_into([b"o" * 16, b"z" * 16], outs) == 2
-    assert all(torch.equal(o, b) for o, b in zip(outs, odd))
+    assert all(torch.equal(o, b) for o, b in zip(outs, odd, strict=True))
     assert [tuple(g.shape) for g in kv.get([b"o" * 16, b"z" * 16])] == [(4, 1), ()]
     # a block that requires grad, and blocks of one shape in other dtypes in one batch
     mixed = [torch.ones(2, 3, requires_grad=True), torch.full((2, 3), 2, dtype=torch.int32),
              torch.full((2, 3), 3.0, dtype=torch.float16)]
     mkeys = [bytes([0x80 + i]) * 16 for i in range(3)]
     assert kv.put(mkeys, mixed) == 3
-    for g, b in zip(kv.get(mkeys), mixed):
+    for g, b in zip(kv.get(mkeys), mixed, strict=True):
         assert g.dtype == b.dtype and g.shape == b.shape and torch.equal(g, b.detach())
     with pytest.raises(NotFound):
         kv.get([b"\xff" * 16])
@@ -270,7 +270,7 @@ def test_block_being_read_is_not_evicted_until_its_reader_dies(
 
 
 def _die_mid_put(home: str, key: bytes, ready: mp.connection.Connection) -> None:
-    import storage_engine._kv as kvmod
+    import storage_engine._kv_copies as kvmod  # where put copies the bytes
 
     def stall(dst: np.ndarray, src: np.ndarray) -> str:
         ready.send("reserved")
@@ -299,65 +299,80 @@ def test_writer_killed_mid_put_leaves_no_block_and_no_lock(kv: KVCache,
 
 
 # -- capacity, pins, eviction --------------------------------------------------------
+class _Workload:
+    """Random operations on a store, and the model of what it must hold."""
+
+    def __init__(self, store: BlockStore, rng: random.Random) -> None:
+        self.store = store
+        self.rng = rng
+        self.content: dict[bytes, int] = {}
+        self.pinned: set[bytes] = set()
+        self.in_memory: set[bytes] = set()
+        self.held: list[object] = []
+
+    def step(self, step: int, k: bytes, op: float, sizes: list[int]) -> None:
+        store = self.store
+        if op < 0.5:
+            n = self.rng.choice(sizes)
+            try:
+                ok = store.put([k], [np.full(n, step % 251, np.uint8)])[0]
+                if ok:
+                    self.content[k] = step % 251
+            except KVStoreFull:
+                assert self.pinned or self.held
+        elif op < 0.7:
+            v = store.get([k])[0]
+            if v is not None:
+                assert int(v.data[0]) == self.content[k] and int(v.data[-1]) == self.content[k]
+                if self.rng.random() < 0.3:
+                    self.held.append(v)
+        elif op < 0.8:
+            if len(self.pinned) < 6 and store.pin([k]):
+                self.pinned.add(k)
+                if store.locate(k)[0] == "host":  # type: ignore[index]
+                    self.in_memory.add(k)  # pinning brings it back from disk where room allows
+        elif op < 0.9:
+            if k in self.pinned:
+                store.unpin([k])
+                self.pinned.discard(k)
+                self.in_memory.discard(k)
+        elif op < 0.95:
+            if k not in self.pinned:
+                store.delete([k])
+        else:
+            self.held.clear()
+        if len(self.held) > 4:
+            self.held.pop(0)
+
+    def check(self, cap: int) -> None:
+        s = self.store.stats()
+        on_disk = sum(e.stat().st_blocks * 512 for e in os.scandir(self.store.root / "slabs"))
+        assert s.arena_bytes <= cap and on_disk <= cap
+        for p in self.pinned:  # never dropped, never moved out of memory
+            loc = self.store.locate(p)
+            assert loc is not None and (loc[0] == "host" or p not in self.in_memory)
+
+
 @pytest.mark.parametrize("spill", [False, True], ids=["no-spill", "spill"])
 def test_random_workload_stays_in_arena_and_keeps_pins(make_store: object, tmp_path: Path,
                                                        spill: bool) -> None:
     cap = 256 * KiB
     store: BlockStore = make_store(  # type: ignore[operator]
-        capacity_bytes=cap, slab_bytes=64 * KiB, policy="s3fifo" if spill else "lru",
+        capacity_bytes=cap, slab_bytes=64 * KiB, eviction="s3fifo" if spill else "lru",
         disk_root=tmp_path / "disk" if spill else None)
     rng = random.Random(7)
     sizes = [4 * KiB, 10 * KiB, 16 * KiB, 40 * KiB]
     universe = [bytes([i]) * 16 for i in range(60)]
-    content: dict[bytes, int] = {}
-    pinned: set[bytes] = set()
-    in_memory: set[bytes] = set()
-    held = []
+    work = _Workload(store, rng)
     for step in range(600):
         k = rng.choice(universe)
-        op = rng.random()
-        if op < 0.5:
-            n = rng.choice(sizes)
-            try:
-                ok = store.put([k], [np.full(n, step % 251, np.uint8)])[0]
-                if ok:
-                    content[k] = step % 251
-            except KVStoreFull:
-                assert pinned or held
-        elif op < 0.7:
-            v = store.get([k])[0]
-            if v is not None:
-                assert int(v.data[0]) == content[k] and int(v.data[-1]) == content[k]
-                if rng.random() < 0.3:
-                    held.append(v)
-        elif op < 0.8:
-            if len(pinned) < 6 and store.pin([k]):
-                pinned.add(k)
-                if store.locate(k)[0] == "host":  # type: ignore[index]
-                    in_memory.add(k)  # pinning brings it back from disk where room allows
-        elif op < 0.9:
-            if k in pinned:
-                store.unpin([k])
-                pinned.discard(k)
-                in_memory.discard(k)
-        elif op < 0.95:
-            if k not in pinned:
-                store.delete([k])
-        else:
-            held.clear()
-        if len(held) > 4:
-            held.pop(0)
-        s = store.stats()
-        on_disk = sum(e.stat().st_blocks * 512 for e in os.scandir(store.root / "slabs"))
-        assert s.arena_bytes <= cap and on_disk <= cap
-        for p in pinned:  # never dropped, never moved out of memory
-            loc = store.locate(p)
-            assert loc is not None and (loc[0] == "host" or p not in in_memory)
+        work.step(step, k, rng.random(), sizes)
+        work.check(cap)
     assert store.stats().evictions > 0
-    for k in content:
+    for k in work.content:
         v = store.get([k])[0]
         if v is not None:
-            assert int(v.data[0]) == content[k]
+            assert int(v.data[0]) == work.content[k]
 
 
 def test_store_full_at_once_when_everything_is_pinned(kv: KVCache) -> None:
@@ -383,9 +398,9 @@ def test_store_full_at_once_when_everything_is_pinned(kv: KVCache) -> None:
 
 
 def test_lru_and_s3fifo_evict_in_their_orders(make_store: object) -> None:
-    def run(policy: str) -> list[bytes]:
+    def run(eviction: str, option: str = "eviction") -> list[bytes]:
         store: BlockStore = make_store(capacity_bytes=16 * KiB,  # type: ignore[operator]
-                                       slab_bytes=16 * KiB, policy=policy)
+                                       slab_bytes=16 * KiB, **{option: eviction})
         buf = np.zeros(4 * KiB, np.uint8)
         a, b, c, d, e, f = (bytes([x]) * 16 for x in b"ABCDEF")
         store.put([a, b, c], [buf] * 3)
@@ -398,17 +413,18 @@ def test_lru_and_s3fifo_evict_in_their_orders(make_store: object) -> None:
 
     assert run("lru") == [b"A", b"B"]  # least recently used first
     assert run("s3fifo") == [b"D", b"E"]  # one-hit wonders leave from the small queue
+    assert run("s3fifo", "policy") == [b"D", b"E"]  # the option's older name
 
 
-class EvictionPolicyContract:
-    """What every ``EvictionPolicy`` must do; a new policy subclasses this suite."""
+class EvictionContract:
+    """What every ``Eviction`` must do; a new eviction subclasses this suite."""
 
-    policy_cls: type[EvictionPolicy]
+    eviction_cls: type[Eviction]
 
     @pytest.fixture
-    def bound(self, tmp_path: Path) -> Iterator[tuple[lmdb.Environment, EvictionPolicy]]:
-        env = lmdb.open(str(tmp_path / "policy"), max_dbs=8, map_size=1 << 24)
-        policy = self.policy_cls()
+    def bound(self, tmp_path: Path) -> Iterator[tuple[lmdb.Environment, Eviction]]:
+        env = lmdb.open(str(tmp_path / "eviction"), max_dbs=8, map_size=1 << 24)
+        eviction = self.eviction_cls()
         counters = env.open_db(b"counters")
 
         def counter(txn: lmdb.Transaction, name: str, delta: int) -> int:
@@ -418,56 +434,56 @@ class EvictionPolicyContract:
                 txn.put(name.encode(), str(v).encode(), db=counters)
             return v
 
-        policy.bind({n: env.open_db(n.encode()) for n in policy.db_names}, counter)
-        yield env, policy
+        eviction.bind({n: env.open_db(n.encode()) for n in eviction.db_names}, counter)
+        yield env, eviction
         env.close()
 
-    def _drain(self, env: lmdb.Environment, policy: EvictionPolicy,
+    def _drain(self, env: lmdb.Environment, eviction: Eviction,
                refuse: set[bytes] = frozenset()) -> list[bytes]:  # type: ignore[assignment]
         out = []
         with env.begin(write=True) as txn:
-            while (k := policy.victim(txn, lambda k: k not in refuse)) is not None:
+            while (k := eviction.victim(txn, lambda k: k not in refuse)) is not None:
                 assert k not in refuse and k not in out
-                policy.on_remove(txn, k)
+                eviction.on_remove(txn, k)
                 out.append(k)
         return out
 
     def test_every_key_is_offered_once_then_none(self, bound: tuple) -> None:
-        env, policy = bound
+        env, eviction = bound
         keys = [bytes([i]) * 16 for i in range(30)]
         with env.begin(write=True) as txn:
             for k in keys:
-                policy.on_insert(txn, k)
+                eviction.on_insert(txn, k)
             for k in keys[::3]:
-                policy.on_access(txn, k)
-        assert sorted(self._drain(env, policy)) == keys
+                eviction.on_access(txn, k)
+        assert sorted(self._drain(env, eviction)) == keys
 
     def test_refused_and_removed_keys_are_never_offered(self, bound: tuple) -> None:
-        env, policy = bound
+        env, eviction = bound
         keys = [bytes([i]) * 16 for i in range(20)]
         with env.begin(write=True) as txn:
             for k in keys:
-                policy.on_insert(txn, k)
-            policy.on_remove(txn, keys[0])
-            policy.on_remove(txn, keys[0])  # idempotent
-        got = self._drain(env, policy, refuse=set(keys[1:6]))
+                eviction.on_insert(txn, k)
+            eviction.on_remove(txn, keys[0])
+            eviction.on_remove(txn, keys[0])  # idempotent
+        got = self._drain(env, eviction, refuse=set(keys[1:6]))
         assert sorted(got) == keys[6:]
-        assert sorted(self._drain(env, policy)) == keys[1:6]  # refused ones stay queued
+        assert sorted(self._drain(env, eviction)) == keys[1:6]  # refused ones stay queued
 
     def test_reinsert_is_one_entry(self, bound: tuple) -> None:
-        env, policy = bound
+        env, eviction = bound
         with env.begin(write=True) as txn:
             for _ in range(3):
-                policy.on_insert(txn, b"k" * 16)
-        assert self._drain(env, policy) == [b"k" * 16]
+                eviction.on_insert(txn, b"k" * 16)
+        assert self._drain(env, eviction) == [b"k" * 16]
 
 
-class TestLRUPolicy(EvictionPolicyContract):
-    policy_cls = LRUPolicy
+class TestLRUEviction(EvictionContract):
+    eviction_cls = LRUEviction
 
 
-class TestS3FIFOPolicy(EvictionPolicyContract):
-    policy_cls = S3FIFOPolicy
+class TestS3FIFOEviction(EvictionContract):
+    eviction_cls = S3FIFOEviction
 
 
 def test_spill_to_disk_and_read_back(kv: KVCache) -> None:
@@ -534,6 +550,8 @@ def test_bad_inputs_give_typed_errors_and_change_nothing(kv: KVCache,
             KVCache(sqlite_db, "x", block_tokens=bt)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         KVCache(sqlite_db, "x", policy="fifo")
+    with pytest.raises(InvalidInput):
+        KVCache(sqlite_db, "x", eviction="fifo")
     with pytest.raises(InvalidInput):
         KVCache(sqlite_db, "model-a", block_tokens=8, capacity_bytes=1 << 20)  # was 4
     bad_puts = [

@@ -23,11 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cuda_standin import FakeRuntime, install, installed
-from storage_engine import _gpu
-from storage_engine._kv import BlockStore, KVCorrupt
-from storage_engine._kv_gpu import GpuBlockView
+
+from storage_engine import BlockStore, GpuBlockView, KVCorrupt, _cuda
 
 CTX = mp.get_context("spawn")  # a child of a CUDA process must not be forked
 BLOCK = 4096
@@ -86,7 +84,7 @@ def test_get_device_copies_up_once_then_maps(make: object, fake: FakeRuntime) ->
     store.put(keys, blocks, [b"m0", b"m1", b"m2"])
     views = store.get_device(keys)
     assert all(isinstance(v, GpuBlockView) for v in views)
-    for v, b in zip(views, blocks):
+    for v, b in zip(views, blocks, strict=True):
         assert _read(v.ptr, v.nbytes) == b.tobytes() and bytes(v.to_host()) == b.tobytes()
         cai = v.__cuda_array_interface__
         assert cai["shape"] == (BLOCK,) and cai["typestr"] == "|u1" and cai["data"][0] == v.ptr
@@ -283,6 +281,7 @@ def test_a_copy_that_loses_the_race_gives_its_chunk_back(make: object,
 
 def test_a_failed_copy_gives_its_chunks_back(make: object, fake: FakeRuntime) -> None:
     from cuda_standin import _Err
+
     from storage_engine._gpu import GpuError
 
     store = make(gpu_capacity=2 * BLOCK, slab_bytes=2 * BLOCK)  # type: ignore[operator]
@@ -330,7 +329,7 @@ def _reader(root: str, standin: str, keys: list[bytes], conn: mp.connection.Conn
     store = BlockStore(Path(root), capacity_bytes=1 << 20, gpu_device=0,
                        gpu_capacity=1 << 20)
     views = store.get_device(keys)
-    fake: FakeRuntime = _gpu._rt
+    fake: FakeRuntime = _cuda._rt
     conn.send(([_read(v.ptr, v.nbytes) for v in views],
                all(any(v.ptr >= p and v.ptr < p + len(mm) for p, (_, mm) in
                        fake.imports.items()) for v in views),
@@ -497,11 +496,11 @@ def test_cuda_blocks_through_db_kv(tmp_path: Path) -> None:
         st = kv.stats()
         assert st.gpu_blocks == 4 and st.gpu_capacity == 64 << 20
         ts = kv.get(keys, device="cuda:0")
-        assert all(torch.equal(t, b) for t, b in zip(ts, blocks))
+        assert all(torch.equal(t, b) for t, b in zip(ts, blocks, strict=True))
         assert kv.stats().gpu_hits == 4
         outs = [torch.empty_like(b) for b in blocks]
         assert kv.get_into(keys, outs) == 4
-        assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
         parent, child = CTX.Pipe()
         p = CTX.Process(target=_cuda_reader, args=(home, keys, child))
         p.start()
@@ -509,7 +508,7 @@ def test_cuda_blocks_through_db_kv(tmp_path: Path) -> None:
         parent.send("done")
         p.join(120)
         assert p.exitcode == 0 and on_gpu and hits >= 8
-        assert all(torch.equal(g, b.cpu()) for g, b in zip(got, blocks))
+        assert all(torch.equal(g, b.cpu()) for g, b in zip(got, blocks, strict=True))
     finally:
         kv.destroy()
         db.close()

@@ -1,117 +1,33 @@
-"""The contract every tier obeys; each tier's test class subclasses TierContract."""
+"""The file tiers against the contract every tier obeys (``storage_engine.testing``), and
+what is specific to each; the GPU tier runs the same suite in test_gpu_tier.py."""
 
 from __future__ import annotations
 
 import os
 import time
-import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import storage_engine as se
+from storage_engine.testing import TierTests
 
 
-class TierContract:
-    """Subclass and provide a ``tier`` fixture."""
-
-    @pytest.fixture
-    def tier(self, tmp_path: Path) -> se.Tier:  # pragma: no cover - overridden
-        raise AssertionError("subclasses provide the tier")
-
-    def _write(self, tier: se.Tier, data: bytes, sid: str = "s1") -> se.SegmentWriter:
-        w = tier.create(sid, len(data))
-        w.buffer[:] = np.frombuffer(data, np.uint8)
-        w.finish()
-        return w
-
-    def test_roundtrip(self, tier: se.Tier) -> None:
-        w = self._write(tier, b"abcdefgh" * 100)
-        w.release()
-        mm = tier.open("s1")
-        assert bytes(mm[:8]) == b"abcdefgh" and len(mm) == 800
-        assert list(tier.segments()) == ["s1"]
-
-    def test_reader_writes_stay_private(self, tier: se.Tier) -> None:
-        self._write(tier, b"x" * 4096).release()
-        mine = tier.open("s1")
-        mine[0:4] = b"MINE"  # copy-on-write: neither crashes nor reaches the tier
-        assert bytes(tier.open("s1")[0:4]) == b"xxxx"
-
-    def test_mapping_survives_delete(self, tier: se.Tier) -> None:
-        self._write(tier, b"y" * 8192).release()
-        mm = tier.open("s1")
-        assert tier.delete("s1") is True
-        assert bytes(mm[100:104]) == b"yyyy"
-        with pytest.raises(se.SegmentMissing):
-            tier.open("s1")
-        assert tier.delete("s1") is False
-
-    def test_missing_segment(self, tier: se.Tier) -> None:
-        with pytest.raises(se.SegmentMissing) as info:
-            tier.open("nope")
-        assert "nope" in str(info.value)
-
-    def test_files_are_private(self, tier: se.Tier) -> None:
-        self._write(tier, b"z" * 64).release()
-        root = getattr(tier, "root")
-        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-        for name in os.listdir(root):
-            assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
-
-    def test_orphans_of_live_writers_are_kept(self, tier: se.Tier) -> None:
-        w = tier.create("busy", 4096)  # still locked by us: a writer in progress
-        assert tier.reclaim_orphans(lambda sid: False) == []
-        w.finish()
-        w.release()  # released but never registered: its writer is gone
-        assert tier.reclaim_orphans(lambda sid: False) == ["busy"]
-        assert list(tier.segments()) == []
-
-    def test_registered_segments_are_not_orphans(self, tier: se.Tier) -> None:
-        self._write(tier, b"r" * 64).release()
-        assert tier.reclaim_orphans(lambda sid: True) == []
-        assert list(tier.segments()) == ["s1"]
-
-    def test_abort_removes(self, tier: se.Tier) -> None:
-        w = tier.create("gone", 128)
-        w.abort()
-        w.abort()
-        assert list(tier.segments()) == []
-
-    def test_capacity(self, tmp_path: Path) -> None:
-        tier = self.make(tmp_path / "cap", capacity=8192)
-        self._write(tier, b"a" * 4096).release()
-        with pytest.raises(se.TierFull) as info:
-            tier.create("s2", 8192)
-        assert info.value.tier == tier.name
-        assert list(tier.segments()) == ["s1"]
-        tier.close()
-
-    def test_zero_bytes_refused(self, tier: se.Tier) -> None:
-        with pytest.raises(ValueError):
-            tier.create("empty", 0)
-
-    def make(self, root: Path, capacity: int | None = None) -> se.Tier:  # pragma: no cover
-        raise AssertionError("subclasses provide make")
-
-
-class TestHostTier(TierContract):
+class TestHostTier(TierTests):
     def make(self, root: Path, capacity: int | None = None) -> se.Tier:
         return se.HostTier(root, capacity=capacity)
 
-    @pytest.fixture
-    def tier(self, tmp_path: Path) -> se.Tier:
-        t = self.make(tmp_path / "host")
-        yield t
-        t.close()
+    def test_capabilities(self, tier: se.Tier) -> None:
+        assert tier.file_backed and not tier.persistent and not tier.supports_gpu
+        assert isinstance(tier, se.Prefaulting)
 
     def test_spare_is_used_and_renamed(self, tmp_path: Path) -> None:
         tier = se.HostTier(tmp_path / "spare", spare_bytes=1 << 20)
         tier.prefault(1 << 20)
         spares = [n for n in os.listdir(tier.root) if n.startswith("spare-")]
         assert len(spares) == 1
-        w = self._write(tier, b"q" * 1000, "fromspare")
+        w = self.write_segment(tier, b"q" * 1000, "fromspare")
         w.release()
         assert os.path.getsize(tier.path("fromspare")) == 1000  # trimmed to the segment
         assert bytes(tier.open("fromspare")[:3]) == b"qqq"
@@ -133,10 +49,10 @@ class TestHostTier(TierContract):
 
         tier._new_file = counting  # type: ignore[method-assign]
         for i in range(3):
-            w = self._write(tier, bytes([i]) * (6 << 20), f"seg{i}")
+            w = self.write_segment(tier, bytes([i]) * (6 << 20), f"seg{i}")
             w.release()  # starts the refill; the next create comes at once
         assert cold == []
-        small = self._write(tier, b"s" * 100, "small")  # far smaller: does not wait
+        small = self.write_segment(tier, b"s" * 100, "small")  # far smaller: does not wait
         small.release()
         assert [bytes(tier.open(f"seg{i}")[:1]) for i in range(3)] == [b"\0", b"\1", b"\2"]
         tier.close()
@@ -177,7 +93,7 @@ class TestHostTier(TierContract):
         assert tier.spare_ready() == 0
         tier.prefault(2 << 20)  # waits for it
         assert tier.spare_ready() == 2 << 20
-        w = self._write(tier, b"r" * 4096, "taken")
+        w = self.write_segment(tier, b"r" * 4096, "taken")
         assert tier.spare_ready() == 0  # the segment took it
         w.release()  # a tier with spare_bytes refills in the background after a release
         deadline = time.monotonic() + 30
@@ -188,16 +104,14 @@ class TestHostTier(TierContract):
         assert tier.spare_ready() == 0
 
 
-class TestDiskTier(TierContract):
+class TestDiskTier(TierTests):
     def make(self, root: Path, capacity: int | None = None) -> se.Tier:
         return se.DiskTier(root, capacity=capacity)
 
-    @pytest.fixture
-    def tier(self, tmp_path: Path) -> se.Tier:
-        return self.make(tmp_path / "disk")
-
     def test_persistent(self, tier: se.Tier) -> None:
         assert tier.persistent
+        assert tier.file_backed and not tier.supports_gpu
+        assert not isinstance(tier, se.Prefaulting)
 
 
 def test_pack_aligns() -> None:
@@ -217,7 +131,7 @@ def test_fill_segment_parallel_checksums(tmp_path: Path) -> None:
     w.finish()
     w.release()
     mm = tier.open("f")
-    for a, o, s in zip(arrays, offsets, sums):
+    for a, o, s in zip(arrays, offsets, sums, strict=True):
         got = np.frombuffer(mm, np.uint8, count=a.size, offset=o)
         assert np.array_equal(got, a) and s == se.checksum(a)
     tier.close()

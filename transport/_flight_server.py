@@ -132,7 +132,7 @@ class NodeService:
         """The node's identity: name, tiers, pid, the bytes of its ready spare and the
         port of its data plane."""
         host = self.tiers.get("host")
-        spare = host.spare_ready() if isinstance(host, se.HostTier) else 0
+        spare = host.spare_ready() if isinstance(host, se.Prefaulting) else 0
         return {"node": self.node, "tiers": sorted(self.tiers), "pid": os.getpid(),
                 "spare_ready": spare, "data_port": self.data_port}
 
@@ -166,7 +166,7 @@ class NodeService:
         except se.SegmentMissing as exc:
             raise NotFound(f"node {self.node!r} lost the bytes of segment {sid}",
                            node=self.node) from exc
-        data = memoryview(mm.to_host() if isinstance(mm, se.GpuView) else mm)
+        data = memoryview(mm.host_bytes())  # a view on the host, a copy from a device
         if offset + length > len(data):
             raise InvalidInput(f"segment {sid} has {len(data)} bytes; asked for "
                                f"[{offset}, {offset + length})", node=self.node)

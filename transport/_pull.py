@@ -104,7 +104,7 @@ def replica_tier(source_tier: str, tiers: Mapping[str, se.Tier]) -> str:
     """Where a pulled copy goes: the holder's tier when this node has it as files,
     else host memory (a GPU segment arrives in host memory)."""
     tier = tiers.get(source_tier)
-    return source_tier if isinstance(tier, se.FileTier) else "host"
+    return source_tier if tier is not None and tier.file_backed else "host"
 
 
 def _create(tiers: Mapping[str, se.Tier], first: str, part_id: str, nbytes: int,
@@ -113,7 +113,7 @@ def _create(tiers: Mapping[str, se.Tier], first: str, part_id: str, nbytes: int,
     last: Exception | None = None
     for name in order:
         tier = tiers.get(name)
-        if not isinstance(tier, se.FileTier):
+        if tier is None or not tier.file_backed:
             continue
         try:
             return tier, tier.create(part_id, nbytes)

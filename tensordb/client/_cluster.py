@@ -25,7 +25,7 @@ from tensordb.config import Config
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
 
 from ._kv_cache import KVCache
-from ._placement import Mapped, Tiers
+from ._placement import Tiers
 
 if TYPE_CHECKING:
     from transport import CascadeReport, Transport
@@ -80,7 +80,7 @@ class Cluster:
         return {s: pull_segment(self.directory(), self.transport(), self._config.node, tiers,
                                 s, prefer=prefer) for s in segment_ids}
 
-    def map_replica(self, segment_id: str, collection: str, tensor: str) -> Mapped:
+    def map_replica(self, segment_id: str, collection: str, tensor: str) -> se.SegmentView:
         """A mapping of another node's segment, held here as a replica or pulled now."""
         directory = self.directory()
         for _attempt in (1, 2):

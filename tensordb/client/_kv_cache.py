@@ -144,17 +144,19 @@ class KVCache:
     """
 
     def __init__(self, db: Database, namespace: str, block_tokens: int = 256, *,
-                 capacity_bytes: int | None = None, policy: str = "lru",
+                 capacity_bytes: int | None = None, eviction: str | None = None,
                  slab_bytes: int = 64 << 20, spill: bool = True,
-                 disk_capacity: int | None = None, gpu_capacity: int | None = None) -> None:
+                 disk_capacity: int | None = None, gpu_capacity: int | None = None,
+                 policy: str | None = None) -> None:
         check_name("collection", namespace)
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
                 or block_tokens <= 0:
             raise InvalidInput(f"block_tokens must be a positive int, not {block_tokens!r}",
                                collection=namespace)
-        if policy not in ("lru", "s3fifo"):
-            raise InvalidInput(f"policy must be 'lru' or 's3fifo', not {policy!r}",
-                               collection=namespace)
+        eviction = eviction or policy or "lru"  # policy=: the option's older name
+        if eviction not in ("lru", "s3fifo"):
+            raise InvalidInput(f"eviction (policy) must be 'lru' or 's3fifo', not "
+                               f"{eviction!r}", collection=namespace)
         if gpu_capacity is None:
             gpu_capacity = _env_int("TENSORDB_KV_GPU_CAPACITY")
         for what, v in (("capacity_bytes", capacity_bytes), ("disk_capacity", disk_capacity),
@@ -181,7 +183,8 @@ class KVCache:
             gpu_device = db.config.gpu_device or 0
         self._register()
         self.store = _open_store(self.shm_dir, capacity_bytes=capacity, slab_bytes=slab_bytes,
-                                 policy=policy, disk_root=self.disk_dir if spill else None,
+                                 eviction=eviction,
+                                 disk_root=self.disk_dir if spill else None,
                                  disk_capacity=disk_capacity, gpu_device=gpu_device,
                                  gpu_capacity=gpu_capacity)
         self._closed = False

@@ -10,14 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
-
 import storage_engine as se
 from tensordb._names import check_name
 from tensordb.catalog import Catalog
 from tensordb.errors import InvalidInput
 
-from ._placement import Mapped, Tiers
+from ._placement import Tiers
 
 __all__ = ["Corruption", "GcReport", "Maintenance"]
 
@@ -86,7 +84,7 @@ class Maintenance:
     def verify(self) -> list[Corruption]:
         """Check every stored extent of this node against its checksum; [] when all good."""
         problems: list[Corruption] = []
-        current: tuple[str, Mapped | None] | None = None
+        current: tuple[str, se.SegmentView | None] | None = None
         for coll, first, r in self._catalog.all_rows():
             assert r.segment_id is not None and r.tier is not None
             if current is None or current[0] != r.segment_id:
@@ -101,8 +99,7 @@ class Maintenance:
             if r.offset + r.nbytes > len(mm):
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "truncated"))
                 continue
-            got = se.checksum(mm.to_host(r.offset, r.nbytes) if isinstance(mm, se.GpuView)
-                              else np.frombuffer(mm, np.uint8, count=r.nbytes, offset=r.offset))
+            got = se.checksum(mm.host_bytes(r.offset, r.nbytes))
             if got != r.checksum:
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier,
                                            f"checksum {got} != {r.checksum}"))

@@ -8,12 +8,9 @@ them down. Readers that mapped a segment before it moved keep their mapping.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeAlias, cast
 
-import numpy as np
 import torch
 
 import storage_engine as se
@@ -22,7 +19,7 @@ from tensordb.catalog import Catalog
 from tensordb.config import Config
 from tensordb.errors import InvalidInput
 
-__all__ = ["ORDER", "EvictReport", "Mapped", "Placement", "Tiers", "check_tier_config",
+__all__ = ["ORDER", "EvictReport", "Placement", "Tiers", "check_tier_config",
            "device_of"]
 
 #: tier names, fastest first: eviction moves bytes one step to the right
@@ -30,7 +27,6 @@ ORDER = ("gpu", "host", "disk")
 
 #: what opening a segment gives: a private copy-on-write mapping of host or disk bytes,
 #: or the shared CUDA IPC mapping of a GPU segment
-Mapped: TypeAlias = "mmap.mmap | se.GpuView"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +102,10 @@ class Tiers(Mapping[str, se.Tier]):
         return len(self._tiers)
 
     @property
-    def host(self) -> se.HostTier:
+    def host(self) -> se.Prefaulting:
+        """The host tier, by the optional feature the callers of this use: its spare."""
         tier = self._tiers["host"]
-        assert isinstance(tier, se.HostTier)
+        assert isinstance(tier, se.Prefaulting)
         return tier
 
     def _gpu(self) -> se.Tier:
@@ -123,9 +120,9 @@ class Tiers(Mapping[str, se.Tier]):
         """The tier a catalog row names (the GPU tier opened on first use)."""
         return self._gpu() if name == "gpu" else self._tiers[name]
 
-    def open(self, name: str, segment_id: str) -> Mapped:
-        """A mapping of a segment of tier ``name`` (``SegmentMissing`` if not there)."""
-        return cast(Mapped, self.store(name).open(segment_id))
+    def open(self, name: str, segment_id: str) -> se.SegmentView:
+        """A view of a segment of tier ``name`` (``SegmentMissing`` if not there)."""
+        return self.store(name).open(segment_id)
 
     def tier(self, name: str) -> se.Tier:
         """The tier ``name`` to write to; InvalidInput for one this node lacks."""
@@ -212,8 +209,7 @@ class Placement:
             return False
         writer = self._tiers.store(dst).create(segment_id, len(mm))
         try:
-            se.copy(writer.buffer, mm.to_host() if isinstance(mm, se.GpuView)
-                    else np.frombuffer(mm, np.uint8))
+            se.copy(writer.buffer, mm.host_bytes())
             del mm
             writer.finish()
             moved = self._catalog.move_segment(segment_id, src, dst)

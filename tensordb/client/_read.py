@@ -21,7 +21,7 @@ from tensordb.catalog import Catalog, TensorRow
 from tensordb.errors import CorruptData, NodeUnavailable, NotFound
 
 from ._cluster import Cluster
-from ._placement import Mapped, Tiers
+from ._placement import Tiers
 
 __all__ = ["Reader"]
 
@@ -64,7 +64,7 @@ class Reader:
                            collection=collection, tensor=name, version=v)
         return self.materialize(collection, rows, verify=verify)[name]
 
-    def map(self, segment_id: str, tier: str, collection: str, tensor: str) -> Mapped:
+    def map(self, segment_id: str, tier: str, collection: str, tensor: str) -> se.SegmentView:
         # a fresh private mapping per read: a reader's writes into one snapshot's tensors
         # must not show through another snapshot in the same process (GPU views are
         # shared, read-only by convention)
@@ -87,7 +87,7 @@ class Reader:
             return self._cluster.map_replica(segment_id, collection, tensor)
 
     def materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
-                    maps: dict[str, Mapped] | None = None) -> dict[str, torch.Tensor]:
+                    maps: dict[str, se.SegmentView] | None = None) -> dict[str, torch.Tensor]:
         """Zero-copy tensors over the segments' copy-on-write mappings (``maps``: the
         mappings already made for this snapshot)."""
         out: dict[str, torch.Tensor] = {}
@@ -107,14 +107,12 @@ class Reader:
                     mm = maps[segment_id] = self.map(segment_id, tier or "host", collection,
                                                      name)
                 if verify:
-                    got = se.checksum(mm.to_host(offset, nbytes) if isinstance(mm, se.GpuView)
-                                      else np.frombuffer(mm, np.uint8, count=nbytes,
-                                                         offset=offset))
+                    got = se.checksum(mm.host_bytes(offset, nbytes))  # no copy on the host
                     if got != csum:
                         raise _corrupt(collection, name, csum, got)
             if found is None:
                 dt = torch_dtype(dtype)
-                if isinstance(mm, se.GpuView):  # the IPC mapping itself: no copy
+                if mm is not None and mm.on_device:  # the IPC mapping itself: no copy
                     base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
                 else:
                     base = torch.frombuffer(mm, dtype=dt)

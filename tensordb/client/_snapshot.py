@@ -11,7 +11,6 @@ from tensordb._dtypes import torch_dtype
 from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
-from ._placement import Mapped
 from ._read import Reader
 
 __all__ = ["Snapshot"]
@@ -37,7 +36,7 @@ class Snapshot:
             collection, version, tag, se.current_holder(), lease_ttl)
         self._rows = {r.name: r for r in rows}
         self._cache: dict[str, torch.Tensor] = {}
-        self._maps: dict[str, Mapped] = {}
+        self._maps: dict[str, se.SegmentView] = {}
         self._closed = False
 
     def __enter__(self) -> Snapshot:

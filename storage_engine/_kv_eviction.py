@@ -1,10 +1,13 @@
-"""Eviction policies of the KV block store, with their state in the store's LMDB index.
+"""Eviction orders of the KV block store, with their state in the store's LMDB index.
 
 The state lives in LMDB, not in a process, so every process attached to one store
 shares one eviction order. Each method runs inside the caller's LMDB write transaction
-(``txn``) and must not open one of its own. A policy only orders blocks resident in the
-host arena; pins and read leases are the store's business: ``victim`` asks the store's
-``evictable`` callback and skips what it refuses.
+(``txn``) and must not open one of its own. An eviction only orders blocks resident in
+the host arena; pins and read leases are the store's business: ``victim`` asks the
+store's ``evictable`` callback and skips what it refuses.
+
+The shared sequence counter keeps its stored name, ``policy_seq``: stores made before
+the rename to "eviction" count on in it.
 """
 
 from __future__ import annotations
@@ -14,21 +17,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+__all__ = ["Eviction", "LRUEviction", "S3FIFOEviction"]
 
 _U64 = struct.Struct(">Q")  # big-endian: LMDB orders keys bytewise, so seq order = age order
 
 
-class EvictionPolicy(ABC):
+class Eviction(ABC):
     """Orders the host-resident blocks for eviction.
 
-    ``dbs`` are the named LMDB databases the policy may use (opened by the store from
+    ``dbs`` are the named LMDB databases the eviction may use (opened by the store from
     ``db_names``); ``counter(txn, name, delta)`` is the store's shared counter.
     """
 
-    #: the name given to ``BlockStore(policy=...)``
+    #: the name given to ``BlockStore(eviction=...)``
     name: str = ""
-    #: the LMDB databases this policy keeps its state in
+    #: the LMDB databases this eviction keeps its state in
     db_names: tuple[str, ...] = ()
 
     def bind(self, dbs: dict[str, Any], counter: Callable[[Any, str, int], int]) -> None:
@@ -49,12 +52,12 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def victim(self, txn: Any, evictable: Callable[[bytes], bool]) -> bytes | None:
-        """The next key to evict, or None when no resident key is evictable. The policy
+        """The next key to evict, or None when no resident key is evictable. The eviction
         may reorder its state on the way (promotions); the caller then evicts the key and
         calls ``on_remove``."""
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUEviction(Eviction):
     """Least recently used: a queue keyed by a shared sequence number."""
 
     name = "lru"
@@ -86,7 +89,7 @@ class LRUPolicy(EvictionPolicy):
         return None
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOEviction(Eviction):
     """S3-FIFO (Yang et al., SOSP 2023): a small FIFO that filters one-hit wonders, a
     main FIFO with lazy promotion, and a ghost FIFO of keys recently evicted from the
     small queue (a key seen in the ghost goes straight to main when it comes back).
@@ -199,10 +202,11 @@ class S3FIFOPolicy(EvictionPolicy):
         return None
 
 
-def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
-    if isinstance(policy, EvictionPolicy):
-        return policy
-    for cls in (LRUPolicy, S3FIFOPolicy):
-        if policy == cls.name:
+def make_eviction(eviction: str | Eviction) -> Eviction:
+    """An eviction by name (``"lru"``, ``"s3fifo"``), or the one given."""
+    if isinstance(eviction, Eviction):
+        return eviction
+    for cls in (LRUEviction, S3FIFOEviction):
+        if eviction == cls.name:
             return cls()
-    raise ValueError(f"unknown eviction policy {policy!r}; known: 'lru', 's3fifo'")
+    raise ValueError(f"unknown eviction {eviction!r}; known: 'lru', 's3fifo'")
