@@ -92,7 +92,7 @@ def measure_memcpy(blocks: list[torch.Tensor], reps: int) -> dict[str, float]:
         best = float("inf")
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            for d, s in zip(dsts, srcs):
+            for d, s in zip(dsts, srcs, strict=True):
                 fn(d, s)
             best = min(best, time.perf_counter() - t0)
         out[name] = best
@@ -130,7 +130,7 @@ def measure_tensordb(kv: KVCache, blocks: list[torch.Tensor], reps: int, tag: in
         assert float(views[-1].view(-1)[-1]) == float(blocks[-1].view(-1)[-1])
         del views
         kv.delete(keys)
-    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
     return best
 
 
@@ -154,7 +154,7 @@ def measure_redis(r: Any, blocks: list[torch.Tensor], reps: int, tag: int) -> di
         keys = [f"tensordb-bench:{tag}:{rep}:{i}" for i in range(len(blocks))]
         t0 = time.perf_counter()
         p = r.pipeline(transaction=False)
-        for k, v in zip(keys, payloads):
+        for k, v in zip(keys, payloads, strict=True):
             p.set(k, memoryview(v))
         p.execute()
         put = time.perf_counter() - t0
@@ -239,12 +239,12 @@ class _Lmcache:
                 dst.copy_(memory_obj.tensor.reshape(-1).view(torch.uint8)[:dst.numel()])
 
             def batched_from_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
-                for o, s, e in zip(objs, starts, ends):
+                for o, s, e in zip(objs, starts, ends, strict=True):
                     self.from_gpu(o, s, e, **kw)
 
             def batched_to_gpu(self, objs: Any = None, starts: Any = None, ends: Any = None,
                                **kw: Any) -> None:
-                for o, s, e in zip(objs, starts, ends):
+                for o, s, e in zip(objs, starts, ends, strict=True):
                     self.to_gpu(o, s, e, **kw)
 
             def get_shape(self, num_tokens: int) -> torch.Size:
@@ -289,7 +289,7 @@ def measure_lmcache(blocks: list[torch.Tensor], reps: int, tag: int) -> dict[str
             if rep:
                 best["put"] = min(best.get("put", float("inf")), put)
                 best["get"] = min(best.get("get", float("inf")), get)
-        assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
     finally:
         lm.close()
     return best
@@ -434,7 +434,7 @@ def measure_mooncake(mc: _Mooncake, blocks: list[torch.Tensor], reps: int, tag: 
                 best["get"] = min(best.get("get", float("inf")), get)
     finally:
         mc.unregister()
-    assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    assert all(torch.equal(o, b) for o, b in zip(outs, blocks, strict=True))
     return best
 
 

@@ -68,17 +68,18 @@ def run(sizes: list[float], reps: int) -> dict[str, object]:
                 gpu_src = [b.cuda() for b in blocks]
                 outs = [torch.empty_like(g) for g in gpu_src]
                 pinned = [b.pin_memory() for b in blocks]
-                d2d = _best(lambda: [o.copy_(g) for o, g in zip(outs, gpu_src)], reps)
-                h2d = _best(lambda: [o.copy_(p, non_blocking=True)
-                                     for o, p in zip(outs, pinned)], reps)
+                d2d = _best(lambda outs=outs, gpu_src=gpu_src: [
+                    o.copy_(g) for o, g in zip(outs, gpu_src, strict=True)], reps)
+                h2d = _best(lambda outs=outs, pinned=pinned: [o.copy_(p, non_blocking=True)
+                                     for o, p in zip(outs, pinned, strict=True)], reps)
                 cold = kv.keys(torch.arange(count * BLOCK_TOKENS) + (k << 40))
                 kv.put(cold, blocks)  # host only: put from CPU tensors admits nothing
-                host = _best(lambda: kv.get_into(cold, outs), reps)
+                host = _best(lambda cold=cold, outs=outs: kv.get_into(cold, outs), reps)
                 warm = kv.keys(torch.arange(count * BLOCK_TOKENS) + (k << 40) + (1 << 36))
                 kv.put(warm, gpu_src)  # from the GPU: a device-to-device copy is kept
-                tier = _best(lambda: kv.get_into(warm, outs), reps)
-                assert all(torch.equal(o, g) for o, g in zip(outs, gpu_src))
-                views = _best(lambda: kv.get(warm, device="cuda:0"), reps)
+                tier = _best(lambda warm=warm, outs=outs: kv.get_into(warm, outs), reps)
+                assert all(torch.equal(o, g) for o, g in zip(outs, gpu_src, strict=True))
+                views = _best(lambda warm=warm: kv.get(warm, device="cuda:0"), reps)
                 row = {"block_mib": size, "blocks": count,
                        "d2d_GBps": total / d2d / GB, "h2d_pinned_GBps": total / h2d / GB,
                        "host_to_gpu_GBps": total / host / GB,
