@@ -64,7 +64,9 @@ class HostArena:
 
     def slab_info(self, txn: lmdb.Transaction, slab: int) -> tuple[int, int, int]:
         """(chunk size, chunks, chunks in use) of a slab."""
-        return SLAB.unpack(txn.get(SLAB_ID.pack(slab), db=self._index.dbs["slabs"]))
+        raw = txn.get(SLAB_ID.pack(slab), db=self._index.dbs["slabs"])
+        assert raw is not None, f"slab {slab} has no record"
+        return SLAB.unpack(raw)
 
     def _wmap(self, slab: int, size: int) -> mmap.mmap:
         mm = self._wmaps.get(slab)

@@ -185,6 +185,7 @@ class BlockTable:
     def _evict(self, txn: lmdb.Transaction, key: bytes, alive: Alive) -> None:
         index = self._index
         rec = txn.get(key, db=index.dbs["blocks"])
+        assert rec is not None, "an eviction candidate has a record"
         _, slab, chunk, nbytes, csum, pins = REC.unpack_from(rec)
         meta = bytes(rec[REC.size:])
         self.eviction.on_remove(txn, key)

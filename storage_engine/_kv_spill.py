@@ -43,7 +43,7 @@ class DiskSpill:
         """Whether an evicted block of ``nbytes`` goes to disk (else it is dropped)."""
         return self.root is not None and (self.capacity is None or nbytes <= self.capacity)
 
-    def path(self, key: bytes, rec: bytes) -> Path:
+    def path(self, key: bytes, rec: bytes | memoryview) -> Path:
         """A spilled block's file: named by key and spill number (kept in the record's
         slab and chunk fields)."""
         assert self.root is not None

@@ -47,7 +47,7 @@ def _report(exc: TensorDBError) -> None:
 class _Group(TyperGroup):
     """Turns a TensorDBError raised by any command into ``error: ...`` and exit 2."""
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    def invoke(self, ctx: Any) -> Any:  # click's Context, which typer does not re-export
         try:
             return super().invoke(ctx)
         except TensorDBError as exc:

@@ -55,6 +55,7 @@ def _sqlite_write(engine: Engine) -> Iterator[Any]:
     rolled back on an error."""
     raw = engine.raw_connection()
     try:
+        assert raw.driver_connection is not None  # a pooled connection that is open
         cur = raw.driver_connection.cursor()
         try:
             cur.execute("BEGIN IMMEDIATE")

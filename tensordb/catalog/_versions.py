@@ -147,7 +147,8 @@ def _rows(conn: Connection, result: Any) -> list[TensorRow]:
     # a version spans few segments: look their tiers up once instead of joining
     # every row (a third of the manifest's cost at 1,000 rows)
     seg_ids = list({r[5] for r in raw if r[5] is not None})
-    tiers = dict(conn.execute(_SQL_TIERS, {"ids": seg_ids}).all()) if seg_ids else {}
+    tiers: dict[str, str] = (dict(conn.execute(_SQL_TIERS, {"ids": seg_ids}).all())
+                             if seg_ids else {})
     return tensor_rows(raw, tiers)
 
 
