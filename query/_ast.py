@@ -57,7 +57,7 @@ Pos = tuple[int, int]
 
 
 def _pos() -> Pos | None:
-    return field(default=None, compare=False, repr=False)  # type: ignore[return-value]
+    return field(default=None, compare=False, repr=False)
 
 
 # -- expressions -------------------------------------------------------------------------
@@ -65,6 +65,9 @@ class Expr:
     """A node of a condition or select-list expression."""
 
     __slots__ = ()
+    # every node is a dataclass with this field; declared here so code that takes any
+    # Expr may read it (an annotation only: no slot, no class attribute)
+    pos: Pos | None
 
     @property
     def depth(self) -> int:  # overridden by the compound nodes
@@ -103,7 +106,7 @@ class Compare(Expr):
     left: Expr
     right: Expr
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,7 @@ class Like(Expr):
     pattern: Expr
     negated: bool = False
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,7 @@ class InList(Expr):
     items: tuple[Expr, ...]
     negated: bool = False
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,7 @@ class InParam(Expr):
     param: Param
     negated: bool = False
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,7 @@ class Between(Expr):
     high: Expr
     negated: bool = False
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,28 +153,28 @@ class IsNull(Expr):
     operand: Expr
     negated: bool = False
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class And(Expr):
     items: tuple[Expr, ...]
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Or(Expr):
     items: tuple[Expr, ...]
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Not(Expr):
     operand: Expr
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +186,7 @@ class Call(Expr):
     star: bool = False  # count(*)
     distinct: bool = False
     pos: Pos | None = _pos()
-    depth: int = field(default=1, compare=False, repr=False)  # type: ignore[assignment]
+    depth: int = field(default=1, compare=False, repr=False)
 
 
 def children(e: Expr) -> tuple[Expr, ...]:

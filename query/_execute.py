@@ -30,9 +30,9 @@ from tensordb.catalog.schema import policies
 from tensordb.errors import InvalidInput, NotFound, QueryError
 
 from . import _ast as A
-from ._interval import parse_interval
 from ._parser import _parse_one, parse
 from ._plan import SelectPlan, check_params, condition_plan, plan_select
+from ._schedule import parse_interval
 
 __all__ = ["EvictResult", "PolicyStore", "execute", "to_arrow", "SUMMARY_SCHEMA",
            "EXPLAIN_SCHEMA"]

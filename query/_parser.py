@@ -19,8 +19,7 @@ from tensordb.errors import QueryError
 
 from . import _ast as A
 from ._grammar import GRAMMAR, KEYWORDS, describe_terminal
-from ._interval import parse_interval
-from ._schedule import check_schedule
+from ._schedule import check_schedule, parse_interval
 
 __all__ = ["parse", "parse_script", "MAX_LENGTH", "MAX_DEPTH", "TIERS"]
 

@@ -96,7 +96,7 @@ def _cols(*specs: tuple[str, ColumnElement[Any], str] | tuple[str, ColumnElement
     out = {}
     for spec in specs:
         name, expr, source = spec[0], spec[1], spec[2]
-        needs = spec[3] if len(spec) > 3 else ()  # type: ignore[misc]
+        needs = spec[3] if len(spec) > 3 else ()
         out[name] = VColumn(name, expr, source, needs)
     return out
 

@@ -20,11 +20,11 @@ import tensordb
 from query._policies import (
     JOB_TABLE,
     PolicyRunner,
-    _bind_names,
     _fire,
     check_schedule,
     parse_interval,
 )
+from query._policy_log import bind_names, summary
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import policies
 from tensordb.errors import InvalidInput, NotFound, QueryError
@@ -150,11 +150,11 @@ def test_check_schedule() -> None:
             check_schedule(trigger, schedule)
 
 
-def test_bind_names() -> None:
-    assert _bind_names("SNAPSHOT c AT VERSION :version AS TAG 'v:tag'") == {"version"}
-    assert _bind_names("SELECT x::int FROM t WHERE a = :collection AND b = ':x'") == {
+def testbind_names() -> None:
+    assert bind_names("SNAPSHOT c AT VERSION :version AS TAG 'v:tag'") == {"version"}
+    assert bind_names("SELECT x::int FROM t WHERE a = :collection AND b = ':x'") == {
         "collection"}
-    assert _bind_names("SELECT 'it''s :not' , \"q:uoted\" FROM t") == set()
+    assert bind_names("SELECT 'it''s :not' , \"q:uoted\" FROM t") == set()
 
 
 def test_runner_checks_its_arguments(sqlite_db: tensordb.Database) -> None:
@@ -518,8 +518,7 @@ def test_create_policy_rejects_a_bad_schedule(sqlite_db: tensordb.Database) -> N
 
 def test_run_details_summarise_tables() -> None:
     pa = pytest.importorskip("pyarrow")
-    from query._policies import _summary
-    assert _summary(pa.table({"n": [2], "name": ["x"]})) == "n=2, name=x"
-    assert _summary(pa.table({"a": [1, 2, 3]})) == "3 rows"
-    assert _summary(None) == "done"
-    assert len(_summary("x" * 5000)) == 500
+    assert summary(pa.table({"n": [2], "name": ["x"]})) == "n=2, name=x"
+    assert summary(pa.table({"a": [1, 2, 3]})) == "3 rows"
+    assert summary(None) == "done"
+    assert len(summary("x" * 5000)) == 500

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 import query
 import tensordb
 from query._grammar import KEYWORDS
-from query._interval import parse_interval
 from query._plan import plan_select
+from query._schedule import parse_interval
 from tensordb import cli
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import policy_runs
