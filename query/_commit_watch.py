@@ -39,9 +39,10 @@ class _Watcher:
 
 class CommitWatchers:
     """The watcher threads of a leading runner, one per enabled ON COMMIT policy; each
-    looks at its collection's head every ``poll`` seconds."""
+    looks at its collection's head every ``poll()`` seconds (read at each look)."""
 
-    def __init__(self, db: PolicyStore, runs: RunLog, run: RunPolicy, poll: float) -> None:
+    def __init__(self, db: PolicyStore, runs: RunLog, run: RunPolicy,
+                 poll: Callable[[], float]) -> None:
         self._db = db
         self._runs = runs
         self._run = run
@@ -105,4 +106,4 @@ class CommitWatchers:
                     continue
             except (SQLAlchemyError, TensorDBError):
                 log.exception("policy %r could not follow %r; trying again", p.name, coll)
-            stop.wait(self._poll)
+            stop.wait(self._poll())  # read each time: the runner's watch_poll may change

@@ -136,7 +136,8 @@ class PolicyRunner:
         self._engine: Engine = db.catalog.engine
         self._key = _store_key(self._engine)
         self._log = RunLog(self._engine)
-        self._watchers = CommitWatchers(db, self._log, self._run_with_retries, self.watch_poll)
+        self._watchers = CommitWatchers(db, self._log, self._run_with_retries,
+                                        lambda: self.watch_poll)
         self._mutex = threading.RLock()
         self._running = False
         self._stopping = threading.Event()
