@@ -26,6 +26,9 @@ name when ``Snapshot.extents()`` names the same extent in both. No byte is read 
 hashed. The updater trusts that the module still holds what it applied: after writing
 to the module's tensors yourself, call ``invalidate``.
 
+The updater here decides what to apply and follows the collection; how a version is
+checked and written into the module (copy, swap, retiring) is ``_sync_apply``'s.
+
 Uses the public tensordb API only.
 """
 
@@ -34,13 +37,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 import tensordb
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
+
+from ._sync_apply import Ident, SwapHold, copy_buckets, identities, plan, repoint
 
 __all__ = ["UpdateReport", "WeightUpdater"]
 
@@ -62,17 +66,6 @@ class UpdateReport:
     bytes_copied: int
     seconds: float
     previous: int | None = None
-
-
-# -- identity of extents --------------------------------------------------------------
-_Ident = tuple[str | None, int, str, str, tuple[int, ...]] | None
-
-
-def _identities(snap: tensordb.Snapshot) -> dict[str, _Ident]:
-    """name -> (segment, offset, checksum, dtype, shape) of each tensor of ``snap``."""
-    info = snap.info()
-    return {n: (sid, off, csum, info[n][0], info[n][1])
-            for n, (sid, off, csum) in snap.extents().items()}
 
 
 # -- the updater ------------------------------------------------------------------------
@@ -112,12 +105,8 @@ class WeightUpdater:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._current: int | None = None
-        self._idents: dict[str, _Ident] = {}
-        self._snap: tensordb.Snapshot | None = None  # swap mode: the version in use
-        # swap mode retires the version before off the apply path: releasing its lease is
-        # a catalog write, and dropping its tensors unmaps pages the module had faulted
-        # in (about 10 ms per GiB of page tables), neither of which the new version needs
-        self._retirer: ThreadPoolExecutor | None = None
+        self._idents: dict[str, Ident] = {}
+        self._swap = SwapHold()  # swap mode: the version in use, the ones retiring
         self.last_report: UpdateReport | None = None
         if current is not None:
             self._adopt(current)
@@ -133,13 +122,13 @@ class WeightUpdater:
         """Record that the module already holds ``version`` (without touching it)."""
         snap = self.db.snapshot(self.collection, version=version)
         try:
-            self._idents = _identities(snap)
+            self._idents = identities(snap)
         except BaseException:
             snap.close()
             raise
         self._current = snap.version
         if self.mode == "swap":
-            self._snap = snap
+            self._swap.hold(snap)
         else:
             snap.close()
 
@@ -155,8 +144,7 @@ class WeightUpdater:
         its tensors (a swapped module's stay valid: they hold their own mappings)."""
         self.stop()
         with self._lock:
-            snap, self._snap = self._snap, None
-            retirer, self._retirer = self._retirer, None
+            snap, retirer = self._swap.detach()
         if retirer is not None:
             retirer.shutdown(wait=True)  # every retired version's lease is released
         if snap is not None:
@@ -167,42 +155,6 @@ class WeightUpdater:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- checking ----------------------------------------------------------------------
-    def _plan(self, snap: tensordb.Snapshot, targets: dict[str, torch.Tensor]) -> list[str]:
-        """The names to update; raises InvalidInput (naming the tensor) before anything
-        is touched when the module and the version do not fit."""
-        info = snap.info()
-        names = [n for n in targets if n in info]
-        if self.strict:
-            missing = [n for n in targets if n not in info]
-            extra = [n for n in info if n not in targets]
-            if missing or extra:
-                bad = (missing or extra)[0]
-                raise InvalidInput(
-                    f"{self.collection} v{snap.version} does not match the module: missing "
-                    f"{missing[:10]}, unexpected {extra[:10]}", collection=self.collection,
-                    tensor=bad, version=snap.version)
-        for n in names:
-            dtype, shape, _ = info[n]
-            cur = targets[n]
-            if tuple(cur.shape) != tuple(shape):
-                raise InvalidInput(
-                    f"{self.collection}/{n}: v{snap.version} has shape {tuple(shape)}, the "
-                    f"module's tensor {tuple(cur.shape)}", collection=self.collection,
-                    tensor=n, version=snap.version)
-            if self.mode == "swap":
-                if cur.device.type != "cpu":
-                    raise InvalidInput(
-                        f"{self.collection}/{n}: swap mode repoints the module at host "
-                        f"tensors, but the module's is on {cur.device}; use mode='copy'",
-                        collection=self.collection, tensor=n, version=snap.version)
-                if str(cur.dtype).removeprefix("torch.") != dtype:
-                    raise InvalidInput(
-                        f"{self.collection}/{n}: swap mode cannot convert the stored "
-                        f"{dtype} to the module's {cur.dtype}; use mode='copy'",
-                        collection=self.collection, tensor=n, version=snap.version)
-        return names
 
     # -- applying ----------------------------------------------------------------------
     def apply(self, version: int | None = None) -> UpdateReport:
@@ -231,8 +183,9 @@ class WeightUpdater:
         if snap.version == previous:
             return UpdateReport(snap.version, [], len(targets), 0,
                                 time.perf_counter() - t0, previous), False
-        names = self._plan(snap, targets)
-        idents = _identities(snap)
+        names = plan(snap, targets, collection=self.collection, strict=self.strict,
+                     swap=self.mode == "swap")
+        idents = identities(snap)
         old = self._idents
         changed = [n for n in names
                    if idents[n] is None or old.get(n) is None or idents[n] != old[n]]
@@ -246,24 +199,19 @@ class WeightUpdater:
                 todo.append(n)
         if self.mode == "copy":
             try:
-                copied = self._copy(todo, targets, snap)
+                copied = copy_buckets(todo, targets, snap, self.bucket_bytes)
             except BaseException:
                 self.invalidate()  # part copied: the module holds no one version now
                 raise
         else:
             copied = 0
-            stored = snap.state_dict()
-            with torch.no_grad():
-                for n in todo:
-                    targets[n].data = stored[n]
+            repoint(todo, targets, snap)
         self._idents = {n: idents[n] for n in names}
         self._current = snap.version
         keep = False
         if self.mode == "swap":
-            prev_snap, self._snap = self._snap, snap
+            self._swap.hold(snap)  # the version before retires in the background
             keep = True
-            if prev_snap is not None:
-                self._retire(prev_snap)
         report = UpdateReport(snap.version, changed, len(targets) - len(changed), copied,
                               time.perf_counter() - t0, previous)
         return report, keep
@@ -272,58 +220,9 @@ class WeightUpdater:
         """Wait until the versions a swap left behind are released (their leases
         ended, their mappings dropped). ``apply`` does not wait for that; ``close`` does."""
         with self._lock:
-            retirer = self._retirer
+            retirer = self._swap.retirer
         if retirer is not None:
             retirer.submit(lambda: None).result()
-
-    def _retire(self, snap: tensordb.Snapshot) -> None:
-        """Close ``snap`` and drop its tensors in the background (serially, in order)."""
-        if self._retirer is None:
-            self._retirer = ThreadPoolExecutor(1, thread_name_prefix="tensordb-retire")
-        self._retirer.submit(snap.close)
-        # the executor's work item holds the last reference: the snapshot, its cached
-        # tensors and their mappings go when the close is done, in that thread
-
-    def _copy(self, names: list[str], targets: dict[str, torch.Tensor],
-              snap: tensordb.Snapshot) -> int:
-        """Copy in buckets of about ``bucket_bytes``. Host tensors of the stored dtype
-        are filled by ``Snapshot.read_into`` (kernel reads from the tier in parallel:
-        the new version is never mapped here, so its pages cost no faults); the rest
-        copy from the zero-copy views, a bucket's device copies queued without waiting
-        and synchronised once at the bucket's end."""
-        copied = 0
-        bucket: list[str] = []
-        size = 0
-        info = snap.info()
-
-        def flush() -> None:
-            devices = set()
-            direct: dict[str, torch.Tensor] = {}
-            with torch.no_grad():
-                for n in bucket:
-                    dst = targets[n].detach()
-                    if (dst.device.type == "cpu" and dst.is_contiguous()
-                            and str(dst.dtype).removeprefix("torch.") == info[n][0]):
-                        direct[n] = dst
-                        continue
-                    dst.copy_(snap[n], non_blocking=dst.device.type == "cuda")
-                    if dst.device.type == "cuda":
-                        devices.add(dst.device)
-                if direct:
-                    snap.read_into(direct)
-            for d in devices:  # the source pages may be dropped once the bucket is done
-                torch.cuda.synchronize(d)
-
-        for n in names:
-            bucket.append(n)
-            size += info[n][2]
-            copied += info[n][2]
-            if size >= self.bucket_bytes:
-                flush()
-                bucket, size = [], 0
-        if bucket:
-            flush()
-        return copied
 
     # -- following ----------------------------------------------------------------------
     def follow(self, timeout: float | None = None, *, every: bool = False,

@@ -8,7 +8,8 @@ may import those two packages. Users reach it through ``tensordb.connect``.
 from __future__ import annotations
 
 from ._database import Database
-from ._kv_cache import KVCache, KVNodeSummary
+from ._kv_cache import KVCache
+from ._kv_namespace import KVNodeSummary
 from ._maintenance import Corruption, GcReport
 from ._placement import EvictReport
 from ._safetensors import export_safetensors, import_safetensors

@@ -1,0 +1,154 @@
+"""How KV blocks are named and laid out: chained block keys, and a block's record.
+
+A key is 16 bytes of xxh3-128 chained over the previous key and the block's tokens, so
+it names the whole prefix up to its block; ``KeyChain`` derives and checks them for one
+namespace. A block is stored as its raw bytes plus a short record, ``b"<dtype>|<shape>"``,
+from which ``decode_meta`` rebuilds the tensor's dtype and shape on read.
+
+These run once per block on every put and get: each loop is kept to the few calls it
+needs (see ``byte_view`` and the per-batch record cache of ``encode_blocks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from tensordb._dtypes import dtype_name, torch_dtype
+from tensordb.errors import InvalidInput
+
+__all__ = ["MAX_KEY", "EncodedBlocks", "KeyChain", "byte_view", "decode_meta",
+           "encode_blocks"]
+
+#: the longest key the block store's index takes
+MAX_KEY = 255
+
+
+class KeyChain:
+    """The block keys of one namespace: seeded by its name and block size, so two
+    namespaces (or block sizes) never share a key."""
+
+    __slots__ = ("namespace", "block_tokens", "seed")
+
+    def __init__(self, namespace: str, block_tokens: int) -> None:
+        self.namespace = namespace
+        self.block_tokens = block_tokens
+        self.seed = xxhash.xxh3_128_digest(
+            f"tensordb-kv\0{namespace}\0{block_tokens}".encode())
+
+    def keys(self, token_ids: Any, parent: bytes | None = None) -> list[bytes]:
+        """One key per *full* block of ``token_ids``, continuing from ``parent`` (a key
+        returned earlier) when given."""
+        tokens = self.tokens(token_ids)
+        prev = self.seed if parent is None else self.check([parent])[0]
+        out = []
+        bt = self.block_tokens
+        for lo in range(0, len(tokens) - bt + 1, bt):
+            h = xxhash.xxh3_128(prev)
+            h.update(tokens[lo:lo + bt].data)
+            prev = h.digest()
+            out.append(prev)
+        return out
+
+    def tokens(self, token_ids: Any) -> np.ndarray:
+        """``token_ids`` (a tensor, array or sequence of ints) as contiguous
+        little-endian int64, the bytes a key hashes; InvalidInput for anything else."""
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.is_floating_point() or token_ids.is_complex() \
+                    or token_ids.dtype == torch.bool:
+                raise InvalidInput(f"token ids must be integers, not {token_ids.dtype}",
+                                   collection=self.namespace)
+            token_ids = token_ids.detach().cpu().to(torch.int64).numpy()
+        try:
+            arr = np.asarray(token_ids)
+            if arr.dtype.kind not in "iu" and arr.size:
+                raise TypeError(f"dtype {arr.dtype}")
+            arr = arr.astype("<i8", copy=False)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidInput(f"token ids must be a 1-D sequence of ints: {exc}",
+                               collection=self.namespace) from exc
+        if arr.ndim != 1:
+            raise InvalidInput(f"token ids must be 1-D, not of shape {arr.shape}",
+                               collection=self.namespace)
+        return np.ascontiguousarray(arr)
+
+    def check(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``keys`` as a list of bytes, each 1 to ``MAX_KEY`` long; InvalidInput for one
+        key passed alone or a key of another type or length."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise InvalidInput("keys must be a sequence of keys, not one key",
+                               collection=self.namespace)
+        out = []
+        for k in keys:
+            if type(k) is bytes and 0 < len(k) <= MAX_KEY:  # the usual case: no copy
+                out.append(k)
+            elif isinstance(k, (bytes, bytearray)) and 0 < len(k) <= MAX_KEY:
+                out.append(bytes(k))
+            else:
+                raise InvalidInput(f"a KV key must be 1 to {MAX_KEY} bytes, not {k!r:.60}",
+                                   collection=self.namespace)
+        return out
+
+
+@lru_cache(maxsize=1024)
+def decode_meta(meta: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape a block's record names (cached: a namespace's blocks share a
+    handful of records)."""
+    name, _, shape = meta.decode().partition("|")
+    return torch_dtype(name), tuple(int(d) for d in shape.split(",") if d)
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a flat uint8 array (no copy). One torch
+    view, not two: torch's view calls cost microseconds each, per block."""
+    if t.dim() == 0 or t.stride(-1) != 1:  # a size-1 last dim may have any stride
+        t = t.reshape(-1)
+    return t.view(torch.uint8).numpy().reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBlocks:
+    """A batch of blocks ready for ``BlockStore.put``: the host bytes and record of each,
+    and the CUDA blocks by position (contiguous), for a copy into the GPU tier."""
+
+    bufs: list[np.ndarray]
+    metas: list[bytes]
+    on_gpu: list[tuple[int, torch.Tensor]]
+
+
+def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str) -> EncodedBlocks:
+    """The host bytes and records of ``blocks`` (GPU tensors copied down, strided ones
+    made contiguous); InvalidInput, naming the block, for a non-tensor, an empty block
+    or a dtype the store cannot name."""
+    bufs, metas = [], []
+    on_gpu: list[tuple[int, torch.Tensor]] = []
+    # a batch's blocks share dtype and shape: their record is built once (the checks
+    # and the string were a quarter of a 64 KiB block's put)
+    seen: dict[tuple[torch.dtype, torch.Size], bytes] = {}
+    for i, b in enumerate(blocks):
+        if not isinstance(b, torch.Tensor) or b.layout != torch.strided or b.is_meta:
+            raise InvalidInput(f"block {i} must be a dense torch.Tensor, not "
+                               f"{type(b).__name__}", collection=namespace)
+        t = b.detach() if b.requires_grad else b
+        if t.device.type != "cpu":
+            if t.device.type == "cuda":
+                on_gpu.append((i, t.contiguous()))
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        meta = seen.get((t.dtype, t.shape))
+        if meta is None:
+            if t.numel() == 0:
+                raise InvalidInput(f"block {i} is empty", collection=namespace)
+            name = dtype_name(t.dtype, tensor=f"block {i}")
+            meta = seen[(t.dtype, t.shape)] = \
+                f"{name}|{','.join(map(str, t.shape))}".encode()
+        bufs.append(byte_view(t))
+        metas.append(meta)
+    return EncodedBlocks(bufs, metas, on_gpu)

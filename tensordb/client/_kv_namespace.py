@@ -1,0 +1,246 @@
+"""A KV namespace's place on this node: its options, catalog row, directories and store.
+
+``KVNamespace`` checks a namespace's options, registers it in the catalog (table
+``kv_namespaces``, one row per namespace and node, recording its block size and, as of
+the last ``stats()``, its size), and opens its ``storage_engine.BlockStore`` under
+``<shm_dir>/kv/<namespace>`` spilling to ``<data_dir>/kv/<namespace>``. The processes of
+one host share that store's blocks; the KVCaches of one process share one BlockStore.
+``KVNodeSummary`` is what the node reports of the namespace, for a router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from storage_engine import BlockStore, GpuError, GpuTier, KVCorrupt, KVStats, bloom_may_hold
+from tensordb._names import check_name
+from tensordb.catalog import write_conn
+from tensordb.catalog.schema import kv_namespaces
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable
+
+if TYPE_CHECKING:
+    from ._database import Database
+
+__all__ = ["DEFAULT_CAPACITY", "KVNamespace", "KVNodeSummary", "typed_errors"]
+
+#: the arena size when neither the call, ``Config.kv_capacity`` nor
+#: $TENSORDB_KV_CAPACITY says: a quarter of the free shared memory, at most 4 GiB
+DEFAULT_CAPACITY = 4 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class KVNodeSummary:
+    """What a node holds of a namespace and how loaded it is, for a router.
+
+    ``bloom`` is a Bloom filter of the held block keys (about 1 % false positives):
+    ``may_hold(key)`` tests one key, ``prefix_hits(keys)`` how many leading keys of a
+    request it probably holds. Counters are the node's, over every process.
+    """
+
+    namespace: str
+    node: str
+    block_tokens: int
+    blocks: int
+    nbytes: int
+    capacity: int
+    load: float  # host bytes / capacity
+    host_blocks: int
+    host_bytes: int
+    disk_blocks: int
+    disk_bytes: int
+    pinned: int
+    hits: int
+    misses: int
+    evictions: int
+    spills: int
+    corrupt: int
+    bloom: bytes
+    bloom_hashes: int
+    gpu_blocks: int = 0  # blocks with a copy in the GPU tier (counted in blocks too)
+    gpu_bytes: int = 0
+    gpu_capacity: int = 0  # 0: the namespace has no GPU tier
+    gpu_hits: int = 0
+
+    def may_hold(self, key: bytes) -> bool:
+        return bloom_may_hold(self.bloom, self.bloom_hashes, key)
+
+    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if not self.may_hold(k):
+                break
+            n += 1
+        return n
+
+
+class KVNamespace:
+    """One namespace opened on this node: registered, its directories named, its store
+    open. ``close`` lets go of the store; ``remove_files`` deletes its blocks."""
+
+    __slots__ = ("db", "name", "block_tokens", "node", "shm_dir", "disk_dir", "store")
+
+    def __init__(self, db: Database, name: str, block_tokens: int, *,
+                 capacity_bytes: int | None, eviction: str | None, slab_bytes: int,
+                 spill: bool, disk_capacity: int | None, gpu_capacity: int | None,
+                 policy: str | None) -> None:
+        check_name("collection", name)
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
+                or block_tokens <= 0:
+            raise InvalidInput(f"block_tokens must be a positive int, not {block_tokens!r}",
+                               collection=name)
+        eviction = eviction or policy or "lru"  # policy=: the option's older name
+        if eviction not in ("lru", "s3fifo"):
+            raise InvalidInput(f"eviction (policy) must be 'lru' or 's3fifo', not "
+                               f"{eviction!r}", collection=name)
+        if gpu_capacity is None:
+            gpu_capacity = _env_int("TENSORDB_KV_GPU_CAPACITY")
+        for what, v in (("capacity_bytes", capacity_bytes), ("disk_capacity", disk_capacity),
+                        ("gpu_capacity", gpu_capacity)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise InvalidInput(f"{what} must be a positive int, not {v!r}",
+                                   collection=name)
+        self.db = db
+        self.name = name
+        self.block_tokens = block_tokens
+        self.node: str = db.config.node
+        self.shm_dir = Path(db.config.shm_dir) / "kv" / _dir_name(name)
+        self.disk_dir = Path(db.config.data_dir) / "kv" / _dir_name(name)
+        capacity = (capacity_bytes or getattr(db.config, "kv_capacity", None)
+                    or _env_int("TENSORDB_KV_CAPACITY")
+                    or _default_capacity(Path(db.config.shm_dir).parent))
+        gpu_device = None
+        if gpu_capacity is not None:
+            reason = GpuTier.unavailable_reason()
+            if reason is not None:
+                raise InvalidInput(f"a KV GPU tier (gpu_capacity) needs a CUDA device: "
+                                   f"{reason}", collection=name)
+            gpu_device = db.config.gpu_device or 0
+        self._register()
+        self.store = _open_store(self.shm_dir, capacity_bytes=capacity, slab_bytes=slab_bytes,
+                                 eviction=eviction,
+                                 disk_root=self.disk_dir if spill else None,
+                                 disk_capacity=disk_capacity, gpu_device=gpu_device,
+                                 gpu_capacity=gpu_capacity)
+
+    def _register(self) -> None:
+        """Record the namespace on this node, or check its block size against the row
+        another process (or an earlier run) recorded."""
+        t = kv_namespaces
+        where = (t.c.name == self.name) & (t.c.node == self.node)
+        with self.db.catalog.engine.connect() as conn:
+            row = conn.execute(select(t.c.block_tokens).where(where)).first()
+        if row is not None:
+            if row[0] != self.block_tokens:
+                raise InvalidInput(
+                    f"KV namespace {self.name!r} holds blocks of {row[0]} tokens, not "
+                    f"{self.block_tokens}", collection=self.name)
+            return
+        try:
+            with write_conn(self.db.catalog.engine) as conn:
+                conn.execute(insert(t).values(
+                    name=self.name, node=self.node, block_tokens=self.block_tokens,
+                    blocks=0, nbytes=0, created_at=datetime.now(timezone.utc)))
+        except IntegrityError:  # another process registered it first
+            pass
+
+    def summary(self) -> KVNodeSummary:
+        """The store's counters as a summary; records blocks and bytes in the catalog."""
+        s: KVStats = self.store.stats()
+        t = kv_namespaces
+        with write_conn(self.db.catalog.engine) as conn:
+            conn.execute(update(t).where((t.c.name == self.name) & (t.c.node == self.node))
+                         .values(blocks=s.blocks, nbytes=s.nbytes))
+        return KVNodeSummary(
+            namespace=self.name, node=self.node, block_tokens=self.block_tokens,
+            blocks=s.blocks, nbytes=s.nbytes, capacity=s.capacity,
+            load=s.host_bytes / s.capacity, host_blocks=s.host_blocks,
+            host_bytes=s.host_bytes, disk_blocks=s.disk_blocks, disk_bytes=s.disk_bytes,
+            pinned=s.pinned, hits=s.hits, misses=s.misses, evictions=s.evictions,
+            spills=s.spills, corrupt=s.corrupt, bloom=s.bloom, bloom_hashes=s.bloom_hashes,
+            gpu_blocks=s.gpu_blocks, gpu_bytes=s.gpu_bytes, gpu_capacity=s.gpu_capacity,
+            gpu_hits=s.gpu_hits)
+
+    def close(self) -> None:
+        """Let go of this process's share of the store (once per KVNamespace)."""
+        _close_store(self.store)
+
+    def remove_files(self) -> None:
+        """Delete the namespace's blocks from this node (memory and disk)."""
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+
+@contextmanager
+def typed_errors(namespace: str, node: str) -> Iterator[None]:
+    """The block store's errors as the client's: a corrupt block is CorruptData, a bad
+    buffer InvalidInput, a failed GPU tier NodeUnavailable."""
+    try:
+        yield
+    except KVCorrupt as exc:
+        raise CorruptData(f"KV namespace {namespace!r}: {exc}",
+                          collection=namespace, node=node) from exc
+    except ValueError as exc:
+        raise InvalidInput(str(exc), collection=namespace) from exc
+    except GpuError as exc:  # as a snapshot's GPU reads report it
+        raise NodeUnavailable(f"KV namespace {namespace!r}: the GPU tier failed: "
+                              f"{exc}", collection=namespace, node=node) from exc
+
+
+def _dir_name(namespace: str) -> str:
+    q = quote(namespace, safe="")  # "a/b" must not nest under "a"
+    if len(q) > 200:
+        q = q[:150] + "-" + hashlib.blake2b(namespace.encode(), digest_size=16).hexdigest()
+    return q
+
+
+# LMDB opens an environment once per process: KVCaches of one namespace in one process
+# share one BlockStore (the first one's settings win)
+_STORES: dict[tuple[int, Path], list[Any]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _open_store(root: Path, **kw: Any) -> BlockStore:
+    with _STORES_LOCK:
+        entry = _STORES.get((os.getpid(), root))
+        if entry is None:
+            entry = _STORES[(os.getpid(), root)] = [BlockStore(root, **kw), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _close_store(store: BlockStore) -> None:
+    with _STORES_LOCK:
+        entry = _STORES.get((os.getpid(), store.root))
+        if entry is None or entry[0] is not store:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _STORES[(os.getpid(), store.root)]
+            store.close()
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v else None
+
+
+def _default_capacity(shm: Path) -> int:
+    try:
+        st = os.statvfs(shm)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return DEFAULT_CAPACITY
+    return max(64 << 20, min(DEFAULT_CAPACITY, free // 4))
