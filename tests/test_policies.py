@@ -150,7 +150,7 @@ def test_check_schedule() -> None:
             check_schedule(trigger, schedule)
 
 
-def testbind_names() -> None:
+def test_bind_names() -> None:
     assert bind_names("SNAPSHOT c AT VERSION :version AS TAG 'v:tag'") == {"version"}
     assert bind_names("SELECT x::int FROM t WHERE a = :collection AND b = ':x'") == {
         "collection"}

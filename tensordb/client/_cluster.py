@@ -19,11 +19,11 @@ import torch
 from sqlalchemy import Engine
 
 import storage_engine as se
-from tensordb._names import check_name
 from tensordb.catalog import Catalog, NodeDirectory
 from tensordb.config import Config
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
 
+from ._inputs import check_name
 from ._kv_cache import KVCache
 from ._placement import Tiers
 

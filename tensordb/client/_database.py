@@ -26,12 +26,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 import storage_engine as se
-from tensordb._names import check_name
 from tensordb.catalog import Catalog, Commit, ensure_schema, make_engine
 from tensordb.config import Config
 from tensordb.errors import InvalidInput, NodeUnavailable, StoreClosed
 
 from ._cluster import Cluster
+from ._inputs import check_name
 from ._kv_cache import KVCache
 from ._maintenance import Corruption, GcReport, Maintenance
 from ._notify import notifier_for, watch

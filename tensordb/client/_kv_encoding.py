@@ -20,8 +20,9 @@ import numpy as np
 import torch
 import xxhash
 
-from tensordb._dtypes import dtype_name, torch_dtype
 from tensordb.errors import InvalidInput
+
+from ._inputs import dtype_name, torch_dtype
 
 __all__ = ["MAX_KEY", "EncodedBlocks", "KeyChain", "byte_view", "decode_meta",
            "encode_blocks"]

@@ -26,10 +26,11 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from storage_engine import BlockStore, GpuError, GpuTier, KVCorrupt, KVStats, bloom_may_hold
-from tensordb._names import check_name
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable
+
+from ._inputs import check_name
 
 if TYPE_CHECKING:
     from ._database import Database

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import storage_engine as se
-from tensordb._names import check_name
 from tensordb.catalog import Catalog
 from tensordb.errors import InvalidInput
 
+from ._inputs import check_name
 from ._placement import Tiers
 
 __all__ = ["Corruption", "GcReport", "Maintenance"]

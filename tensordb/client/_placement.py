@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 import storage_engine as se
-from tensordb._names import check_name
 from tensordb.catalog import Catalog
 from tensordb.config import Config
 from tensordb.errors import InvalidInput
+
+from ._inputs import check_name
 
 __all__ = ["ORDER", "EvictReport", "Placement", "Tiers", "check_tier_config",
            "device_of"]

@@ -15,12 +15,11 @@ import numpy as np
 import torch
 
 import storage_engine as se
-from tensordb._dtypes import torch_dtype
-from tensordb._names import check_name
 from tensordb.catalog import Catalog, TensorRow
 from tensordb.errors import CorruptData, NodeUnavailable, NotFound
 
 from ._cluster import Cluster
+from ._inputs import check_name, torch_dtype
 from ._placement import Tiers
 
 __all__ = ["Reader"]

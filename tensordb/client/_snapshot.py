@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 import storage_engine as se
-from tensordb._dtypes import torch_dtype
 from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
+from ._inputs import torch_dtype
 from ._read import Reader
 
 __all__ = ["Snapshot"]

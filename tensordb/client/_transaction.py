@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 import storage_engine as se
-from tensordb._dtypes import DTYPES, dtype_name, numpy_to_torch, torch_dtype
-from tensordb._names import check_name
 from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput
+
+from ._inputs import DTYPES, check_name, dtype_name, numpy_to_torch, torch_dtype
 
 if TYPE_CHECKING:
     from ._write import Writer

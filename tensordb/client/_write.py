@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 import storage_engine as se
-from tensordb._dtypes import dtype_name
 from tensordb.catalog import Catalog, Commit, NewTensor, TensorRow
 from tensordb.errors import NotFound, StoreFull
 
+from ._inputs import dtype_name
 from ._notify import Notifier
 from ._placement import Tiers
 from ._transaction import RawPut, digest, source
