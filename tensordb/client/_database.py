@@ -340,8 +340,8 @@ class Database:
     def kv(self, namespace: str, block_tokens: int = 256, **opts: Any) -> KVCache:
         """The KV block store of ``namespace`` on this node (one model / KV layout):
         blocks shared by every process of the host, in a pre-faulted shared-memory arena
-        with eviction (``policy="lru"|"s3fifo"``) and spill to disk. ``opts``:
-        ``capacity_bytes``, ``policy``, ``slab_bytes``, ``spill``, ``disk_capacity``,
+        with eviction (``eviction="lru"|"s3fifo"``; ``policy=`` is its older name) and
+        spill to disk. ``opts``: ``capacity_bytes``, ``eviction``, ``slab_bytes``, ``spill``, ``disk_capacity``,
         ``gpu_capacity`` (a GPU tier of that many bytes on ``Config.gpu_device``, for
         ``get(..., device="cuda")``: copies of hot blocks shared by the host's processes
         through CUDA IPC; also $TENSORDB_KV_GPU_CAPACITY)."""
