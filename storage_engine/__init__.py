@@ -15,7 +15,7 @@ from ._cuda import GpuError
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, HostView, shm_root
 from ._gpu import GpuTier, GpuView
-from ._io import ALIGN, Source, fill_segment, io_pool, pack
+from ._io import ALIGN, Source, fill_segment, io_pool, io_workers, pack
 from ._kv import BlockStore
 from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
 from ._kv_gpu import GpuBlockView
@@ -62,6 +62,7 @@ __all__ = [
     "fill_segment",
     "holder_alive",
     "io_pool",
+    "io_workers",
     "pack",
     "shm_root",
 ]

@@ -28,12 +28,16 @@ _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 
 
+def io_workers() -> int:
+    """The threads of ``io_pool``: one per core, 2 to 8."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
 def io_pool() -> ThreadPoolExecutor:
     """The process-wide pool for copies and hashes (numpy and xxhash release the GIL)."""
     global _pool, _pool_pid
     if _pool is None or _pool_pid != os.getpid():
-        workers = max(2, min(8, os.cpu_count() or 2))
-        _pool = ThreadPoolExecutor(workers, thread_name_prefix="tensordb-io")
+        _pool = ThreadPoolExecutor(io_workers(), thread_name_prefix="tensordb-io")
         _pool_pid = os.getpid()
     return _pool
 

@@ -552,6 +552,9 @@ def test_bad_inputs_give_typed_errors_and_change_nothing(kv: KVCache,
         KVCache(sqlite_db, "x", policy="fifo")
     with pytest.raises(InvalidInput):
         KVCache(sqlite_db, "x", eviction="fifo")
+    for opts in ({"policy": ""}, {"eviction": ""}, {"eviction": "lru", "policy": "s3fifo"}):
+        with pytest.raises(InvalidInput, match="eviction|policy"):
+            KVCache(sqlite_db, "x", **opts)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         KVCache(sqlite_db, "model-a", block_tokens=8, capacity_bytes=1 << 20)  # was 4
     bad_puts = [

@@ -47,7 +47,7 @@ class Catalog:
 
     @retry_seconds.setter
     def retry_seconds(self, seconds: float) -> None:
-        for part in (self._versions, self._leases, self._segments):
+        for part in (self._versions, self._leases, self._segments):  # gc does not retry
             part.retry_seconds = seconds
 
     # -- collections, versions, commits, tags: Versions ---------------------------------

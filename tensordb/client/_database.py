@@ -40,7 +40,7 @@ from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
 from ._snapshot import Snapshot
 from ._transaction import Transaction
-from ._write import Writer, io_workers
+from ._write import Writer
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -84,7 +84,7 @@ class Database:
         self._cluster = Cluster(config, self._engine, self.catalog, self._tiers, self.kv)
         self._reader = Reader(self.catalog, self._tiers, self._cluster)
         self._writer = Writer(self.catalog, self._tiers, self._notifier,
-                              default_tier=config.default_tier, workers=io_workers())
+                              default_tier=config.default_tier, workers=se.io_workers())
         self._placement = Placement(self.catalog, self._tiers)
         self._maintenance = Maintenance(self.catalog, self._tiers)
         self._closed = False

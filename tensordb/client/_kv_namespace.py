@@ -102,7 +102,11 @@ class KVNamespace:
                 or block_tokens <= 0:
             raise InvalidInput(f"block_tokens must be a positive int, not {block_tokens!r}",
                                collection=name)
-        eviction = eviction or policy or "lru"  # policy=: the option's older name
+        if eviction is not None and policy is not None and eviction != policy:
+            raise InvalidInput(f"eviction={eviction!r} and policy={policy!r} disagree (policy "
+                               f"is the option's older name: give one)", collection=name)
+        eviction = eviction if eviction is not None else policy if policy is not None \
+            else "lru"
         if eviction not in ("lru", "s3fifo"):
             raise InvalidInput(f"eviction (policy) must be 'lru' or 's3fifo', not "
                                f"{eviction!r}", collection=name)

@@ -8,7 +8,6 @@ publishes the commit. Bytes are written (and synced, on disk) before that commit
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -24,17 +23,11 @@ from ._notify import Notifier
 from ._placement import Tiers
 from ._transaction import RawPut, digest, source
 
-__all__ = ["Writer", "io_workers"]
+__all__ = ["Writer"]
 
 _EMPTY_CHECKSUM = se.checksum(b"")
 #: bytes compared at a tensor's start, then at its middle and end
 _SAMPLE = 64
-
-
-def io_workers() -> int:
-    """How many batches to split the digests of a commit into: one per thread of the
-    I/O pool, whose size ``storage_engine.io_pool`` sets by the same rule."""
-    return max(2, min(8, os.cpu_count() or 2))
 
 
 class Writer:
