@@ -2,7 +2,9 @@
 
 PostgreSQL tests use the server at $TENSORDB_TEST_PG (default
 postgresql+psycopg://postgres@127.0.0.1:5432); each test gets a database of its own,
-dropped afterwards. Where no server answers they skip, saying so.
+dropped afterwards. Where no server answers they skip, saying so; under CI ($CI set,
+where the machine starts the server) they fail instead, so a missing server cannot pass
+as a green run.
 """
 
 from __future__ import annotations
@@ -42,11 +44,20 @@ def _pg_available() -> str | None:
     return _pg_reason or None
 
 
+def require_pg() -> None:
+    """Return if PostgreSQL answers; else skip, saying why (fail when $CI is set)."""
+    reason = _pg_available()
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; $CI is set, and CI starts PostgreSQL, so the tests that "
+                    f"need it fail instead of skipping", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    reason = _pg_available()
-    if reason:
-        pytest.skip(reason)
+    require_pg()
     name = f"tensordb_test_{uuid.uuid4().hex[:12]}"
     eng = _pg_admin()
     with eng.connect() as c:

@@ -208,6 +208,71 @@ def test_conflict_on_same_names_and_disjoint_changes_land(db: tensordb.Database)
     assert len(list(db.tier("host").segments())) == db.stats()["segments"]
 
 
+def _open_two(db: tensordb.Database, name: str) -> tuple[tensordb.Transaction,
+                                                           tensordb.Transaction]:
+    """Two transactions of ``name`` that start from the same head (the base)."""
+    return db.transaction(name).__enter__(), db.transaction(name).__enter__()
+
+
+def test_a_put_of_a_name_deleted_after_the_base_conflicts(db: tensordb.Database) -> None:
+    # only the deleted row's end_version says that "a" moved: no row of it starts later
+    db.commit("cd", {"a": torch.zeros(2), "b": torch.zeros(2)})
+    deleter, writer = _open_two(db, "cd")
+    deleter.delete("a")
+    writer.put("a", torch.ones(2))
+    deleter.__exit__(None, None, None)
+    with pytest.raises(CommitConflict) as info:
+        writer.__exit__(None, None, None)
+    assert info.value.names == ["a"] and (info.value.base, info.value.head) == (1, 2)
+    with db.snapshot("cd") as s:
+        assert sorted(s) == ["b"]  # the deleted tensor does not come back
+    assert db.history("cd")[0].version == 2
+
+
+def test_a_delete_of_a_name_changed_after_the_base_conflicts(db: tensordb.Database) -> None:
+    db.commit("cd", {"a": torch.zeros(2), "b": torch.zeros(2)})
+    writer, deleter = _open_two(db, "cd")
+    writer.put("a", torch.ones(2))
+    deleter.delete("a")
+    writer.__exit__(None, None, None)
+    with pytest.raises(CommitConflict) as info:
+        deleter.__exit__(None, None, None)
+    assert info.value.names == ["a"]
+    with db.snapshot("cd") as s:  # the newer value stands, not deleted unseen
+        assert sorted(s) == ["a", "b"] and float(s["a"][0]) == 1.0
+    assert db.history("cd")[0].version == 2
+
+
+def test_an_unchanged_put_of_a_name_changed_after_the_base_conflicts(
+        db: tensordb.Database) -> None:
+    # the late put equals the head's bytes, so dedupe drops it from the rows it writes;
+    # it still read a base where "a" differed, and must not land as if it saw the change
+    db.commit("cd", {"a": torch.zeros(2), "b": torch.zeros(2)})
+    first, second = _open_two(db, "cd")
+    first.put("a", torch.ones(2))
+    second.put_many({"a": torch.ones(2), "c": torch.ones(3)})
+    first.__exit__(None, None, None)
+    with pytest.raises(CommitConflict) as info:
+        second.__exit__(None, None, None)
+    assert info.value.names == ["a"]
+    with db.snapshot("cd") as s:
+        assert sorted(s) == ["a", "b"]  # nothing of the loser landed
+    assert db.history("cd")[0].version == 2
+
+
+def test_disjoint_deletes_and_puts_land_after_the_base_moved(db: tensordb.Database) -> None:
+    db.commit("cd", {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2)})
+    first, second = _open_two(db, "cd")
+    first.delete("a")
+    second.delete("b")
+    second.put("c", torch.zeros(2))  # unchanged, untouched by the first
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert second.result is not None and second.result.version == 3
+    with db.snapshot("cd") as s:
+        assert sorted(s) == ["c"]
+
+
 def test_concurrent_threads_disjoint(db: tensordb.Database) -> None:
     errors: list[BaseException] = []
 

@@ -24,6 +24,7 @@ from engine_bindings import (
     export_safetensors,
     import_safetensors,
 )
+from tensordb.client import _safetensors_format
 from tensordb.errors import CorruptData, InvalidInput, TensorDBError
 
 
@@ -331,6 +332,30 @@ def test_hostile_files_give_typed_errors_and_no_collection(db: tensordb.Database
         assert [c.version for c in db.history("existing")] == [1], case
     assert db.collections() == before
     assert db.stats()["host_bytes"] == used  # not even orphan bytes
+
+
+def test_a_header_over_the_cap_fails_on_the_cap_not_on_truncation(
+        db: tensordb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header the file really holds, longer than the cap (lowered here to keep the file
+    small): refused for its length, before it is read."""
+    path = tmp_path / "big-header.safetensors"
+    save_file({f"t{i}": torch.ones(1) for i in range(8)}, path)
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    import_safetensors(db, "fits", path)  # under the real cap it imports
+    cap = length - 1
+    monkeypatch.setattr(_safetensors_format, "MAX_HEADER_SIZE", cap)
+    with pytest.raises(CorruptData) as info:
+        import_safetensors(db, "victim", path)
+    message = str(info.value)
+    assert f"header length {length:,} exceeds the cap of {cap:,} bytes" in message
+    assert str(path) in message and "truncated" not in message
+    assert "victim" not in db.collections()
+    # a length past the real cap that the file does not hold: the cap speaks first too
+    liar = tmp_path / "liar.safetensors"
+    liar.write_bytes(_st_file({}, b"", length=engine_bindings.MAX_HEADER_SIZE + 1))
+    monkeypatch.undo()
+    with pytest.raises(CorruptData, match=r"exceeds the cap of 100,000,000 bytes"):
+        import_safetensors(db, "victim", liar)
 
 
 def test_file_truncated_during_import(db: tensordb.Database, tmp_path: Path,

@@ -430,7 +430,18 @@ def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert [(r["load"], r["policy"]) for r in out["rows"]] == [
         (load, p) for load in ("0.30", "0.60")
         for p in ("round_robin", "least_load", "cache_aware", "migrate")]
-    assert out["goals"]["peak_load"] == "0.60" and out["goals"]["baseline"] == "least_load"
+    g = out["goals"]
+    assert g["peak_load"] == "0.60" and g["baseline"] == "least_load"
+    # the verdicts are those of the peak load's rows
+    peak = {r["policy"]: r for r in out["rows"] if r["load"] == "0.60"}
+    best = min((r for p, r in peak.items() if p != "least_load"),
+               key=lambda r: r["ttft_median"])
+    reduction = 1 - best["ttft_median"] / peak["least_load"]["ttft_median"]
+    assert g["best"] == best["policy"] and g["median_reduction"] == pytest.approx(reduction)
+    assert (g["median_reduction_goal"], g["hit_rate_goal"]) == (0.932, 0.95)
+    assert g["median_ok"] is (reduction >= 0.932)
+    assert g["hit_ok"] is (best["local_hit_rate"] >= 0.95)
+    assert g["p99_ok"] is (best["ttft_p99"] <= peak["least_load"]["ttft_p99"])
     toy = bench.parse_args(["--engine", "toy", "--sessions", "5"])
     assert (toy.instances, toy.sessions, toy.block_tokens, toy.load_sweep,
             toy.repeats) == (2, 5, 32, "0.5,0.8", 3)
@@ -438,6 +449,34 @@ def test_benchmark_small_run(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--engine", "toy", "--repeats", "0"])
     assert bench.policy("migrate", toy).abs_gap == 1024  # scaled to a 256-token prompt
+
+
+def _goal_row(load: str, policy: str, median: float, p99: float, local: float,
+              hit: float) -> dict[str, object]:
+    return {"load": load, "policy": policy, "ttft_median": median, "ttft_p99": p99,
+            "local_hit_rate": local, "hit_rate": hit}
+
+
+def test_benchmark_goals_verdicts_at_peak_load() -> None:
+    """least_load's median is 100 ms at the peak load 0.80. cache_aware: 5 ms (a 95%
+    reduction), 96% local hits, p99 no worse: every goal met. migrate: 50 ms, 90% local
+    (99% with the store), p99 worse: none met. The lower load's rows are not judged."""
+    low = [_goal_row("0.40", p, 0.001, 0.001, 1.0, 1.0) for p in ("least_load", "migrate")]
+    base = _goal_row("0.80", "least_load", 0.100, 0.300, 0.50, 0.50)
+    met = _goal_row("0.80", "cache_aware", 0.005, 0.200, 0.96, 0.97)
+    unmet = _goal_row("0.80", "migrate", 0.050, 0.400, 0.90, 0.99)
+    assert bench.goals([*low, base, met, unmet]) == {
+        "peak_load": "0.80", "best": "cache_aware", "baseline": "least_load",
+        "median_reduction": pytest.approx(0.95), "median_reduction_goal": 0.932,
+        "median_ok": True, "local_hit_rate": 0.96, "hit_rate": 0.97, "hit_rate_goal": 0.95,
+        "hit_ok": True, "p99": 0.200, "baseline_p99": 0.300, "p99_ok": True}
+    g = bench.goals([*low, base, unmet])
+    assert (g["best"], g["median_reduction"]) == ("migrate", pytest.approx(0.5))
+    assert (g["median_ok"], g["hit_ok"], g["p99_ok"]) == (False, False, False)
+    # without the baseline, or with it alone, there is no verdict to give
+    for rows in ([*low, met, unmet], [*low, base]):
+        assert bench.goals(rows) == {"peak_load": "0.80",
+                                     "note": "needs least_load and another policy"}
 
 
 def test_benchmark_ordering_counts_only_pairs_the_simulator_separates() -> None:

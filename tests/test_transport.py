@@ -1,9 +1,11 @@
-"""Cluster mode with real processes and a real PostgreSQL: node servers on loopback
-ports sharing a catalog, remote reads, the replication cascade, token auth, failures.
+"""Cluster mode with real processes: node servers on loopback ports sharing a catalog,
+remote reads, the replication cascade, token auth, failures.
 
-Three node servers (``tensordb serve``) start once for the module: a, b and c, whose
+Three node servers (``tensordb serve``) start once per catalog: a, b and c, whose
 outgoing streams are throttled so a test can kill it mid-transfer. The test process
-attaches clients to their stores, as a process on each host would.
+attaches clients to their stores, as a process on each host would. The catalog is an
+embedded SQLite file the processes of this host share (so token checks and replication
+run without a PostgreSQL server), then a real PostgreSQL where one answers.
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PG_BASE, _pg_admin, _pg_available
+from conftest import PG_BASE, _pg_admin, require_pg
 from sqlalchemy import text
 
 import tensordb
 from tensordb.catalog import NodeDirectory
 from tensordb.errors import InvalidInput, NodeUnavailable, NotFound, Unauthorized
 from transport import THROTTLE_ENV, FlightTransport, pull_segment
-
-pytestmark = pytest.mark.postgres
 
 TOKEN = "cluster-test-token"
 THROTTLE = 4 << 20  # bytes/s out of node c: an 8 MiB segment takes 2 s
@@ -106,16 +106,30 @@ def _await_ready(node: Node, deadline: float) -> None:
     raise RuntimeError(f"node {node.name} did not start (exit {node.proc.poll()})")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    reason = _pg_available()
-    if reason:
-        pytest.skip(reason)
+@pytest.fixture(scope="module", params=["sqlite", pytest.param(
+    "postgres", marks=pytest.mark.postgres)])
+def catalog(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The cluster's catalog URL: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('catalog') / 'catalog.db'}"
+        return
+    require_pg()
     name = f"tensordb_test_{uuid.uuid4().hex[:12]}"
     admin = _pg_admin()
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = f"{PG_BASE}/{name}"
+    try:
+        yield f"{PG_BASE}/{name}"
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def cluster(catalog: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    url = catalog
     root = tmp_path_factory.mktemp("cluster")
     base = {**os.environ, "TENSORDB_KV_CAPACITY": str(16 << 20)}
     base.pop(THROTTLE_ENV, None)
@@ -142,9 +156,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             cfg = tensordb.Config.resolve(url, home=root / n,
                                           data_dir=root / n / "data" if n != "setup" else None)
             shutil.rmtree(cfg.shm_dir, ignore_errors=True)
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def _metrics(node: Node) -> str:

@@ -48,6 +48,8 @@ class FaultyTransport(LocalTransport):
         self.damage: int | None = None
         self.cut_after: int | None = None
         self.reads: list[tuple[str, int, int]] = []
+        #: flip the first byte of the KV block of this key on its way out
+        self.damage_kv: bytes | None = None
 
     def read_segment(self, node: str, address: str, segment_id: str, offset: int, length: int,
                      sink: Callable[[memoryview], None]) -> None:
@@ -69,6 +71,17 @@ class FaultyTransport(LocalTransport):
             sent += len(view)
 
         super().read_segment(node, address, segment_id, offset, length, faulty)
+
+    def read_kv(self, node: str, address: str, namespace: str, block_tokens: int,
+                keys: Sequence[bytes]) -> list[transport.KVBlock]:
+        blocks = super().read_kv(node, address, namespace, block_tokens, keys)
+        out = []
+        for key, dtype, shape, data, digest in blocks:
+            if key == self.damage_kv:
+                data = data.copy()
+                data[0] ^= 0xFF
+            out.append((key, dtype, shape, data, digest))
+        return out
 
 
 @pytest.fixture
@@ -130,6 +143,24 @@ def test_damaged_bytes_are_never_registered(pair) -> None:  # type: ignore[no-un
     assert "r" not in NodeDirectory(r.catalog.engine).holders(seg) and _leftovers(r) == []
     fake.damage = None
     assert r.get("m", "a").shape == (1000,)
+
+
+def test_a_kv_block_failing_its_checksum_is_never_kept(pair) -> None:  # type: ignore[no-untyped-def]
+    w, r, fake = pair
+    kv_w = w.kv("ns", block_tokens=4, capacity_bytes=1 << 20, slab_bytes=64 << 10)
+    keys = kv_w.keys(list(range(8)))
+    blocks = [torch.full((2, 4, 8), float(i), dtype=torch.float16) for i in range(2)]
+    assert kv_w.put(keys, blocks) == 2
+    fake.damage_kv = keys[1]
+    with pytest.raises(CorruptData) as info:
+        r.pull_kv("ns", keys, block_tokens=4, nodes=["w"])
+    assert info.value.node == "w" and keys[1].hex() in str(info.value)
+    kv_r = r.kv("ns", block_tokens=4)
+    assert kv_r.contains(keys) == [False, False]  # neither block of the damaged batch
+    fake.damage_kv = None
+    assert r.pull_kv("ns", keys, block_tokens=4, nodes=["w"]) == 2
+    got = kv_r.get(keys)
+    assert all(torch.equal(g, b) for g, b in zip(got, blocks, strict=True))
 
 
 def test_cut_stream_resumes_at_the_next_holder(pair, tmp_path: Path  # type: ignore[no-untyped-def]

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 
-# engine -> (label, modules the tests use: imported once, quietly, before any test runs,
-# since the engines warn on import about hardware they do not find)
+# engine -> (label, the engine's own modules the tests use: imported once, quietly,
+# before any test runs, since the engines warn on import about hardware they do not find)
 _ENGINES = {
-    "vllm": ("vLLM 0.33", ["engine_bindings.vllm", "vllm.v1.worker.gpu_worker",
-                           "vllm.v1.worker.cpu_worker"]),
-    "sglang": ("SGLang 0.5.23", ["engine_bindings.sglang", "sglang.srt.entrypoints.engine",
+    "vllm": ("vLLM 0.33", ["vllm.v1.worker.gpu_worker", "vllm.v1.worker.cpu_worker"]),
+    "sglang": ("SGLang 0.5.23", ["sglang.srt.entrypoints.engine",
                                  "sglang.srt.entrypoints.http_server_engine",
                                  ("sglang.srt.model_executor.model_runner_components."
                                   "load_model_utils")]),
@@ -30,23 +29,36 @@ _reasons: dict[str, str | None] = {}
 
 def why_not(engine: str) -> str | None:
     """None when ``engine`` ("vllm" or "sglang") and its binding import here, else why
-    not."""
+    not (the tests then skip).
+
+    Only the engine decides a skip: not installed, or its own modules fail to import in
+    this venv. Our binding (``engine_bindings.vllm``, ``engine_bindings.sglang``) is
+    imported after that and outside the guard, so an error in it (an ImportError, a
+    NameError) fails the tests instead of turning into "skipped"."""
     if engine not in _reasons:
-        label, modules = _ENGINES[engine]
-        hint = "run tests/engines from its venv (see tests/engines/conftest.py)"
-        if importlib.util.find_spec(engine) is None:
-            _reasons[engine] = f"{label} is not installed in this environment; {hint}"
-        else:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    for module in modules:
-                        importlib.import_module(module)
-                _reasons[engine] = None
-            except Exception as exc:  # noqa: BLE001 - any import failure: this venv cannot run them
-                _reasons[engine] = (f"{label} does not import here ({type(exc).__name__}: "
-                                    f"{exc}); {hint}")
+        reason = _engine_missing(engine)
+        if reason is None:  # an error here propagates, and is not remembered as a reason
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(f"engine_bindings.{engine}")
+        _reasons[engine] = reason
     return _reasons[engine]
+
+
+def _engine_missing(engine: str) -> str | None:
+    label, modules = _ENGINES[engine]
+    hint = "run tests/engines from its venv (see tests/engines/conftest.py)"
+    if importlib.util.find_spec(engine) is None:
+        return f"{label} is not installed in this environment; {hint}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for module in modules:
+                importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure of the engine's own import
+        return f"{label} does not import here ({type(exc).__name__}: {exc}); {hint}"
+    return None
+
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, LAYERS = 64, 128, 256, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS
