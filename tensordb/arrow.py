@@ -1,0 +1,141 @@
+"""The Arrow layout of a version: one row per tensor, its bytes zero-copy.
+
+What ``Snapshot.to_arrow`` returns and what a node server streams to a plain Flight
+client (docs/arrow.md), built in one place so the two cannot drift:
+
+============  ==================  ===================================================
+column        type                value
+============  ==================  ===================================================
+``name``      ``string``          the tensor's name
+``dtype``     ``string``          tensordb's dtype name (``bfloat16``, ``float8_e4m3fn``)
+``shape``     ``list<int64>``     its shape (``[]`` for a scalar)
+``nbytes``    ``int64``           its size in bytes
+``checksum``  ``string``          xxh3-64 of its bytes, hex
+``data``      ``large_binary``    its bytes: a slice of the segment's mapping, no copy
+============  ==================  ===================================================
+
+Extents are padded to their alignment, so the values of one segment are not end to end
+and a single ``binary`` array cannot point at them; ``binary_view`` could, but its values
+are limited to 2 GiB and a model's embedding is often larger. So ``data`` is
+``large_binary`` with **one chunk per tensor**, each chunk a one-value array whose data
+buffer is the tensor's slice of the mapping. The other columns are one chunk each; a
+record batch stream sends one batch per tensor (``Table.to_batches``). The table's
+metadata names the layout (``tensordb.layout``: ``"1"``), the collection and the
+version.
+
+This module sits below the client facade and the transport (it knows catalog rows and
+storage views, nothing above them) and needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+import storage_engine as se
+from tensordb.catalog import TensorRow
+from tensordb.errors import InvalidInput
+
+__all__ = ["LAYOUT", "TENSOR_SCHEMA", "BufferOf", "arrow_tensor", "numpy_dtype", "segment_buffer",
+           "tensors_table"]
+
+#: the version of the layout, in the table's metadata
+LAYOUT = "1"
+
+TENSOR_SCHEMA = pa.schema([
+    pa.field("name", pa.string(), nullable=False),
+    pa.field("dtype", pa.string(), nullable=False),
+    pa.field("shape", pa.list_(pa.int64()), nullable=False),
+    pa.field("nbytes", pa.int64(), nullable=False),
+    pa.field("checksum", pa.string(), nullable=False),
+    pa.field("data", pa.large_binary(), nullable=False),
+])
+
+# tensordb dtype name -> the numpy dtype an Arrow tensor of it has. Arrow has no
+# bfloat16, float8, float4, complex or bool tensors: those come back as their bytes,
+# as unsigned integers of the same width (a trailing dimension of 16 bytes for
+# complex128, which has no such integer), and the dtype column says what they are.
+_NUMPY = {
+    "uint8": "u1", "int8": "i1", "int16": "i2", "int32": "i4", "int64": "i8",
+    "uint16": "u2", "uint32": "u4", "uint64": "u8",
+    "float16": "f2", "float32": "f4", "float64": "f8",
+}
+_FALLBACK = {
+    "bool": "u1", "bfloat16": "u2", "complex32": "u4", "complex64": "u8",
+    "float8_e4m3fn": "u1", "float8_e4m3fnuz": "u1", "float8_e5m2": "u1",
+    "float8_e5m2fnuz": "u1", "float8_e8m0fnu": "u1", "float4_e2m1fn_x2": "u1",
+}
+
+#: one segment's bytes as an Arrow buffer, given (segment id, tier)
+BufferOf = Callable[[str, str], pa.Buffer]
+
+
+def numpy_dtype(dtype: str) -> tuple[np.dtype, int]:
+    """The numpy dtype of an Arrow tensor of ``dtype`` and the trailing dimension its
+    bytes take (1, except complex128: 16 uint8 per element). InvalidInput for a name
+    tensordb does not store."""
+    code = _NUMPY.get(dtype) or _FALLBACK.get(dtype)
+    if code is not None:
+        return np.dtype(code), 1
+    if dtype == "complex128":
+        return np.dtype("u1"), 16
+    raise InvalidInput(f"no Arrow layout for dtype {dtype!r}")
+
+
+def segment_buffer(view: se.SegmentView) -> pa.Buffer:
+    """A whole segment as an Arrow buffer: over the mapping, no copy, for a host view
+    (the buffer keeps the mapping alive); a host copy of a device view."""
+    return pa.py_buffer(view.host_bytes())
+
+
+def _check_rows(rows: Sequence[TensorRow]) -> None:
+    for r in rows:
+        numpy_dtype(r.dtype)  # a dtype with no layout is refused before any work
+
+
+def tensors_table(rows: Sequence[TensorRow], buffer_of: BufferOf, *, collection: str,
+                  version: int) -> pa.Table:
+    """The layout above for ``rows``; ``buffer_of`` maps a segment (called once per
+    segment). Zero-copy: each ``data`` value is a slice of its segment's buffer."""
+    _check_rows(rows)
+    n = len(rows)
+    sizes = np.fromiter((r.nbytes for r in rows), np.int64, count=n)
+    # every chunk's offsets are [0, nbytes]: one buffer of pairs, sliced per chunk
+    pairs = np.zeros((n, 2), np.int64)
+    pairs[:, 1] = sizes
+    offsets = pa.py_buffer(pairs)
+    empty = pa.py_buffer(b"")
+    segments: dict[str, pa.Buffer] = {}
+    chunks = []
+    for i, r in enumerate(rows):
+        if r.segment_id is None or r.nbytes == 0:
+            data = empty
+        else:
+            seg = segments.get(r.segment_id)
+            if seg is None:
+                seg = segments[r.segment_id] = buffer_of(r.segment_id, r.tier or "host")
+            data = seg.slice(r.offset, r.nbytes)
+        chunks.append(pa.Array.from_buffers(pa.large_binary(), 1,
+                                            [None, offsets.slice(16 * i, 16), data]))
+    columns = [
+        pa.array([r.name for r in rows], pa.string()),
+        pa.array([r.dtype for r in rows], pa.string()),
+        pa.array([list(r.shape) for r in rows], pa.list_(pa.int64())),
+        pa.array(sizes, pa.int64()),
+        pa.array([r.checksum for r in rows], pa.string()),
+        pa.chunked_array(chunks, pa.large_binary()),
+    ]
+    meta = {"tensordb.layout": LAYOUT, "tensordb.collection": collection,
+            "tensordb.version": str(version)}
+    return pa.Table.from_arrays(columns, schema=TENSOR_SCHEMA.with_metadata(meta))
+
+
+def arrow_tensor(row: TensorRow, data: pa.Buffer) -> pa.Tensor:
+    """One tensor as a ``pyarrow.Tensor`` over ``data`` (its bytes), no copy. Dtypes
+    Arrow lacks come back as their bytes (see ``numpy_dtype``)."""
+    np_dtype, tail = numpy_dtype(row.dtype)
+    shape = tuple(row.shape) + ((tail,) if tail > 1 else ())
+    arr = np.frombuffer(data, np_dtype, count=row.nbytes // np_dtype.itemsize)
+    return pa.Tensor.from_numpy(arr.reshape(shape))
