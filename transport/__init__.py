@@ -11,7 +11,9 @@ rounds. Every request carries the node's token when it has one, and every error 
 This package never sees a ``Database``: the node side uses a ``NodeStore`` (the few
 members it needs, which ``tensordb.Database`` has), the client side a ``Transport``
 (``FlightTransport`` between hosts, ``LocalTransport`` in one process).
-``transport.testing`` is the contract suite of ``Transport``. The client facade imports
+A node also serves whole versions to any Flight client, in the ``tensordb.arrow``
+layout (``VersionReads``; docs/arrow.md). ``transport.testing`` is the contract suite
+of ``Transport``. The client facade imports
 this package only when a read or a replication needs another node.
 """
 
@@ -33,6 +35,7 @@ from ._flight_server import THROTTLE_ENV, NodeServer, NodeService
 from ._local import LocalTransport
 from ._metrics import NodeMetrics
 from ._node import DEFAULT_HEARTBEAT, NodeRegistration, RunningNode, ready_line, start_node
+from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
 from ._pull import (
     DEFAULT_STREAMS,
     CascadeReport,
@@ -55,6 +58,7 @@ __all__ = [
     "KVBlock",
     "KVBlocks",
     "LocalTransport",
+    "MAX_BATCH_BYTES",
     "NodeMetrics",
     "NodeRegistration",
     "NodeServer",
@@ -62,6 +66,7 @@ __all__ = [
     "NodeStore",
     "RunningNode",
     "Transport",
+    "VersionReads",
     "cascade",
     "error_from_payload",
     "error_payload",
@@ -72,4 +77,5 @@ __all__ = [
     "resolve_token",
     "split_ranges",
     "start_node",
+    "version_ticket",
 ]

@@ -14,6 +14,10 @@ process. Requests:
   from the segment's mapping (no copy in this process);
 - ``do_get`` ticket ``{"kind": "kv", "namespace", "block_tokens", "keys": [hex]}``: the
   blocks of those keys this node holds, with dtype, shape and checksum;
+- ``do_get`` ticket with no ``kind``, ``{"collection", "version" | "tag"}`` (neither:
+  the head): a version in the ``to_arrow`` layout, for any Flight client
+  (``_version_reads``); ``list_flights`` and ``get_flight_info`` list and describe the
+  versions;
 - action ``ping``: the node's name and tiers (clients use it to fail fast), and the
   port of its data plane (``_dataplane``: segment ranges over a plain TCP stream, the
   way clients read them when they can);
@@ -51,6 +55,7 @@ from ._dataplane import DataPlaneServer
 from ._flight_client import KV_SCHEMA, SEGMENT_SCHEMA, FlightTransport, chunk_batch
 from ._metrics import NodeMetrics
 from ._pull import pull_segment
+from ._version_reads import VersionReads
 
 __all__ = ["NodeServer", "NodeService", "THROTTLE_ENV", "CHUNK_BYTES", "block_bytes"]
 
@@ -86,6 +91,8 @@ class NodeService:
         self.data_port: int | None = None
         self._kv: dict[tuple[str, int], KVBlocks] = {}
         self._kv_lock = threading.Lock()
+        #: whole versions for plain Flight clients; a segment held elsewhere is pulled
+        self.versions = VersionReads(db, self.directory, self.pull_here)
 
     # -- requests ---------------------------------------------------------------------
     def authorized(self, token: str | None) -> bool:
@@ -201,6 +208,11 @@ class NodeService:
                  for s in segments}
         return {"node": self.node, "segments": tiers, "seconds": time.perf_counter() - t0}
 
+    def pull_here(self, segment_id: str) -> str:
+        """Pull one segment to this node from any holder; the local tier it landed in."""
+        return pull_segment(self.directory, self.transport, self.node, self.tiers, segment_id,
+                            on_pulled=self.metrics.pulled)
+
     # -- KV blocks --------------------------------------------------------------------
     def _kv_cache(self, namespace: str, block_tokens: int) -> KVBlocks:
         with self._kv_lock:
@@ -248,7 +260,9 @@ class NodeService:
 
 
 def _flight_error(exc: TensorDBError) -> fl.FlightServerError:
-    return fl.FlightServerError(error_text(exc))
+    """The Flight error of ``exc``: its class and message first, for a plain client to
+    read, then its payload, for ``FlightTransport`` to raise it as itself."""
+    return fl.FlightServerError(f"{type(exc).__name__}: {exc.message}\n{error_text(exc)}")
 
 
 class NodeServer(fl.FlightServerBase):
@@ -289,6 +303,8 @@ class NodeServer(fl.FlightServerBase):
             req = self.service.request(ticket.ticket)
         except TensorDBError as exc:
             raise _flight_error(exc) from None
+        if "kind" not in req:  # a version, asked by any Flight client
+            return self._answer("version", lambda: self.service.versions.stream(req))
         kind = str(req.get("kind"))
 
         def run() -> fl.FlightDataStream:
@@ -297,7 +313,7 @@ class NodeServer(fl.FlightServerBase):
                 return fl.GeneratorStream(SEGMENT_SCHEMA, (chunk_batch(c) for c in chunks))
             if kind == "kv":
                 return fl.RecordBatchStream(self.service.kv_table(req))
-            raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv)")
+            raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv; no kind: a version)")
 
         return self._answer(kind, run)
 
@@ -313,6 +329,20 @@ class NodeServer(fl.FlightServerBase):
             raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
 
         return iter([fl.Result(json.dumps(self._answer(kind, run)).encode())])
+
+    def list_flights(self, context: fl.ServerCallContext, criteria: bytes
+                     ) -> Iterator[fl.FlightInfo]:
+        return iter(self._answer("list", lambda: self.service.versions.flights(criteria)))
+
+    def get_flight_info(self, context: fl.ServerCallContext,
+                        descriptor: fl.FlightDescriptor) -> fl.FlightInfo:
+        def run() -> fl.FlightInfo:
+            if descriptor.descriptor_type != fl.DescriptorType.CMD:
+                raise InvalidInput("describe a version with a command descriptor: its "
+                                   "ticket's JSON, {\"collection\": c, \"version\": v}")
+            return self.service.versions.flight_info(descriptor.command)
+
+        return self._answer("info", run)
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return [("ping", "the node's name and tiers"),

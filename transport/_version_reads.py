@@ -1,0 +1,211 @@
+"""A version for any Flight client: the ``to_arrow`` layout as a record batch stream, and
+the list of the versions a node can serve.
+
+Runs in the serving process (``tensordb serve``), on Flight's threads, any number at
+once; the node server calls it for a ``do_get`` ticket with no ``kind`` key
+(``{"collection": c, "version": v}``, ``{"collection": c, "tag": t}``, or the collection
+alone for its head) and for ``list_flights`` / ``get_flight_info``. docs/arrow.md
+("Flight") is the client's side of it.
+
+Each stream holds a snapshot lease on its version from the ticket's check to the last
+batch (or the client's hang-up), so gc cannot reclaim the bytes being sent. The batches
+are slices of the segments' mappings (``tensordb.arrow``): nothing is copied in this
+process; gRPC copies each batch once into its send buffers (docs: "what is copied").
+A segment this node does not hold is pulled first from a node that does (``pull_segment``,
+as a tensordb client's read on this node would), then served from the local tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+
+import storage_engine as se
+from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, segment_buffer, tensors_table
+from tensordb.catalog import NodeDirectory, TensorRow
+from tensordb.errors import InvalidInput, NotFound
+
+from ._base import NodeStore
+
+__all__ = ["MAX_BATCH_BYTES", "VERSION_KEYS", "VersionReads", "version_ticket"]
+
+#: the keys a version ticket may have
+VERSION_KEYS = ("collection", "version", "tag")
+#: the largest tensor one record batch can carry: Arrow Flight refuses to send a batch
+#: over 2 GiB (a gRPC message's length is a 32-bit integer), less room for its header
+MAX_BATCH_BYTES = (1 << 31) - (1 << 20)
+
+_log = logging.getLogger("tensordb.transport")
+
+#: pulls a segment into this node and returns the local tier that holds it
+Pull = Callable[[str], str]
+
+
+def version_ticket(req: dict[str, Any]) -> tuple[str, int | None, str | None]:
+    """(collection, version, tag) of a version ticket; InvalidInput naming what is wrong
+    (an unknown key, a value of the wrong type, both a version and a tag)."""
+    extra = sorted(set(req) - set(VERSION_KEYS))
+    if extra:
+        raise InvalidInput(f"a version ticket has the keys collection and version or tag; "
+                           f"unknown: {', '.join(extra)}")
+    collection, version, tag = req.get("collection"), req.get("version"), req.get("tag")
+    if not isinstance(collection, str) or not collection:
+        raise InvalidInput(f"a version ticket needs collection (a name), not {collection!r}")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise InvalidInput(f"version must be an integer, not {version!r}",
+                           collection=collection)
+    if tag is not None and not isinstance(tag, str):
+        raise InvalidInput(f"tag must be text, not {tag!r}", collection=collection)
+    if version is not None and tag is not None:
+        raise InvalidInput("give a version or a tag, not both", collection=collection)
+    return collection, version, tag
+
+
+def ticket_bytes(collection: str, version: int) -> bytes:
+    """The ticket (and command descriptor) of one version, as ``list_flights`` gives it."""
+    return json.dumps({"collection": collection, "version": version}).encode()
+
+
+class VersionReads:
+    """The versions of ``db`` as Arrow streams for plain Flight clients. ``pull`` brings a
+    segment held only elsewhere to this node. Thread-safe."""
+
+    def __init__(self, db: NodeStore, directory: NodeDirectory, pull: Pull) -> None:
+        self.db = db
+        self.node = db.config.node
+        self.directory = directory
+        self.pull = pull
+
+    # -- do_get -----------------------------------------------------------------------
+    def stream(self, req: dict[str, Any]) -> fl.GeneratorStream:
+        """The version a ticket names as a stream of one batch per tensor, under a lease
+        released when the stream ends, fails or is dropped. Errors about the ticket (and
+        a tensor too large for one batch) are raised here, before any batch is sent."""
+        collection, version, tag = version_ticket(req)
+        lease, _, v, rows = self.db.catalog.open_snapshot(
+            collection, version, tag, se.current_holder(), self.db.config.lease_ttl)
+        try:
+            table = self.table(rows, collection, v)
+        except BaseException:
+            self._release(lease)
+            raise
+        batches = _leased(table, lambda: self._release(lease))
+        return fl.GeneratorStream(table.schema, batches)
+
+    def table(self, rows: list[TensorRow], collection: str, version: int) -> pa.Table:
+        """The ``to_arrow`` layout of ``rows``, over this node's mappings."""
+        big = next((r for r in rows if r.nbytes > MAX_BATCH_BYTES), None)
+        if big is not None:
+            raise InvalidInput(f"tensor {big.name!r} has {big.nbytes} bytes: more than one "
+                               f"Flight record batch carries ({MAX_BATCH_BYTES}); read it "
+                               f"with a tensordb client", collection=collection,
+                               version=version, tensor=big.name)
+        return tensors_table(rows, self._segment, collection=collection, version=version)
+
+    def _segment(self, segment_id: str, tier: str) -> pa.Buffer:
+        """A segment's bytes on this node (pulled here first when another node holds
+        them); ``tier`` is where its writer put it, not necessarily where it is here."""
+        here = self.directory.local_tier(segment_id, self.node) or self.pull(segment_id)
+        try:
+            return segment_buffer(self.db.tier(here).open(segment_id))
+        except se.SegmentMissing as exc:
+            raise NotFound(f"node {self.node!r} lost the bytes of segment {segment_id}",
+                           node=self.node) from exc
+
+    def _release(self, lease: str) -> None:
+        try:
+            self.db.catalog.release_lease(lease)
+        except Exception:  # noqa: BLE001 - the lease then lapses with this process
+            _log.exception("node %s could not release lease %s", self.node, lease)
+
+    # -- list_flights / get_flight_info -----------------------------------------------
+    def flights(self, criteria: bytes) -> list[fl.FlightInfo]:
+        """One FlightInfo per version of every collection (of one, when ``criteria`` is
+        ``{"collection": c}``), oldest version first; its descriptor is a command and
+        its ticket the version's ticket, both ``{"collection": c, "version": v}``."""
+        names = self.db.catalog.collection_names()
+        if criteria:
+            want = _criteria(criteria)
+            names = [n for n in names if n == want]
+        out = []
+        for name in names:
+            info = self.db.catalog.info(name)
+            if info is None:  # dropped since it was listed
+                continue
+            tags: dict[int, list[str]] = {}
+            for t, v in self.db.catalog.tags(name).items():
+                tags.setdefault(v, []).append(t)
+            for c in reversed(self.db.catalog.history(name)):
+                out.append(_info(name, c.version, c.tensors, c.nbytes,
+                                 {"head": c.version == info.head,
+                                  "tags": tags.get(c.version, []),
+                                  "message": c.message}))
+        return out
+
+    def flight_info(self, command: bytes) -> fl.FlightInfo:
+        """The FlightInfo of the version a command descriptor names (a version ticket's
+        JSON: a tag or the head resolved to its version)."""
+        req = json_object(command)
+        collection, version, tag = version_ticket(req)
+        info, v = self.db.catalog.resolve(collection, version, tag)
+        commit = self.db.catalog.commit_info(collection, v)
+        tags = sorted(t for t, tv in self.db.catalog.tags(collection).items() if tv == v)
+        return _info(collection, v, commit.tensors, commit.nbytes,
+                     {"head": v == info.head, "tags": tags, "message": commit.message})
+
+
+def _leased(table: pa.Table, release: Callable[[], None]) -> Iterator[pa.RecordBatch]:
+    """The table's batches (one per tensor: the ``data`` column has a chunk per row);
+    ``release`` runs once, when the last is sent, the stream fails, or Flight drops the
+    generator before or while it runs (the finalizer covers a generator never started)."""
+    done = None
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        try:
+            yield from table.to_batches()
+        finally:
+            assert done is not None
+            done()
+
+    gen = batches()
+    done = weakref.finalize(gen, release)
+    return gen
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A ticket's or descriptor's JSON object; InvalidInput otherwise."""
+    try:
+        req = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"a ticket must be JSON: {exc}") from exc
+    if not isinstance(req, dict):
+        raise InvalidInput(f"a ticket must be a JSON object, not {type(req).__name__}")
+    return req
+
+
+def _criteria(raw: bytes) -> str:
+    req = json_object(raw)
+    name = req.get("collection")
+    if set(req) != {"collection"} or not isinstance(name, str):
+        raise InvalidInput(f"list_flights takes no criteria or {{\"collection\": name}}, "
+                           f"not {raw.decode(errors='replace')!r}")
+    return name
+
+
+def _info(collection: str, version: int, tensors: int, nbytes: int,
+          meta: dict[str, Any]) -> fl.FlightInfo:
+    ticket = ticket_bytes(collection, version)
+    schema = TENSOR_SCHEMA.with_metadata({"tensordb.layout": LAYOUT,
+                                          "tensordb.collection": collection,
+                                          "tensordb.version": str(version)})
+    return fl.FlightInfo(schema, fl.FlightDescriptor.for_command(ticket),
+                         [fl.FlightEndpoint(ticket, [])], total_records=tensors,
+                         total_bytes=nbytes, ordered=True,
+                         app_metadata=json.dumps({"collection": collection,
+                                                  "version": version, **meta}).encode())
