@@ -35,7 +35,6 @@ from ._flight_server import THROTTLE_ENV, NodeServer, NodeService
 from ._local import LocalTransport
 from ._metrics import NodeMetrics
 from ._node import DEFAULT_HEARTBEAT, NodeRegistration, RunningNode, ready_line, start_node
-from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
 from ._pull import (
     DEFAULT_STREAMS,
     CascadeReport,
@@ -44,6 +43,7 @@ from ._pull import (
     pull_segment,
     split_ranges,
 )
+from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
