@@ -151,7 +151,7 @@ class VersionReads:
     def flight_info(self, command: bytes) -> fl.FlightInfo:
         """The FlightInfo of the version a command descriptor names (a version ticket's
         JSON: a tag or the head resolved to its version)."""
-        req = json_object(command)
+        req = json_object(command, "a descriptor's command (a version ticket)")
         collection, version, tag = version_ticket(req)
         info, v = self.db.catalog.resolve(collection, version, tag)
         commit = self.db.catalog.commit_info(collection, v)
@@ -178,19 +178,20 @@ def _leased(table: pa.Table, release: Callable[[], None]) -> Iterator[pa.RecordB
     return gen
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
-    """A ticket's or descriptor's JSON object; InvalidInput otherwise."""
+def json_object(raw: bytes, what: str) -> dict[str, Any]:
+    """The JSON object of a descriptor's command or of criteria (``what`` names it in
+    the error); InvalidInput otherwise."""
     try:
         req = json.loads(raw)
     except ValueError as exc:
-        raise InvalidInput(f"a ticket must be JSON: {exc}") from exc
+        raise InvalidInput(f"{what} must be JSON: {exc}") from exc
     if not isinstance(req, dict):
-        raise InvalidInput(f"a ticket must be a JSON object, not {type(req).__name__}")
+        raise InvalidInput(f"{what} must be a JSON object, not {type(req).__name__}")
     return req
 
 
 def _criteria(raw: bytes) -> str:
-    req = json_object(raw)
+    req = json_object(raw, "list_flights criteria ({\"collection\": name}, or none)")
     name = req.get("collection")
     if set(req) != {"collection"} or not isinstance(name, str):
         raise InvalidInput(f"list_flights takes no criteria or {{\"collection\": name}}, "
