@@ -18,6 +18,19 @@ What it measures (one throwaway PostgreSQL catalog, node servers as processes):
   in the catalog. Timed by the caller from request to
   answer; best of ``--reps``; the goal is >= 0.9 x raw TCP. Shown as the default
   (parallel byte-range streams, $TENSORDB_PULL_STREAMS) and as one stream;
+* ``plain Flight``: what any Arrow Flight client gets (docs/arrow.md, "Flight"): a fresh
+  process that imports only pyarrow runs ``fl.FlightClient(address).do_get(ticket)
+  .read_all()`` for the ``--gib`` GiB version node a serves, ticket
+  ``{"collection": "big", "version": 1}``, with the token and no channel options, as a
+  user would. GB/s, best of ``--reps`` in that process; the goal is >= 0.5 x raw TCP.
+  Where the bytes are copied: the node puts each tensor's slice of the segment's mapping
+  into gRPC as a slice that references it (no copy in the node's process), and the
+  kernel copies it into the socket, as raw TCP's sender does; on the client the kernel
+  copies it into gRPC's receive slices, and gRPC then gathers a message's slices into
+  one contiguous buffer (``grpc_byte_buffer_reader_readall``, called by Arrow's
+  ``FlightDataDeserialize``) that the Arrow table points at: one user-space copy more
+  than raw TCP, plus HTTP/2 framing and flow control. Bare Flight above does the same
+  and then copies and hashes into a spare;
 * ``fan-out``: ``--fanout-mib`` MiB from a to ``--targets`` nodes, (a) as the cascade of
   ``db.replicate`` (every holder serves one more node per round: ceil(log2(N+1))
   rounds), (b) one source sending to each target in turn (what a user scripting
@@ -70,6 +83,7 @@ finally:
 GB = 1e9
 MiB = 1 << 20
 GOAL_VS_TCP = 0.9
+GOAL_PLAIN_VS_TCP = 0.5
 TOKEN = "bench-token"
 PG_SERVER = os.environ.get("TENSORDB_BENCH_PG", "postgres@127.0.0.1:5432")
 
@@ -190,6 +204,45 @@ def measure_flight(nbytes: int, reps: int, shm: str) -> list[float]:
     return times
 
 
+# -- a plain Flight client, as a user runs it -----------------------------------------------
+# Runs with -I and the tensordb packages blocked: only pyarrow, as on a host without them.
+PLAIN_READER = """
+import json, sys, time
+BLOCKED = {"tensordb", "storage_engine", "transport", "torch"}
+class Block:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ImportError(name)
+sys.meta_path.insert(0, Block)
+import pyarrow.flight as fl
+address, token, ticket, reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+options = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+client = fl.FlightClient(f"grpc+tcp://{address}")
+times, nbytes = [], 0
+for _ in range(reps):
+    t0 = time.perf_counter()
+    table = client.do_get(fl.Ticket(ticket.encode()), options).read_all()
+    times.append(time.perf_counter() - t0)
+    nbytes = sum(table.column("nbytes").to_pylist())
+    del table
+print(json.dumps({"seconds": times, "bytes": nbytes,
+                  "leaked": sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED)}))
+"""
+
+
+def measure_plain_flight(address: str, collection: str, version: int, reps: int
+                         ) -> list[float]:
+    """Seconds per whole-version ``do_get(...).read_all()`` from a fresh pyarrow-only
+    process (best of ``reps`` there: the first includes the connection)."""
+    ticket = json.dumps({"collection": collection, "version": version})
+    out = subprocess.run([sys.executable, "-I", "-c", PLAIN_READER, address, TOKEN, ticket,
+                          str(reps)], capture_output=True, text=True, check=True, cwd="/")
+    res = json.loads(out.stdout)
+    assert res["leaked"] == [], res["leaked"]
+    return [float(t) for t in res["seconds"]]
+
+
 # -- node servers -------------------------------------------------------------------------
 Nodes = dict[str, tuple[subprocess.Popen[str], str]]  # name -> (process, address)
 
@@ -299,6 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     client.request_pull("b", nodes["b"][1], [seg], "a", streams=streams)
                     res[key].append(time.perf_counter() - t0)
             forget(directory, root, url, seg, ["b"])
+            res["plain_flight_s"] = measure_plain_flight(nodes["a"][1], "big", 1, args.reps)
             fan = commit_bytes(a, "fan", fan_bytes)
             res["cascade_s"], res["sequential_s"] = [], []
             for _ in range(args.reps):
@@ -345,6 +399,11 @@ def report(res: dict[str, Any]) -> None:
           f"{DEFAULT_STREAMS} range stream(s) (the default on {os.cpu_count()} CPUs)")
     one = n / min(res["transfer_1stream_s"]) / GB
     print(f"  ... as a single stream     {one:8.2f} GB/s   = {one / tcp:.2f} x raw TCP")
+    plain = n / min(res["plain_flight_s"]) / GB
+    verdict = "met" if plain / tcp >= GOAL_PLAIN_VS_TCP else "NOT met"
+    print(f"  plain Flight read_all()    {plain:8.2f} GB/s   = {plain / tcp:.2f} x raw TCP "
+          f"(goal >= {GOAL_PLAIN_VS_TCP}: {verdict}); a pyarrow-only process, the whole "
+          f"version as a table, no checksum")
     c, s = min(res["cascade_s"]), min(res["sequential_s"])
     print(f"  fan-out {fan / MiB:g} MiB to {res['targets']} nodes: cascade {c:.2f} s "
           f"({res['cascade_rounds']} rounds), one source in turn {s:.2f} s "
