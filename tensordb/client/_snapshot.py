@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import pyarrow as pa
 import torch
 
 import storage_engine as se
-from tensordb.catalog import Commit
+from tensordb.arrow import arrow_tensor, segment_buffer, tensors_table
+from tensordb.catalog import Commit, TensorRow
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._inputs import torch_dtype
-from ._read import Reader
+from ._read import Reader, check_bytes
 
 __all__ = ["Snapshot"]
 
@@ -150,6 +152,86 @@ class Snapshot:
                     out.copy_(self[row.name])
             total += row.nbytes
         return total
+
+    # -- Arrow (docs/arrow.md) ---------------------------------------------------------
+    def to_arrow(self, names: Sequence[str] | None = None) -> pa.Table:
+        """The version as an Arrow table, a row per tensor (``tensordb.arrow``'s layout:
+        name, dtype, shape, nbytes, checksum, data). ``data`` values are slices of the
+        same mappings the torch views use: no copy on the host (GPU-tier rows: a host
+        copy). They stay valid after ``close``, as the torch views do. ``names``: those
+        tensors only, in that order (NotFound naming any the version lacks)."""
+        self._check()
+        rows = self._select(names)
+        buffers = self._buffers(rows)
+        return tensors_table(rows, lambda segment_id, _tier: buffers[segment_id],
+                             collection=self.collection, version=self.version)
+
+    def arrow(self, name: str) -> pa.Tensor:
+        """One tensor as a ``pyarrow.Tensor`` over its stored bytes, no copy on the host.
+        Dtypes Arrow has no tensor type for (bool, bfloat16, float8, float4, complex)
+        come back as their bytes, unsigned integers of the element's width (complex128:
+        a trailing dimension of 16 uint8); ``info()`` or ``to_arrow`` name the dtype."""
+        self._check()
+        row = self._row(name)
+        if row.segment_id is None or row.nbytes == 0:
+            return arrow_tensor(row, pa.py_buffer(b""))
+        data = pa.py_buffer(self._view(row).host_bytes(row.offset, row.nbytes))
+        if self._verify:
+            check_bytes(self.collection, row, memoryview(data))
+        return arrow_tensor(row, data)
+
+    def _row(self, name: object) -> TensorRow:
+        row = self._rows.get(name) if isinstance(name, str) else None
+        if row is None:
+            if not isinstance(name, str):
+                raise InvalidInput(f"a tensor name must be a str, not {type(name).__name__}",
+                                   collection=self.collection)
+            raise NotFound(f"collection {self.collection!r} version {self.version} has no "
+                           f"tensor {name!r}", collection=self.collection, tensor=name,
+                           version=self.version)
+        return row
+
+    def _select(self, names: Sequence[str] | None) -> list[TensorRow]:
+        """The rows ``names`` picks, in its order (every row for None)."""
+        if names is None:
+            return list(self._rows.values())
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise InvalidInput("names must be a list of tensor names (str), or None",
+                               collection=self.collection)
+        if len(set(names)) != len(names):
+            dup = next(n for i, n in enumerate(names) if n in names[:i])
+            raise InvalidInput(f"names lists {dup!r} twice", collection=self.collection,
+                               tensor=dup)
+        missing = [n for n in names if n not in self._rows]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise NotFound(f"collection {self.collection!r} version {self.version} has no "
+                           f"tensor {shown}", collection=self.collection, tensor=missing[0],
+                           version=self.version)
+        return [self._rows[n] for n in names]
+
+    def _view(self, row: TensorRow) -> se.SegmentView:
+        """The row's segment, mapped once per snapshot (the torch views share it)."""
+        assert row.segment_id is not None
+        mm = self._maps.get(row.segment_id)
+        if mm is None:
+            mm = self._maps[row.segment_id] = self._reader.map(
+                row.segment_id, row.tier or "host", self.collection, row.name)
+        return mm
+
+    def _buffers(self, rows: Sequence[TensorRow]) -> dict[str, pa.Buffer]:
+        """segment id -> its bytes as an Arrow buffer, for the segments of ``rows``;
+        each row's bytes checked against its checksum when the snapshot verifies."""
+        out: dict[str, pa.Buffer] = {}
+        for row in rows:
+            if row.segment_id is None or row.nbytes == 0:
+                continue
+            buf = out.get(row.segment_id)
+            if buf is None:
+                buf = out[row.segment_id] = segment_buffer(self._view(row))
+            if self._verify:
+                check_bytes(self.collection, row, memoryview(buf.slice(row.offset, row.nbytes)))
+        return out
 
     def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
         """name -> (dtype, shape, nbytes), without mapping anything."""
