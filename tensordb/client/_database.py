@@ -38,7 +38,7 @@ from ._notify import notifier_for, watch
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
 from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
-from ._snapshot import Snapshot
+from ._snapshot import Snapshot, tensors_arrow
 from ._transaction import Transaction
 from ._write import Writer
 
@@ -361,3 +361,11 @@ class Database:
         from query import execute
 
         return execute(self, text, params)
+
+    def tensors_arrow(self, result: pa.Table, *, verify: bool = False) -> pa.Table:
+        """The tensors a ``query`` result names (its ``collection``, ``name`` and
+        ``version`` columns, e.g. ``SELECT collection, name, version FROM tensors ...``)
+        in ``Snapshot.to_arrow``'s layout plus ``collection`` and ``version`` columns,
+        row for row: mapped, no bytes read or copied (docs/arrow.md)."""
+        self._check_open()
+        return tensors_arrow(lambda c, v: self.snapshot(c, version=v, verify=verify), result)
