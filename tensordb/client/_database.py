@@ -363,9 +363,7 @@ class Database:
         return execute(self, text, params)
 
     def tensors_arrow(self, result: pa.Table, *, verify: bool = False) -> pa.Table:
-        """The tensors a ``query`` result names (its ``collection``, ``name`` and
-        ``version`` columns, e.g. ``SELECT collection, name, version FROM tensors ...``)
-        in ``Snapshot.to_arrow``'s layout plus ``collection`` and ``version`` columns,
-        row for row: mapped, no bytes read or copied (docs/arrow.md)."""
+        """The tensors a ``query`` result's ``collection``, ``name`` and ``version`` columns
+        name, row for row, as ``Snapshot.to_arrow`` gives them (docs/arrow.md)."""
         self._check_open()
         return tensors_arrow(lambda c, v: self.snapshot(c, version=v, verify=verify), result)
