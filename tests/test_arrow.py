@@ -17,6 +17,7 @@ from conftest import open_store, remove_store
 from cuda_standin import installed
 
 import tensordb
+from storage_engine import _cuda
 from tensordb import KVCache
 from tensordb.arrow import BLOCK_SCHEMA, LAYOUT, TENSOR_SCHEMA, numpy_dtype
 from tensordb.client._inputs import DTYPES
@@ -180,9 +181,12 @@ def test_to_arrow_verify_catches_a_flipped_byte(sqlite_db: tensordb.Database) ->
         assert snap.to_arrow().num_rows == 2
 
 
-def test_gpu_tier_rows_come_back_as_host_copies(tmp_path: Path) -> None:
+def test_gpu_tier_rows_come_back_as_host_copies(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """On the stand-in CUDA runtime (tests/cuda_standin.py): a GPU-tier segment is copied
     to the host once per call, and the copy outlives the snapshot and the store."""
+    # the process caches whether a GPU tier can run: probe again, on the stand-in
+    monkeypatch.setattr(_cuda, "_probe_result", False)
     with installed(tmp_path / "fake-cuda"):
         db = open_store(tmp_path / "store", gpu_device=0)
         try:
