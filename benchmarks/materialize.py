@@ -17,7 +17,16 @@ What it measures:
   tensor's data_ptr lies in a mapping of the store's shm directory (/proc/self/maps):
   zero-copy. Median of ``--child-runs`` processes.
 
-Goals printed beside: the child reads 1,000 tensors in <= 5 ms; commit >= 0.8 x memcpy.
+* ``to_arrow``: the same in other fresh processes (``--child --arrow``), with
+  ``snap.to_arrow()`` (the Arrow table of every tensor, its data buffers over the same
+  mappings, docs/arrow.md) in place of ``state_dict()``: the first call on a fresh
+  snapshot of a fresh process (nothing mapped or pre-faulted), and the steady state (a
+  fresh snapshot of the same process, median of ``STEADY_REPS``), beside ``state_dict()``'s
+  same two figures, and their ratio. Each buffer's address is checked to lie in a mapping
+  of the store's shm directory, like the tensors'.
+
+Goals printed beside: the child reads 1,000 tensors in <= 5 ms; commit >= 0.8 x memcpy;
+``to_arrow`` takes at most 2 x the time of ``state_dict()``.
 
 Run:  .venv/bin/python benchmarks/materialize.py [--count 1000] [--total-mib 1024] [--json]
 """
@@ -36,6 +45,7 @@ import time
 from typing import Any
 
 import _common
+import numpy as np
 import torch
 
 import tensordb
@@ -44,6 +54,8 @@ GB = 1e9
 MiB = 1 << 20
 GOAL_CHILD_MS = 5.0
 GOAL_COMMIT_FRACTION = 0.8
+GOAL_ARROW_RATIO = 2.0
+STEADY_REPS = 7
 
 
 def name_of(i: int) -> str:
@@ -104,14 +116,55 @@ def child(args: argparse.Namespace) -> None:
         sd2 = s2.state_dict()
         [t.reshape(-1)[0].item() for t in sd2.values()]
     res["materialize_warm_ms"] = (time.perf_counter() - t0) * 1e3
+    res["steady_ms"] = steady(db, args.collection, lambda s: s.state_dict())
     db.close()
     print(json.dumps(res))
 
 
-def run_child(script: str, home: str, collection: str) -> dict[str, Any]:
+def steady(db: tensordb.Database, collection: str, call: Any) -> float:
+    """Median ms of ``call(snapshot)`` on fresh snapshots of a process that has mapped
+    the version before (snapshot open and close not counted)."""
+    times = []
+    for _ in range(STEADY_REPS):
+        with db.snapshot(collection) as snap:
+            t0 = time.perf_counter()
+            call(snap)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def child_arrow(args: argparse.Namespace) -> None:
+    """``child`` with ``to_arrow`` in place of ``state_dict``."""
+    started = time.time()
+    res: dict[str, Any] = {"startup_import_s": started - args.spawned_at}
+    db = tensordb.connect(home=args.home)
+    t0 = time.perf_counter()
+    snap = db.snapshot(args.collection)
+    t1 = time.perf_counter()
+    table = snap.to_arrow()
+    t2 = time.perf_counter()
+    bufs = [c.buffers()[2] for c in table.column("data").chunks]
+    firsts = [float(np.frombuffer(b, np.float32, count=1)[0]) for b in bufs]
+    t3 = time.perf_counter()
+    res.update(snapshot_open_ms=(t1 - t0) * 1e3, to_arrow_ms=(t2 - t1) * 1e3,
+               touch_ms=(t3 - t2) * 1e3, rows=table.num_rows)
+    res["values_ok"] = firsts == [float(i) for i in range(len(firsts))]
+    maps = shm_mappings(str(db.config.shm_dir))
+    res["zero_copy_buffers"] = sum(any(lo <= b.address < hi for lo, hi, _ in maps)
+                                   for b in bufs)
+    t0 = time.perf_counter()
+    snap.to_arrow()
+    res["again_ms"] = (time.perf_counter() - t0) * 1e3  # the same snapshot: mapped
+    snap.close()
+    res["steady_ms"] = steady(db, args.collection, lambda s: s.to_arrow())
+    db.close()
+    print(json.dumps(res))
+
+
+def run_child(script: str, home: str, collection: str, *extra: str) -> dict[str, Any]:
     spawned = time.time()
     out = subprocess.run([sys.executable, script, "--child", "--home", home, "--collection",
-                          collection, "--spawned-at", repr(spawned)],
+                          collection, "--spawned-at", repr(spawned), *extra],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr}")
@@ -182,8 +235,10 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                 x, "x", tensors, args.reps, prefault=spare, refill=False)
             x.close()
         # the child reads store (a): its writer stays open and idle meanwhile
-        runs = [run_child(__file__, homes[0], f"a{args.reps - 1}")
-                for _ in range(args.child_runs)]
+        runs, arrow_runs = [], []
+        for _ in range(args.child_runs):  # interleaved: the host's load skews both alike
+            runs.append(run_child(__file__, homes[0], f"a{args.reps - 1}"))
+            arrow_runs.append(run_child(__file__, homes[0], f"a{args.reps - 1}", "--arrow"))
         b = open_store()
         commits["(b) host, cold (no spare)"] = timed_commits(b, "b", tensors, args.reps)
         if not args.skip_disk:
@@ -209,8 +264,52 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                            "mapping_perms": runs[0]["mapping_perms"]}
     res["child_runs"] = len(runs)
     res["child_each"] = runs
+    res["arrow"] = arrow_summary(runs, arrow_runs)
     res["loadavg_after"] = os.getloadavg()[0]
     return res
+
+
+def arrow_summary(runs: list[dict[str, Any]], arrow_runs: list[dict[str, Any]]
+                  ) -> dict[str, Any]:
+    """to_arrow beside state_dict, medians over the child processes."""
+    def med(rs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+
+    out: dict[str, Any] = {
+        "state_dict_first_ms": med(runs, "state_dict_ms"),
+        "to_arrow_first_ms": med(arrow_runs, "to_arrow_ms"),
+        "state_dict_steady_ms": med(runs, "steady_ms"),
+        "to_arrow_steady_ms": med(arrow_runs, "steady_ms"),
+        "to_arrow_same_snapshot_ms": med(arrow_runs, "again_ms"),
+        "to_arrow_snapshot_open_ms": med(arrow_runs, "snapshot_open_ms"),
+        "to_arrow_touch_ms": med(arrow_runs, "touch_ms"),
+        "values_ok": all(r["values_ok"] for r in arrow_runs),
+        "zero_copy_buffers": [r["zero_copy_buffers"] for r in arrow_runs],
+        "rows": arrow_runs[0]["rows"], "each": arrow_runs}
+    out["first_ratio"] = out["to_arrow_first_ms"] / out["state_dict_first_ms"]
+    out["steady_ratio"] = out["to_arrow_steady_ms"] / out["state_dict_steady_ms"]
+    return out
+
+
+def print_arrow(con: Any, res: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    a = res["arrow"]
+    t = Table(title=f"to_arrow() beside state_dict(), {a['rows']} tensors (second processes, "
+                    f"median of {res['child_runs']} each)")
+    for col in ("call", "state_dict()", "to_arrow()", "ratio", "goal"):
+        t.add_column(col, justify="left" if col == "call" else "right")
+    for label, key in (("first call: fresh process, fresh snapshot", "first"),
+                       ("steady state: fresh snapshot, version mapped before", "steady")):
+        ratio = a[f"{key}_ratio"]
+        t.add_row(label, f"{a[f'state_dict_{key}_ms']:.2f} ms", f"{a[f'to_arrow_{key}_ms']:.2f} ms",
+                  f"{ratio:.2f} x", f"<= {GOAL_ARROW_RATIO:g} x {verdict(ratio <= GOAL_ARROW_RATIO)}")
+    con.print(t)
+    con.print(f"to_arrow: snapshot open {a['to_arrow_snapshot_open_ms']:.2f} ms; same "
+              f"snapshot again {a['to_arrow_same_snapshot_ms']:.2f} ms; read one value of "
+              f"each buffer {a['to_arrow_touch_ms']:.2f} ms; values ok={a['values_ok']}; "
+              f"buffers inside the store's shm mappings per run {a['zero_copy_buffers']} "
+              f"of {a['rows']}")
 
 
 def verdict(ok: bool) -> str:
@@ -267,6 +366,7 @@ def print_report(res: dict[str, Any]) -> None:
               f"{chk['zero_copy_tensors']} of {res['tensors']} (data_ptr inside "
               f"{chk['shm_mappings']} mapping(s) of the store's shm dir, perms "
               f"{chk['mapping_perms']})")
+    print_arrow(con, res)
     if "disk_dir" in res:
         con.print(f"disk tier directory: {res['disk_dir']}")
     con.print(f"1-min load average before/after: {res['loadavg_before']:.2f} / "
@@ -288,9 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", help=argparse.SUPPRESS)
     p.add_argument("--collection", help=argparse.SUPPRESS)
     p.add_argument("--spawned-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--arrow", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args)
+        (child_arrow if args.arrow else child)(args)
         return 0
     res = parent(args)
     if args.json:

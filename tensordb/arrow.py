@@ -29,6 +29,7 @@ storage views, nothing above them) and needs no torch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,8 +39,8 @@ import storage_engine as se
 from tensordb.catalog import TensorRow
 from tensordb.errors import InvalidInput
 
-__all__ = ["LAYOUT", "TENSOR_SCHEMA", "BufferOf", "arrow_tensor", "numpy_dtype", "segment_buffer",
-           "tensors_table"]
+__all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "BufferOf", "arrow_tensor", "blocks_table",
+           "numpy_dtype", "segment_buffer", "tensors_table"]
 
 #: the version of the layout, in the table's metadata
 LAYOUT = "1"
@@ -50,6 +51,15 @@ TENSOR_SCHEMA = pa.schema([
     pa.field("shape", pa.list_(pa.int64()), nullable=False),
     pa.field("nbytes", pa.int64(), nullable=False),
     pa.field("checksum", pa.string(), nullable=False),
+    pa.field("data", pa.large_binary(), nullable=False),
+])
+
+#: the layout of ``KVCache.get_arrow``: a row per block, its bytes as in TENSOR_SCHEMA
+BLOCK_SCHEMA = pa.schema([
+    pa.field("key", pa.binary(), nullable=False),
+    pa.field("dtype", pa.string(), nullable=False),
+    pa.field("shape", pa.list_(pa.int64()), nullable=False),
+    pa.field("nbytes", pa.int64(), nullable=False),
     pa.field("data", pa.large_binary(), nullable=False),
 ])
 
@@ -91,8 +101,37 @@ def segment_buffer(view: se.SegmentView) -> pa.Buffer:
 
 
 def _check_rows(rows: Sequence[TensorRow]) -> None:
-    for r in rows:
-        numpy_dtype(r.dtype)  # a dtype with no layout is refused before any work
+    for dtype in {r.dtype for r in rows}:
+        numpy_dtype(dtype)  # a dtype with no layout is refused before any work
+
+
+def _int64s(values: np.ndarray) -> pa.Array:
+    """An int64 array over ``values`` (no copy). Not ``pa.array``: given a numpy array it
+    imports ``numpy.ma`` on first use, 15 ms of a fresh process's first ``to_arrow``."""
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
+
+
+def _shapes(shapes: Sequence[tuple[int, ...]]) -> pa.Array:
+    """The ``list<int64>`` column of ``shapes``, built from numpy buffers: ``pa.array`` of
+    Python lists costs a millisecond more on a fresh process's first call."""
+    n = len(shapes)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(np.fromiter(map(len, shapes), np.int32, count=n), out=offsets[1:])
+    dims = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, count=int(offsets[-1]))
+    return pa.Array.from_buffers(pa.list_(pa.int64()), n, [None, pa.py_buffer(offsets)],
+                                 children=[_int64s(dims)])
+
+
+def _chunk_per_value(datas: Sequence[pa.Buffer], sizes: np.ndarray) -> pa.ChunkedArray:
+    """A large_binary column of one chunk per value, each chunk's data buffer the value's
+    own buffer (no copy)."""
+    # every chunk's offsets are [0, nbytes]: one buffer of pairs, sliced per chunk
+    pairs = np.zeros((len(datas), 2), np.int64)
+    pairs[:, 1] = sizes
+    offsets = pa.py_buffer(pairs)
+    chunks = [pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets.slice(16 * i, 16), d])
+              for i, d in enumerate(datas)]
+    return pa.chunked_array(chunks, pa.large_binary())
 
 
 def tensors_table(rows: Sequence[TensorRow], buffer_of: BufferOf, *, collection: str,
@@ -100,36 +139,47 @@ def tensors_table(rows: Sequence[TensorRow], buffer_of: BufferOf, *, collection:
     """The layout above for ``rows``; ``buffer_of`` maps a segment (called once per
     segment). Zero-copy: each ``data`` value is a slice of its segment's buffer."""
     _check_rows(rows)
-    n = len(rows)
-    sizes = np.fromiter((r.nbytes for r in rows), np.int64, count=n)
-    # every chunk's offsets are [0, nbytes]: one buffer of pairs, sliced per chunk
-    pairs = np.zeros((n, 2), np.int64)
-    pairs[:, 1] = sizes
-    offsets = pa.py_buffer(pairs)
+    sizes = np.fromiter((r.nbytes for r in rows), np.int64, count=len(rows))
     empty = pa.py_buffer(b"")
     segments: dict[str, pa.Buffer] = {}
-    chunks = []
-    for i, r in enumerate(rows):
+    datas = []
+    for r in rows:
         if r.segment_id is None or r.nbytes == 0:
-            data = empty
-        else:
-            seg = segments.get(r.segment_id)
-            if seg is None:
-                seg = segments[r.segment_id] = buffer_of(r.segment_id, r.tier or "host")
-            data = seg.slice(r.offset, r.nbytes)
-        chunks.append(pa.Array.from_buffers(pa.large_binary(), 1,
-                                            [None, offsets.slice(16 * i, 16), data]))
+            datas.append(empty)
+            continue
+        seg = segments.get(r.segment_id)
+        if seg is None:
+            seg = segments[r.segment_id] = buffer_of(r.segment_id, r.tier or "host")
+        datas.append(seg.slice(r.offset, r.nbytes))
     columns = [
         pa.array([r.name for r in rows], pa.string()),
         pa.array([r.dtype for r in rows], pa.string()),
-        pa.array([list(r.shape) for r in rows], pa.list_(pa.int64())),
-        pa.array(sizes, pa.int64()),
+        _shapes([r.shape for r in rows]),
+        _int64s(sizes),
         pa.array([r.checksum for r in rows], pa.string()),
-        pa.chunked_array(chunks, pa.large_binary()),
+        _chunk_per_value(datas, sizes),
     ]
     meta = {"tensordb.layout": LAYOUT, "tensordb.collection": collection,
             "tensordb.version": str(version)}
     return pa.Table.from_arrays(columns, schema=TENSOR_SCHEMA.with_metadata(meta))
+
+
+def blocks_table(keys: Sequence[bytes], dtypes: Sequence[str],
+                 shapes: Sequence[tuple[int, ...]], datas: Sequence[np.ndarray], *,
+                 namespace: str) -> pa.Table:
+    """KV blocks in the layout of ``BLOCK_SCHEMA``: ``datas`` are the blocks' bytes
+    (uint8 arrays), wrapped with no copy; each buffer keeps its array, and whatever
+    that array keeps alive (a block's read lease), for as long as it lives."""
+    sizes = np.fromiter((d.nbytes for d in datas), np.int64, count=len(datas))
+    columns = [
+        pa.array(keys, pa.binary()),
+        pa.array(dtypes, pa.string()),
+        _shapes(shapes),
+        _int64s(sizes),
+        _chunk_per_value([pa.py_buffer(d) for d in datas], sizes),
+    ]
+    meta = {"tensordb.layout": LAYOUT, "tensordb.namespace": namespace}
+    return pa.Table.from_arrays(columns, schema=BLOCK_SCHEMA.with_metadata(meta))
 
 
 def arrow_tensor(row: TensorRow, data: pa.Buffer) -> pa.Tensor:

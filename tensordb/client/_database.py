@@ -38,7 +38,7 @@ from ._notify import notifier_for, watch
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
 from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
-from ._snapshot import Snapshot
+from ._snapshot import Snapshot, tensors_arrow
 from ._transaction import Transaction
 from ._write import Writer
 
@@ -361,3 +361,9 @@ class Database:
         from query import execute
 
         return execute(self, text, params)
+
+    def tensors_arrow(self, result: pa.Table, *, verify: bool = False) -> pa.Table:
+        """The tensors a ``query`` result's ``collection``, ``name`` and ``version`` columns
+        name, row for row, as ``Snapshot.to_arrow`` gives them (docs/arrow.md)."""
+        self._check_open()
+        return tensors_arrow(lambda c, v: self.snapshot(c, version=v, verify=verify), result)

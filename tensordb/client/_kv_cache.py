@@ -17,12 +17,14 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import pyarrow as pa
 import torch
 
-from storage_engine import BlockStore, GpuError, KVStoreFull
+from storage_engine import BlockStore, BlockView, GpuError, KVStoreFull
+from tensordb.arrow import blocks_table
 from tensordb.errors import InvalidInput, NotFound, StoreClosed, StoreFull
 
-from ._kv_encoding import KeyChain, byte_view, decode_meta, encode_blocks
+from ._kv_encoding import KeyChain, byte_view, decode_meta, encode_blocks, meta_fields
 from ._kv_namespace import KVNamespace, KVNodeSummary, typed_errors
 from ._placement import device_of
 
@@ -138,16 +140,32 @@ class KVCache:
             dev = device_of(device, self.namespace)  # InvalidInput: not cpu/cuda, no CUDA
             if dev is not None and dev.type == "cuda":
                 return self._get_cuda(keys, verify, dev)
+        out = []
+        for v in self._host_views(keys, verify):
+            dtype, shape = decode_meta(v.meta)
+            out.append(torch.frombuffer(v.data, dtype=dtype).view(shape))
+        return out
+
+    def get_arrow(self, keys: Sequence[bytes], *, verify: bool = True) -> pa.Table:
+        """The blocks as an Arrow table, a row per key: ``key`` (binary), ``dtype``,
+        ``shape``, ``nbytes`` and ``data`` (large_binary, one chunk per block: the
+        block's mapping, no copy). A block stays protected from eviction while its
+        buffer is alive, as ``get``'s tensors keep it. Errors as ``get``."""
+        keys = self._chain.check(keys)
+        views = self._host_views(keys, verify)
+        fields = [meta_fields(v.meta) for v in views]
+        return blocks_table(keys, [f[0] for f in fields], [f[1] for f in fields],
+                            [v.data for v in views], namespace=self.namespace)
+
+    def _host_views(self, keys: list[bytes], verify: bool) -> list[BlockView]:
+        """The blocks' host views (NotFound naming the first absent key)."""
         with typed_errors(self.namespace, self.node):
             views = self._store().get(keys, verify=verify)
-        out = []
         for k, v in zip(keys, views, strict=True):
             if v is None:
                 raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
                                collection=self.namespace, tensor=k.hex())
-            dtype, shape = decode_meta(v.meta)
-            out.append(torch.frombuffer(v.data, dtype=dtype).view(shape))
-        return out
+        return cast("list[BlockView]", views)
 
     def _get_cuda(self, keys: list[bytes], verify: bool, dev: torch.device
                   ) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from tensordb.errors import InvalidInput
 from ._inputs import dtype_name, torch_dtype
 
 __all__ = ["MAX_KEY", "EncodedBlocks", "KeyChain", "byte_view", "decode_meta",
-           "encode_blocks"]
+           "encode_blocks", "meta_fields"]
 
 #: the longest key the block store's index takes
 MAX_KEY = 255
@@ -101,8 +101,14 @@ class KeyChain:
 def decode_meta(meta: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
     """The dtype and shape a block's record names (cached: a namespace's blocks share a
     handful of records)."""
+    name, shape = meta_fields(meta)
+    return torch_dtype(name), shape
+
+
+def meta_fields(meta: bytes) -> tuple[str, tuple[int, ...]]:
+    """The dtype name and shape a block's record names."""
     name, _, shape = meta.decode().partition("|")
-    return torch_dtype(name), tuple(int(d) for d in shape.split(",") if d)
+    return name, tuple(int(d) for d in shape.split(",") if d)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:

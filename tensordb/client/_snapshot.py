@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import pyarrow as pa
 import torch
 
 import storage_engine as se
-from tensordb.catalog import Commit
+from tensordb.arrow import LAYOUT, arrow_tensor, segment_buffer, tensors_table
+from tensordb.catalog import Commit, TensorRow
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._inputs import torch_dtype
-from ._read import Reader
+from ._read import Reader, check_bytes
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "tensors_arrow"]
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t)
+                or pa.types.is_string_view(t))
+
+
+#: the columns ``tensors_arrow`` needs in a query result: (a test of its type, its name)
+_QUERY_COLUMNS: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
+    "collection": (_is_text, "a string"), "name": (_is_text, "a string"),
+    "version": (pa.types.is_integer, "an integer")}
 
 
 class Snapshot:
@@ -151,6 +164,86 @@ class Snapshot:
             total += row.nbytes
         return total
 
+    # -- Arrow (docs/arrow.md) ---------------------------------------------------------
+    def to_arrow(self, names: Sequence[str] | None = None) -> pa.Table:
+        """The version as an Arrow table, a row per tensor (``tensordb.arrow``'s layout:
+        name, dtype, shape, nbytes, checksum, data). ``data`` values are slices of the
+        same mappings the torch views use: no copy on the host (GPU-tier rows: a host
+        copy). They stay valid after ``close``, as the torch views do. ``names``: those
+        tensors only, in that order (NotFound naming any the version lacks)."""
+        self._check()
+        rows = self._select(names)
+        buffers = self._buffers(rows)
+        return tensors_table(rows, lambda segment_id, _tier: buffers[segment_id],
+                             collection=self.collection, version=self.version)
+
+    def arrow(self, name: str) -> pa.Tensor:
+        """One tensor as a ``pyarrow.Tensor`` over its stored bytes, no copy on the host.
+        Dtypes Arrow has no tensor type for (bool, bfloat16, float8, float4, complex)
+        come back as their bytes, unsigned integers of the element's width (complex128:
+        a trailing dimension of 16 uint8); ``info()`` or ``to_arrow`` name the dtype."""
+        self._check()
+        row = self._row(name)
+        if row.segment_id is None or row.nbytes == 0:
+            return arrow_tensor(row, pa.py_buffer(b""))
+        data = pa.py_buffer(self._view(row).host_bytes(row.offset, row.nbytes))
+        if self._verify:
+            check_bytes(self.collection, row, memoryview(data))
+        return arrow_tensor(row, data)
+
+    def _row(self, name: object) -> TensorRow:
+        row = self._rows.get(name) if isinstance(name, str) else None
+        if row is None:
+            if not isinstance(name, str):
+                raise InvalidInput(f"a tensor name must be a str, not {type(name).__name__}",
+                                   collection=self.collection)
+            raise NotFound(f"collection {self.collection!r} version {self.version} has no "
+                           f"tensor {name!r}", collection=self.collection, tensor=name,
+                           version=self.version)
+        return row
+
+    def _select(self, names: Sequence[str] | None) -> list[TensorRow]:
+        """The rows ``names`` picks, in its order (every row for None)."""
+        if names is None:
+            return list(self._rows.values())
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise InvalidInput("names must be a list of tensor names (str), or None",
+                               collection=self.collection)
+        if len(set(names)) != len(names):
+            dup = next(n for i, n in enumerate(names) if n in names[:i])
+            raise InvalidInput(f"names lists {dup!r} twice", collection=self.collection,
+                               tensor=dup)
+        missing = [n for n in names if n not in self._rows]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise NotFound(f"collection {self.collection!r} version {self.version} has no "
+                           f"tensor {shown}", collection=self.collection, tensor=missing[0],
+                           version=self.version)
+        return [self._rows[n] for n in names]
+
+    def _view(self, row: TensorRow) -> se.SegmentView:
+        """The row's segment, mapped once per snapshot (the torch views share it)."""
+        assert row.segment_id is not None
+        mm = self._maps.get(row.segment_id)
+        if mm is None:
+            mm = self._maps[row.segment_id] = self._reader.map(
+                row.segment_id, row.tier or "host", self.collection, row.name)
+        return mm
+
+    def _buffers(self, rows: Sequence[TensorRow]) -> dict[str, pa.Buffer]:
+        """segment id -> its bytes as an Arrow buffer, for the segments of ``rows``;
+        each row's bytes checked against its checksum when the snapshot verifies."""
+        out: dict[str, pa.Buffer] = {}
+        for row in rows:
+            if row.segment_id is None or row.nbytes == 0:
+                continue
+            buf = out.get(row.segment_id)
+            if buf is None:
+                buf = out[row.segment_id] = segment_buffer(self._view(row))
+            if self._verify:
+                check_bytes(self.collection, row, memoryview(buf.slice(row.offset, row.nbytes)))
+        return out
+
     def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
         """name -> (dtype, shape, nbytes), without mapping anything."""
         return {n: (r.dtype, r.shape, r.nbytes) for n, r in self._rows.items()}
@@ -162,3 +255,73 @@ class Snapshot:
         holds the same bytes in two versions exactly when its extent is the same (a
         tensor of no bytes has no segment). Maps nothing."""
         return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}
+
+
+def _query_rows(result: object) -> list[tuple[str, str, int]]:
+    """(collection, name, version) of each row of a query result; InvalidInput naming
+    the column that is missing, of the wrong type or null."""
+    if not isinstance(result, pa.Table):
+        raise InvalidInput(f"tensors_arrow takes the pyarrow.Table of a query, not "
+                           f"{type(result).__name__}")
+    for column, (type_ok, kind) in _QUERY_COLUMNS.items():
+        if column not in result.column_names:
+            raise InvalidInput(f"the query result has no {column!r} column (it needs "
+                               f"collection, name and version; columns: "
+                               f"{', '.join(result.column_names) or 'none'})")
+        col = result.column(column)
+        if not type_ok(col.type):
+            raise InvalidInput(f"the query result's {column!r} column is {col.type}, not "
+                               f"{kind}")
+        if col.null_count:
+            raise InvalidInput(f"the query result's {column!r} column has nulls")
+    return list(zip(*(result.column(c).to_pylist() for c in _QUERY_COLUMNS), strict=True))
+
+
+def _rows_of(open_snapshot: Callable[[str, int | None], Snapshot], collection: str,
+             version: int, names: list[str]) -> tuple[dict[str, TensorRow], dict[str, pa.Buffer]]:
+    """The rows ``names`` of (collection, version) and their segments' buffers. A version
+    retention has dropped is read from the head where the head still holds the same row
+    (the one that version wrote: same first version), as the ``tensors`` table shows it."""
+    try:
+        snap = open_snapshot(collection, version)
+        from_head = False
+    except NotFound as exc:
+        if exc.version != version or exc.tensor is not None:
+            raise
+        snap, from_head = open_snapshot(collection, None), True
+    with snap:
+        rows = snap._select(names)
+        if from_head:
+            gone = [r.name for r in rows if r.first_version != version]
+            if gone:
+                raise NotFound(f"version {version} of collection {collection!r} is gone and "
+                               f"the head no longer holds its {gone[0]!r}",
+                               collection=collection, tensor=gone[0], version=version)
+        return {r.name: r for r in rows}, snap._buffers(rows)
+
+
+def tensors_arrow(open_snapshot: Callable[[str, int | None], Snapshot], result: object
+                  ) -> pa.Table:
+    """``Database.tensors_arrow``: the to_arrow layout of the rows a query selected,
+    with ``collection`` and ``version`` columns, in the query's row order. One snapshot
+    per (collection, version), closed before returning: the buffers keep their
+    mappings, as torch views do."""
+    wanted = _query_rows(result)
+    groups: dict[tuple[str, int], list[str]] = {}
+    for c, n, v in wanted:
+        names = groups.setdefault((c, v), [])
+        if n not in names:
+            names.append(n)
+    found: dict[tuple[str, int], dict[str, TensorRow]] = {}
+    buffers: dict[str, pa.Buffer] = {}
+    for (c, v), names in groups.items():
+        found[(c, v)], bufs = _rows_of(open_snapshot, c, v, names)
+        buffers.update(bufs)  # a segment id names one segment, whatever the collection
+    rows = [found[(c, v)][n] for c, n, v in wanted]
+    table = tensors_table(rows, lambda segment_id, _tier: buffers[segment_id],
+                          collection="", version=0)
+    table = table.add_column(0, pa.field("collection", pa.string(), nullable=False),
+                             pa.array([c for c, _, _ in wanted], pa.string()))
+    table = table.add_column(2, pa.field("version", pa.int64(), nullable=False),
+                             pa.array([v for _, _, v in wanted], pa.int64()))
+    return table.replace_schema_metadata({"tensordb.layout": LAYOUT})
