@@ -21,7 +21,7 @@ from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
 from ._procs import boot_id, current_holder, holder_alive
-from ._tier import Prefaulting, SegmentView, SegmentWriter, Tier
+from ._tier import Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
 
 __all__ = [
     "ALGORITHM",
@@ -53,6 +53,7 @@ __all__ = [
     "StorageError",
     "Tier",
     "TierFull",
+    "arrow_buffer",
     "bloom_may_hold",
     "boot_id",
     "checksum",

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import pyarrow as pa
 
-__all__ = ["Tier", "SegmentWriter", "SegmentView", "Prefaulting"]
+__all__ = ["Tier", "SegmentWriter", "SegmentView", "Prefaulting", "arrow_buffer"]
 
 
 @runtime_checkable
@@ -55,6 +56,15 @@ class SegmentView(Protocol):
         """``nbytes`` from ``offset`` (default: to the end) as a uint8 array on the host:
         a view over the mapping (no copy) for a host view, a new copy for a device view.
         ValueError (device) when the range lies outside the segment."""
+
+
+def arrow_buffer(view: SegmentView, offset: int = 0, nbytes: int | None = None) -> pa.Buffer:
+    """``nbytes`` of a segment from ``offset`` (default: to the end) as a
+    ``pyarrow.Buffer``: over the mapping itself for a host view (no copy; the buffer
+    holds the mapping, which stays valid while the buffer lives, whatever happens to the
+    segment's file), a host copy of a device view (Arrow's CUDA buffers need a CUDA
+    build of pyarrow)."""
+    return pa.py_buffer(view.host_bytes(offset, nbytes))
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from ._errors import SegmentMissing, TierFull
-from ._tier import SegmentView, SegmentWriter, Tier
+from ._tier import SegmentView, SegmentWriter, Tier, arrow_buffer
 
 __all__ = ["TierTests"]
 
@@ -101,6 +101,17 @@ class TierTests:
         with pytest.raises(SegmentMissing):
             tier.open("s1")
         assert tier.delete("s1") is False
+
+    def test_arrow_buffer_is_the_mapping_on_the_host(self, tier: Tier) -> None:
+        self.write_segment(tier, bytes(range(256)) * 40).release()
+        view = tier.open("s1")
+        buf = arrow_buffer(view, 256, 512)
+        assert buf.size == 512 and buf.to_pybytes() == bytes(range(256)) * 2
+        if not view.on_device:  # over the mapping itself, not a copy of it
+            assert buf.address == view.host_bytes(256, 512).ctypes.data
+        del view
+        assert tier.delete("s1") is True
+        assert buf.to_pybytes()[:4] == bytes(range(4))  # the buffer holds its mapping
 
     def test_missing_segment(self, tier: Tier) -> None:
         with pytest.raises(SegmentMissing) as info:

@@ -24,7 +24,8 @@ metadata names the layout (``tensordb.layout``: ``"1"``), the collection and the
 version.
 
 This module sits below the client facade and the transport (it knows catalog rows and
-storage views, nothing above them) and needs no torch.
+storage views, nothing above them) and needs no torch. A segment becomes an Arrow buffer
+through ``storage_engine.arrow_buffer``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-import storage_engine as se
 from tensordb.catalog import TensorRow
 from tensordb.errors import InvalidInput
 
 __all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "BufferOf", "arrow_tensor", "blocks_table",
-           "numpy_dtype", "segment_buffer", "tensors_table"]
+           "numpy_dtype", "tensors_table"]
 
 #: the version of the layout, in the table's metadata
 LAYOUT = "1"
@@ -92,12 +92,6 @@ def numpy_dtype(dtype: str) -> tuple[np.dtype, int]:
     if dtype == "complex128":
         return np.dtype("u1"), 16
     raise InvalidInput(f"no Arrow layout for dtype {dtype!r}")
-
-
-def segment_buffer(view: se.SegmentView) -> pa.Buffer:
-    """A whole segment as an Arrow buffer: over the mapping, no copy, for a host view
-    (the buffer keeps the mapping alive); a host copy of a device view."""
-    return pa.py_buffer(view.host_bytes())
 
 
 def _check_rows(rows: Sequence[TensorRow]) -> None:

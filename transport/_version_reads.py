@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 import storage_engine as se
-from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, segment_buffer, tensors_table
+from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, tensors_table
 from tensordb.catalog import NodeDirectory, TensorRow
 from tensordb.errors import InvalidInput, NotFound
 
@@ -113,7 +113,7 @@ class VersionReads:
         them); ``tier`` is where its writer put it, not necessarily where it is here."""
         here = self.directory.local_tier(segment_id, self.node) or self.pull(segment_id)
         try:
-            return segment_buffer(self.db.tier(here).open(segment_id))
+            return se.arrow_buffer(self.db.tier(here).open(segment_id))
         except se.SegmentMissing as exc:
             raise NotFound(f"node {self.node!r} lost the bytes of segment {segment_id}",
                            node=self.node) from exc

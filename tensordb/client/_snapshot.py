@@ -8,7 +8,7 @@ import pyarrow as pa
 import torch
 
 import storage_engine as se
-from tensordb.arrow import LAYOUT, arrow_tensor, segment_buffer, tensors_table
+from tensordb.arrow import LAYOUT, arrow_tensor, tensors_table
 from tensordb.catalog import Commit, TensorRow
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
@@ -239,7 +239,7 @@ class Snapshot:
                 continue
             buf = out.get(row.segment_id)
             if buf is None:
-                buf = out[row.segment_id] = segment_buffer(self._view(row))
+                buf = out[row.segment_id] = se.arrow_buffer(self._view(row))
             if self._verify:
                 check_bytes(self.collection, row, memoryview(buf.slice(row.offset, row.nbytes)))
         return out
