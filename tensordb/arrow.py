@@ -105,6 +105,20 @@ def _int64s(values: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
 
 
+def _strings(values: Sequence[str] | Sequence[bytes], kind: pa.DataType | None = None
+             ) -> pa.Array:
+    """A string (or binary) array of ``values`` from one joined buffer: ``pa.array`` of
+    Python strings sets up its converters on first use, a millisecond of a fresh
+    process's first ``to_arrow``."""
+    kind = pa.string() if kind is None else kind
+    encoded = [v.encode() if isinstance(v, str) else v for v in values]
+    n = len(encoded)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(np.fromiter(map(len, encoded), np.int32, count=n), out=offsets[1:])
+    return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(offsets),
+                                           pa.py_buffer(b"".join(encoded))])
+
+
 def _shapes(shapes: Sequence[tuple[int, ...]]) -> pa.Array:
     """The ``list<int64>`` column of ``shapes``, built from numpy buffers: ``pa.array`` of
     Python lists costs a millisecond more on a fresh process's first call."""
@@ -146,11 +160,11 @@ def tensors_table(rows: Sequence[TensorRow], buffer_of: BufferOf, *, collection:
             seg = segments[r.segment_id] = buffer_of(r.segment_id, r.tier or "host")
         datas.append(seg.slice(r.offset, r.nbytes))
     columns = [
-        pa.array([r.name for r in rows], pa.string()),
-        pa.array([r.dtype for r in rows], pa.string()),
+        _strings([r.name for r in rows]),
+        _strings([r.dtype for r in rows]),
         _shapes([r.shape for r in rows]),
         _int64s(sizes),
-        pa.array([r.checksum for r in rows], pa.string()),
+        _strings([r.checksum for r in rows]),
         _chunk_per_value(datas, sizes),
     ]
     meta = {"tensordb.layout": LAYOUT, "tensordb.collection": collection,
@@ -166,8 +180,8 @@ def blocks_table(keys: Sequence[bytes], dtypes: Sequence[str],
     that array keeps alive (a block's read lease), for as long as it lives."""
     sizes = np.fromiter((d.nbytes for d in datas), np.int64, count=len(datas))
     columns = [
-        pa.array(keys, pa.binary()),
-        pa.array(dtypes, pa.string()),
+        _strings(keys, pa.binary()),
+        _strings(dtypes),
         _shapes(shapes),
         _int64s(sizes),
         _chunk_per_value([pa.py_buffer(d) for d in datas], sizes),
