@@ -193,22 +193,29 @@ def _read_raw_header(fd: int, path: Path, size: int) -> bytes:
     return _pread_exact(fd, n, 8, path, "header")
 
 
-def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, str] | None, list[Entry]]:
-    """The header's ``__metadata__`` and its entries in file order (not yet checked
-    against each other or the data section)."""
+def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+    """``raw`` as a JSON object, strictly (UTF-8, no name twice); CorruptData whose
+    message starts with ``where`` (the file, and what of it) otherwise."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CorruptData(f"{path}: header is not UTF-8 ({exc.reason} at byte {exc.start})") \
+        raise CorruptData(f"{where}is not UTF-8 ({exc.reason} at byte {exc.start})") \
             from None
     try:
         doc = json.loads(text, object_pairs_hook=_no_duplicates)
     except _Duplicate as exc:
-        raise CorruptData(f"{path}: header names {str(exc)!r} twice") from None
+        raise CorruptData(f"{where}names {str(exc)!r} twice") from None
     except (ValueError, RecursionError) as exc:
-        raise CorruptData(f"{path}: header is not valid JSON: {exc}") from None
+        raise CorruptData(f"{where}is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise CorruptData(f"{path}: header is a JSON {type(doc).__name__}, not an object")
+        raise CorruptData(f"{where}is a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, str] | None, list[Entry]]:
+    """The header's ``__metadata__`` and its entries in file order (not yet checked
+    against each other or the data section)."""
+    doc = _json_object(raw, f"{path}: header ")
     metadata = doc.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(v, str) for v in metadata.values())):
@@ -302,18 +309,9 @@ def index_text(doc: Mapping[str, Any]) -> str:
 
 
 def _read_index(path: Path) -> Index:
-    try:
-        raw = path.read_bytes().decode("utf-8")  # no newline translation: kept byte for byte
-    except UnicodeDecodeError as exc:
-        raise CorruptData(f"{path}: not UTF-8 ({exc.reason})") from None
-    try:
-        doc = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except _Duplicate as exc:
-        raise CorruptData(f"{path}: names {str(exc)!r} twice") from None
-    except (ValueError, RecursionError) as exc:
-        raise CorruptData(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CorruptData(f"{path}: a JSON {type(doc).__name__}, not an object")
+    data = path.read_bytes()  # bytes: no newline translation, the text kept byte for byte
+    doc = _json_object(data, f"{path}: ")
+    raw = data.decode("utf-8")
     wm = doc.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CorruptData(f"{path}: 'weight_map' must map tensor names to file names")
