@@ -36,10 +36,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+import storage_engine as se
 from tensordb.catalog import TensorRow
 from tensordb.errors import InvalidInput
 
-__all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "BufferOf", "arrow_tensor", "blocks_table",
+__all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "ViewOf", "arrow_tensor", "blocks_table",
            "numpy_dtype", "tensors_table"]
 
 #: the version of the layout, in the table's metadata
@@ -78,8 +79,8 @@ _FALLBACK = {
     "float8_e5m2fnuz": "u1", "float8_e8m0fnu": "u1", "float4_e2m1fn_x2": "u1",
 }
 
-#: one segment's bytes as an Arrow buffer, given (segment id, tier)
-BufferOf = Callable[[str, str], pa.Buffer]
+#: a segment's view on this node, given (segment id, the tier its row names)
+ViewOf = Callable[[str, str], se.SegmentView]
 
 
 def numpy_dtype(dtype: str) -> tuple[np.dtype, int]:
@@ -142,23 +143,32 @@ def _chunk_per_value(datas: Sequence[pa.Buffer], sizes: np.ndarray) -> pa.Chunke
     return pa.chunked_array(chunks, pa.large_binary())
 
 
-def tensors_table(rows: Sequence[TensorRow], buffer_of: BufferOf, *, collection: str,
+def tensors_table(rows: Sequence[TensorRow], view_of: ViewOf, *, collection: str,
                   version: int) -> pa.Table:
-    """The layout above for ``rows``; ``buffer_of`` maps a segment (called once per
-    segment). Zero-copy: each ``data`` value is a slice of its segment's buffer."""
+    """The layout above for ``rows``; ``view_of`` gives a segment's view on this node
+    (called once per segment). Zero-copy on the host: each ``data`` value is a slice of
+    one Arrow buffer over the segment's mapping. A device view's rows are copied to the
+    host one by one, never its whole segment."""
     _check_rows(rows)
     sizes = np.fromiter((r.nbytes for r in rows), np.int64, count=len(rows))
     empty = pa.py_buffer(b"")
-    segments: dict[str, pa.Buffer] = {}
+    views: dict[str, se.SegmentView] = {}
+    buffers: dict[str, pa.Buffer] = {}
     datas = []
     for r in rows:
         if r.segment_id is None or r.nbytes == 0:
             datas.append(empty)
             continue
-        seg = segments.get(r.segment_id)
-        if seg is None:
-            seg = segments[r.segment_id] = buffer_of(r.segment_id, r.tier or "host")
-        datas.append(seg.slice(r.offset, r.nbytes))
+        buf = buffers.get(r.segment_id)
+        if buf is None:
+            view = views.get(r.segment_id)
+            if view is None:
+                view = views[r.segment_id] = view_of(r.segment_id, r.tier or "host")
+            if view.on_device:  # this row's bytes come up, not the segment's
+                datas.append(se.arrow_buffer(view, r.offset, r.nbytes))
+                continue
+            buf = buffers[r.segment_id] = se.arrow_buffer(view)
+        datas.append(buf.slice(r.offset, r.nbytes))
     columns = [
         _strings([r.name for r in rows]),
         _strings([r.dtype for r in rows]),

@@ -103,6 +103,21 @@ def test_to_arrow_before_the_torch_views_shares_their_mapping(db: tensordb.Datab
         assert _data(again, 0).address == _data(table, 0).address
 
 
+def test_to_arrow_of_the_disk_tier_and_of_an_evicted_version(db: tensordb.Database) -> None:
+    db.commit("d", {"a": torch.arange(100.0), "b": torch.ones(7, dtype=torch.int16)},
+              tier="disk")
+    db.commit("h", {"a": torch.arange(50.0)})
+    db.evict("h", tier="host")  # its segment moves to the disk tier
+    for name in ("d", "h"):
+        with db.snapshot(name) as snap:
+            assert {r.tier for r in snap._rows.values()} == {"disk"}
+            table = snap.to_arrow()
+            for i, row in enumerate(table.to_pylist()):
+                t = snap[row["name"]]
+                assert _data(table, i).address == t.data_ptr()
+                assert row["data"] == _bytes(t)
+
+
 def test_to_arrow_names_pick_rows_in_order(sqlite_db: tensordb.Database) -> None:
     db = sqlite_db
     db.commit("m", {"a": torch.arange(4.0), "b": torch.ones(2), "c": torch.zeros(3)})
@@ -183,8 +198,9 @@ def test_to_arrow_verify_catches_a_flipped_byte(sqlite_db: tensordb.Database) ->
 
 def test_gpu_tier_rows_come_back_as_host_copies(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the stand-in CUDA runtime (tests/cuda_standin.py): a GPU-tier segment is copied
-    to the host once per call, and the copy outlives the snapshot and the store."""
+    """On the stand-in CUDA runtime (tests/cuda_standin.py): a GPU-tier row is copied to
+    the host, that row's bytes only (not its segment), and the copy outlives the
+    snapshot and the store."""
     # the process caches whether a GPU tier can run: probe again, on the stand-in
     monkeypatch.setattr(_cuda, "_probe_result", False)
     with installed(tmp_path / "fake-cuda"):
@@ -195,7 +211,10 @@ def test_gpu_tier_rows_come_back_as_host_copies(tmp_path: Path,
             with db.snapshot("g", verify=True) as snap:
                 table = snap.to_arrow()
                 bf = snap.arrow("b")
+                one = snap.to_arrow(["b"])
                 assert snap._maps and all(v.on_device for v in snap._maps.values())
+            data = _data(one, 0)  # a buffer of the row's own bytes, not a slice of more
+            assert data.parent is None and data.size == model["b"].nbytes
             assert [_data(table, i).to_pybytes() for i in range(2)] == \
                 [_bytes(model["a"]), _bytes(model["b"])]
             assert str(bf.type) == "uint16" and bf.to_numpy().tobytes() == _bytes(model["b"])

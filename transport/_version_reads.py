@@ -108,15 +108,18 @@ class VersionReads:
                                version=version, tensor=big.name)
         return tensors_table(rows, self._segment, collection=collection, version=version)
 
-    def _segment(self, segment_id: str, tier: str) -> pa.Buffer:
-        """A segment's bytes on this node (pulled here first when another node holds
-        them); ``tier`` is where its writer put it, not necessarily where it is here."""
-        here = self.directory.local_tier(segment_id, self.node) or self.pull(segment_id)
-        try:
-            return se.arrow_buffer(self.db.tier(here).open(segment_id))
-        except se.SegmentMissing as exc:
-            raise NotFound(f"node {self.node!r} lost the bytes of segment {segment_id}",
-                           node=self.node) from exc
+    def _segment(self, segment_id: str, tier: str) -> se.SegmentView:
+        """A segment's view on this node (pulled here first when another node holds
+        it); ``tier`` is where its writer put it, not necessarily where it is here. A
+        segment that moves between tiers meanwhile (an eviction) is looked up again."""
+        for _ in range(3):
+            here = self.directory.local_tier(segment_id, self.node) or self.pull(segment_id)
+            try:
+                return self.db.tier(here).open(segment_id)
+            except se.SegmentMissing:
+                continue
+        raise NotFound(f"node {self.node!r} lost the bytes of segment {segment_id}",
+                       node=self.node)
 
     def _release(self, lease: str) -> None:
         try:

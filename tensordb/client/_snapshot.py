@@ -173,8 +173,8 @@ class Snapshot:
         tensors only, in that order (NotFound naming any the version lacks)."""
         self._check()
         rows = self._select(names)
-        buffers = self._buffers(rows)
-        return tensors_table(rows, lambda segment_id, _tier: buffers[segment_id],
+        views = self._views(rows)
+        return tensors_table(rows, lambda segment_id, _tier: views[segment_id],
                              collection=self.collection, version=self.version)
 
     def arrow(self, name: str) -> pa.Tensor:
@@ -230,18 +230,19 @@ class Snapshot:
                 row.segment_id, row.tier or "host", self.collection, row.name)
         return mm
 
-    def _buffers(self, rows: Sequence[TensorRow]) -> dict[str, pa.Buffer]:
-        """segment id -> its bytes as an Arrow buffer, for the segments of ``rows``;
-        each row's bytes checked against its checksum when the snapshot verifies."""
-        out: dict[str, pa.Buffer] = {}
+    def _views(self, rows: Sequence[TensorRow]) -> dict[str, se.SegmentView]:
+        """segment id -> its view, for the segments of ``rows`` (the snapshot's own
+        mappings); each row's bytes checked against its checksum when the snapshot
+        verifies."""
+        out: dict[str, se.SegmentView] = {}
         for row in rows:
             if row.segment_id is None or row.nbytes == 0:
                 continue
-            buf = out.get(row.segment_id)
-            if buf is None:
-                buf = out[row.segment_id] = se.arrow_buffer(self._view(row))
+            view = out.get(row.segment_id)
+            if view is None:
+                view = out[row.segment_id] = self._view(row)
             if self._verify:
-                check_bytes(self.collection, row, memoryview(buf.slice(row.offset, row.nbytes)))
+                check_bytes(self.collection, row, view.host_bytes(row.offset, row.nbytes))
         return out
 
     def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
@@ -278,8 +279,9 @@ def _query_rows(result: object) -> list[tuple[str, str, int]]:
 
 
 def _rows_of(open_snapshot: Callable[[str, int | None], Snapshot], collection: str,
-             version: int, names: list[str]) -> tuple[dict[str, TensorRow], dict[str, pa.Buffer]]:
-    """The rows ``names`` of (collection, version) and their segments' buffers. A version
+             version: int, names: list[str]
+             ) -> tuple[dict[str, TensorRow], dict[str, se.SegmentView]]:
+    """The rows ``names`` of (collection, version) and their segments' views. A version
     retention has dropped is read from the head where the head still holds the same row
     (the one that version wrote: same first version), as the ``tensors`` table shows it."""
     try:
@@ -297,7 +299,7 @@ def _rows_of(open_snapshot: Callable[[str, int | None], Snapshot], collection: s
                 raise NotFound(f"version {version} of collection {collection!r} is gone and "
                                f"the head no longer holds its {gone[0]!r}",
                                collection=collection, tensor=gone[0], version=version)
-        return {r.name: r for r in rows}, snap._buffers(rows)
+        return {r.name: r for r in rows}, snap._views(rows)
 
 
 def tensors_arrow(open_snapshot: Callable[[str, int | None], Snapshot], result: object
@@ -313,12 +315,12 @@ def tensors_arrow(open_snapshot: Callable[[str, int | None], Snapshot], result: 
         if n not in names:
             names.append(n)
     found: dict[tuple[str, int], dict[str, TensorRow]] = {}
-    buffers: dict[str, pa.Buffer] = {}
+    views: dict[str, se.SegmentView] = {}
     for (c, v), names in groups.items():
-        found[(c, v)], bufs = _rows_of(open_snapshot, c, v, names)
-        buffers.update(bufs)  # a segment id names one segment, whatever the collection
+        found[(c, v)], got = _rows_of(open_snapshot, c, v, names)
+        views.update(got)  # a segment id names one segment, whatever the collection
     rows = [found[(c, v)][n] for c, n, v in wanted]
-    table = tensors_table(rows, lambda segment_id, _tier: buffers[segment_id],
+    table = tensors_table(rows, lambda segment_id, _tier: views[segment_id],
                           collection="", version=0)
     table = table.add_column(0, pa.field("collection", pa.string(), nullable=False),
                              pa.array([c for c, _, _ in wanted], pa.string()))
