@@ -70,6 +70,15 @@ def pg_url() -> Iterator[str]:
         eng.dispose()
 
 
+def flip_byte(path: Path, offset: int) -> None:
+    """Corrupt one byte of a file in place (every bit of it flipped)."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
 def open_store(home: Path, url: str | None = None, **settings: object) -> tensordb.Database:
     return tensordb.connect(url, home=home, data_dir=home / "data", **settings)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import open_store, remove_store
+from conftest import flip_byte, open_store, remove_store
 from cuda_standin import installed
 
 import tensordb
@@ -180,11 +180,7 @@ def test_to_arrow_verify_catches_a_flipped_byte(sqlite_db: tensordb.Database) ->
     db = sqlite_db
     db.commit("cor", {"a": torch.ones(1024), "b": torch.zeros(1024)})
     (sid,) = list(db.tier("host").segments())
-    with open(db.tier("host").path(sid), "r+b") as fh:
-        fh.seek(10)
-        byte = fh.read(1)
-        fh.seek(10)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(db.tier("host").path(sid), 10)
     with db.snapshot("cor", verify=True) as snap:
         with pytest.raises(CorruptData) as info:
             snap.to_arrow()

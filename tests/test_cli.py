@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import flip_byte
 from typer.testing import CliRunner, Result
 
 import tensordb
@@ -178,10 +179,7 @@ def test_verify_ok_then_corrupt(store: Path) -> None:
     assert len(segs) == 3
     # qwen's segment is the one holding 64 bytes; its first byte is w's first byte
     seg = next(s for s in segs if s.stat().st_size == c1.nbytes)
-    with open(seg, "r+b") as f:
-        b = f.read(1)
-        f.seek(0)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(seg, 0)
     r = invoke(store, "verify")
     assert r.exit_code == 1, r.output
     assert "1 problem(s)" in r.stdout

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import flip_byte
 
 import tensordb
 from tensordb.errors import (
@@ -394,11 +395,7 @@ def test_flipped_byte_is_caught(db: tensordb.Database) -> None:
     db.commit("cor", {"a": torch.ones(1024), "b": torch.zeros(1024)})
     (sid,) = list(db.tier("host").segments())
     path = db.tier("host").path(sid)
-    with open(path, "r+b") as fh:
-        fh.seek(10)
-        byte = fh.read(1)
-        fh.seek(10)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, 10)
     problems = db.verify()
     assert [(p.collection, p.tensor) for p in problems] == [("cor", "a")]
     with pytest.raises(tensordb.errors.CorruptData) as info:
@@ -622,11 +619,7 @@ def test_snapshot_read_into_bad_buffers_write_nothing(db: tensordb.Database) -> 
 def test_snapshot_read_into_verifies(db: tensordb.Database) -> None:
     db.commit("rv", {"a": torch.ones(1024), "b": torch.zeros(1024)})
     (sid,) = list(db.tier("host").segments())
-    with open(db.tier("host").path(sid), "r+b") as fh:
-        fh.seek(10)
-        byte = fh.read(1)
-        fh.seek(10)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(db.tier("host").path(sid), 10)
     out = torch.empty(1024)
     with db.snapshot("rv") as snap:
         snap.read_into({"a": out})  # unverified: the flipped byte comes through

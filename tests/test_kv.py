@@ -16,7 +16,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from conftest import open_store
+from conftest import flip_byte, open_store
 from sqlalchemy import select
 
 import tensordb
@@ -532,14 +532,6 @@ def test_a_pinned_block_on_disk_survives_a_trim_past_disk_capacity(
 
 
 # -- corruption ----------------------------------------------------------------------
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0xFF]))
-
-
 @pytest.mark.parametrize("reader", ["get", "get_into", "disk"])
 def test_corrupt_block_is_detected_and_never_served(kv: KVCache, reader: str) -> None:
     keys = kv.keys(list(range(12)))
@@ -548,7 +540,7 @@ def test_corrupt_block_is_detected_and_never_served(kv: KVCache, reader: str) ->
         kv.put(kv.keys(list(range(100, 100 + 4 * 80))), [_block(9.0)] * 80)  # spill ours
     tier, path, offset, nbytes = kv.store.locate(keys[1])  # type: ignore[misc]
     assert tier == ("disk" if reader == "disk" else "host")
-    _flip(path, offset + nbytes // 2)
+    flip_byte(path, offset + nbytes // 2)
     with pytest.raises(CorruptData):
         if reader == "get_into":
             kv.get_into(keys, [torch.empty(1024) for _ in keys])
