@@ -15,17 +15,27 @@ from ._cuda import GpuError
 from ._errors import SegmentMissing, StorageError, TierFull
 from ._files import DiskTier, FileTier, HostTier, HostView, shm_root
 from ._gpu import GpuTier, GpuView
-from ._io import ALIGN, Source, fill_segment, io_pool, io_workers, pack
+from ._io import (
+    ALIGN,
+    BATCH_FILL,
+    Source,
+    fill_from_addresses,
+    fill_segment,
+    io_pool,
+    io_workers,
+    pack,
+)
 from ._kv import BlockStore
 from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
-from ._procs import boot_id, current_holder, holder_alive
+from ._procs import boot_id, current_holder, gc_paused, holder_alive
 from ._tier import Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
 
 __all__ = [
     "ALGORITHM",
     "ALIGN",
+    "BATCH_FILL",
     "BlockStore",
     "BlockView",
     "DiskTier",
@@ -60,7 +70,9 @@ __all__ = [
     "copy",
     "copy_and_checksum",
     "current_holder",
+    "fill_from_addresses",
     "fill_segment",
+    "gc_paused",
     "holder_alive",
     "io_pool",
     "io_workers",

@@ -46,6 +46,12 @@ def _bind_copy_hash() -> Callable[[np.ndarray, np.ndarray], int] | None:
 
 
 _copy_hash = _bind_copy_hash()
+#: the extension's batch of one-pass copies from raw addresses (``fill_from_addresses``)
+copy_hash_many: Callable[..., None] | None = None
+if _copy_hash is not None:
+    from . import _stream as _ext
+
+    copy_hash_many = getattr(_ext, "copy_hash_many", None)  # an older build lacks it
 
 __all__ = ["ALGORITHM", "HASH_PIECE", "Hasher", "checksum", "copy", "copy_and_checksum",
            "STREAMING"]

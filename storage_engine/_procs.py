@@ -7,10 +7,30 @@ the life of the host.
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
-__all__ = ["current_holder", "holder_alive", "boot_id"]
+__all__ = ["current_holder", "holder_alive", "boot_id", "gc_paused"]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, back on after it (if it was
+    on). A bulk step that builds one small object per tensor (a commit or a manifest of
+    100,000) otherwise triggers a collection every few hundred allocations, and each
+    one walks the objects the process already holds: measured, ``t.shape`` took 1.9 us
+    a tensor so, 0.16 us without. The blocks allocate no reference cycles of their own."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @lru_cache(maxsize=1)

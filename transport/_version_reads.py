@@ -91,7 +91,7 @@ class VersionReads:
         lease, _, v, rows = self.db.catalog.open_snapshot(
             collection, version, tag, se.current_holder(), self.db.config.lease_ttl)
         try:
-            table = self.table(rows, collection, v)
+            table = self.table(list(rows.values()), collection, v)
         except BaseException:
             self._release(lease)
             raise

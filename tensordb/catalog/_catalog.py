@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from pathlib import Path
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, select
 
 from ._common import CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
 from ._gc import GarbageCollector
 from ._leases import Leases, Opened
+from ._manifests import Manifests
 from ._segments import Segments
 from ._versions import Versions
+from .schema import commits
 
 __all__ = ["Catalog"]
 
@@ -29,13 +32,17 @@ class Catalog:
     ``node`` is this process's node: the one its segments and leases are recorded on.
     ``lease_engine``: a SQL engine for leases, which die with their holders and need no
     fsync (on SQLite, one with ``synchronous=NORMAL``); the main SQL engine if not given.
+    ``manifest_dir``: where this host keeps packed manifests of large versions
+    (``_manifests``); None reads every manifest from SQL.
     """
 
-    def __init__(self, engine: Engine, node: str, *, lease_engine: Engine | None = None) -> None:
+    def __init__(self, engine: Engine, node: str, *, lease_engine: Engine | None = None,
+                 manifest_dir: Path | None = None) -> None:
         self.engine = engine
         self.node = node
         self.lease_engine = lease_engine or engine
-        self._versions = Versions(engine, node)
+        self.manifests = Manifests(manifest_dir) if manifest_dir is not None else None
+        self._versions = Versions(engine, node, self.manifests)
         self._leases = Leases(engine, self.lease_engine, node, self._versions)
         self._segments = Segments(engine, node)
         self._gc = GarbageCollector(engine, node)
@@ -77,9 +84,9 @@ class Catalog:
         """The tensors of one version (or those of ``names``), ordered by name."""
         return self._versions.manifest(cid, version, names, conn, head=head)
 
-    def live(self, cid: int) -> dict[str, TensorRow]:
-        """The head's rows by name."""
-        return self._versions.live(cid)
+    def live(self, cid: int, names: Sequence[str] | None = None) -> dict[str, TensorRow]:
+        """The head's rows by name (all, or those of ``names``)."""
+        return self._versions.live(cid, names)
 
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
@@ -163,8 +170,25 @@ class Catalog:
     # -- gc: GarbageCollector ---------------------------------------------------------------
     def gc(self) -> GcPlan:
         """Drop what no version, tag, lease or retention rule needs, in one transaction;
-        the caller deletes the returned segments' bytes afterwards."""
-        return self._gc.gc()
+        the caller deletes the returned segments' bytes afterwards. Packed manifests of
+        commits that are gone are deleted after it."""
+        plan = self._gc.gc()
+        self.prune_manifests()
+        return plan
+
+    def prune_manifests(self) -> int:
+        """Delete the packed manifests of commits the catalog no longer has."""
+        if self.manifests is None:
+            return 0
+        with self.engine.connect() as conn:
+            keep = set(conn.execute(select(commits.c.txn_id)
+                                    .where(commits.c.txn_id.is_not(None))).scalars())
+        return self.manifests.prune(keep)
+
+    def close(self) -> None:
+        """Finish the manifests being packed in the background."""
+        if self.manifests is not None:
+            self.manifests.close()
 
     def drop_versions(self, name: str, keep_last: int | None,
                       older_than: timedelta | None) -> int:

@@ -32,6 +32,7 @@ __all__ = [
     "gc_lock",
     "insert_ignore",
     "is_in",
+    "names_in",
     "now_utc",
     "parse_shape",
     "shape_text",
@@ -88,9 +89,9 @@ class TensorRow(NamedTuple):
     first_version: int
 
 
-@dataclass(frozen=True, slots=True)
-class NewTensor:
-    """A tensor row a commit adds: its bytes are already at ``offset`` of the segment."""
+class NewTensor(NamedTuple):
+    """A tensor row a commit adds: its bytes are already at ``offset`` of the segment
+    (a tuple: a commit of 100,000 tensors builds 100,000)."""
 
     name: str
     dtype: str
@@ -111,9 +112,15 @@ class GcPlan:
     expired_leases: int
 
 
-def shape_text(shape: Sequence[int]) -> str:
-    """A shape as the ``tensors.shape`` column stores it: ``"4096,4096"``, ``""`` for 0-d."""
+@lru_cache(maxsize=4096)
+def _shape_text(shape: tuple[int, ...]) -> str:
     return ",".join(str(int(d)) for d in shape)
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A shape as the ``tensors.shape`` column stores it: ``"4096,4096"``, ``""`` for 0-d
+    (cached: a model repeats a few shapes many times)."""
+    return _shape_text(shape if isinstance(shape, tuple) else tuple(shape))
 
 
 @lru_cache(maxsize=4096)
@@ -136,6 +143,27 @@ def is_in(conn: Connection, col: Any, values: Sequence[str]) -> Any:
     if conn.dialect.name == "postgresql":
         return col == any_(literal(list(values), ARRAY(String)))
     return col.in_(list(values))
+
+
+#: above this many names, SQLite takes them from a temporary table instead of one bound
+#: parameter each (its statements hold at most 32,766 of them on some builds, and
+#: parsing 100,000 took most of a second)
+_TEMP_NAMES_OVER = 500
+
+
+def names_in(conn: Connection, col: Any, names: Sequence[str]) -> Any:
+    """``col IN names`` for a list of any length: ``is_in`` for a few names, and on
+    SQLite a per-connection temporary table for many (filled by one executemany, read
+    by the statement through its primary key), so a commit of k tensors costs O(k)
+    whatever k is."""
+    if conn.dialect.name != "sqlite" or len(names) <= _TEMP_NAMES_OVER:
+        return is_in(conn, col, names)
+    conn.exec_driver_sql("CREATE TEMP TABLE IF NOT EXISTS td_names (name TEXT PRIMARY KEY) "
+                         "WITHOUT ROWID")
+    conn.exec_driver_sql("DELETE FROM temp.td_names")
+    conn.exec_driver_sql("INSERT OR IGNORE INTO temp.td_names (name) VALUES (?)",
+                         [(n,) for n in names])
+    return col.in_(text("SELECT name FROM temp.td_names"))
 
 
 def insert_ignore(conn: Connection, table: Table, values: dict[str, Any]) -> None:

@@ -20,7 +20,16 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, delete, select, text
 
 from ..errors import NotFound
-from ._common import CollectionInfo, TensorRow, gc_lock, insert_ignore, now_utc, tensor_rows
+from ._common import (
+    CollectionInfo,
+    TensorRow,
+    gc_lock,
+    insert_ignore,
+    now_utc,
+    shape_text,
+    tensor_rows,
+)
+from ._manifests import PACK_MIN_ROWS, Manifest
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
 from ._versions import DBAPI_HEAD_ROWS, Versions
@@ -29,7 +38,9 @@ from .schema import UTCDateTime, collections, leases, pins
 __all__ = ["Leases", "Opened"]
 
 #: what opening a snapshot returns: (lease id, collection, version, manifest)
-Opened = tuple[str, CollectionInfo, int, list[TensorRow]]
+Opened = tuple[str, CollectionInfo, int, Manifest]
+
+_SQL_TXN = "SELECT txn_id FROM commits WHERE collection_id = ? AND version = ?"
 
 _SQL_LEASE = text(
     "INSERT INTO leases (id, collection_id, version, holder, node, created_at, expires_at) "
@@ -117,12 +128,16 @@ class Leases:
             conn.execute(_SQL_LEASE, {
                 "id": lease_id, "cid": info.id, "v": v, "holder": holder, "node": self.node,
                 "created": created, "expires": created + timedelta(seconds=ttl)})
-            # the live-rows shortcut needs one snapshot for both statements: SQLite's
-            # write transaction is one; PostgreSQL's READ COMMITTED is not, and a commit
-            # landing between them would hand out the next version's rows
-            rows = self.versions.manifest(info.id, v, None, conn,
-                                          head=(v == info.head and conn.dialect.name == "sqlite"))
-        return lease_id, info, v, rows
+            txn = conn.exec_driver_sql(_SQL_TXN.replace("?", "%s") if conn.dialect.name
+                                       == "postgresql" else _SQL_TXN, (info.id, v)).scalar()
+            rows = None
+            if not self._has_packed(txn):
+                # the live-rows shortcut needs one snapshot for both statements: SQLite's
+                # write transaction is one; PostgreSQL's READ COMMITTED is not, and a
+                # commit landing between them would hand out the next version's rows
+                rows = self.versions.manifest(
+                    info.id, v, None, conn, head=(v == info.head and conn.dialect.name == "sqlite"))
+        return lease_id, info, v, self._manifest(info.id, v, txn, rows)
 
     def _open_head_sqlite(self, lease_id: str, name: str, holder: str, created: datetime,
                           ttl: float) -> Opened:
@@ -130,6 +145,7 @@ class Leases:
         statements in one write transaction, on the lease SQL engine's DBAPI connection.
         SQLAlchemy's connection and statement handling were most of a fresh process's
         first open (2.5 of 3.5 ms for a 221-tensor model); this takes about 1 ms."""
+        rows = None
         with _sqlite_write(self.lease_engine) as cur:
             row = cur.execute("SELECT id, name, head, retain_last FROM collections "
                               "WHERE name = ?", (name,)).fetchone()
@@ -142,12 +158,44 @@ class Leases:
                         "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         (lease_id, info.id, info.head, holder, self.node, _sqlite_time(created),
                          _sqlite_time(created + timedelta(seconds=ttl))))
-            raw = cur.execute(DBAPI_HEAD_ROWS, (info.id,)).fetchall()
-            seg_ids = list({r[5] for r in raw if r[5] is not None})
-            tiers = dict(cur.execute(
-                f"SELECT id, tier FROM segments WHERE id IN ({','.join('?' * len(seg_ids))})",
-                seg_ids).fetchall()) if seg_ids else {}
-        return lease_id, info, info.head, tensor_rows(raw, tiers)
+            found = cur.execute(_SQL_TXN, (info.id, info.head)).fetchone()
+            txn = found[0] if found else None
+            if not self._has_packed(txn):
+                raw = cur.execute(DBAPI_HEAD_ROWS, (info.id,)).fetchall()
+                seg_ids = list({r[5] for r in raw if r[5] is not None})
+                tiers = dict(cur.execute(
+                    f"SELECT id, tier FROM segments WHERE id IN ({','.join('?' * len(seg_ids))})",
+                    seg_ids).fetchall()) if seg_ids else {}
+                rows = tensor_rows(raw, tiers)
+        return lease_id, info, info.head, self._manifest(info.id, info.head, txn, rows)
+
+    def _has_packed(self, txn: str | None) -> bool:
+        manifests = self.versions.manifests
+        return manifests is not None and txn is not None and manifests.path(txn).exists()
+
+    def _manifest(self, cid: int, version: int, txn: str | None,
+                  rows: list[TensorRow] | None) -> Manifest:
+        """The manifest of a leased version: its packed file when the transaction saw
+        one (``rows`` None), else ``rows`` (read from SQL in the lease's transaction),
+        packed now for the next opener when the version is large. A packed file that
+        fails to load is rebuilt from SQL: the lease keeps the version's rows."""
+        manifests = self.versions.manifests
+        if rows is None:
+            assert manifests is not None and txn is not None
+            table = manifests.load(txn)
+            if table is not None:
+                found = Manifest(table=table)
+                return Manifest(table=table,
+                                tiers=self.versions.segment_tiers(found.segment_ids()))
+            rows = self.versions.manifest(cid, version)
+        if manifests is not None and txn is not None and len(rows) >= PACK_MIN_ROWS:
+            try:
+                manifests.store_rows(txn, [(r.name, r.dtype, shape_text(r.shape), r.nbytes,
+                                            r.checksum, r.segment_id, r.offset,
+                                            r.first_version) for r in rows])
+            except OSError:  # a cache: the next opener tries again
+                pass
+        return Manifest(rows)
 
     def release_lease(self, lease_id: str) -> None:
         if self.lease_engine.dialect.name == "sqlite":

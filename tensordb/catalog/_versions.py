@@ -34,11 +34,12 @@ from ._common import (
     TensorRow,
     collection_info,
     insert_ignore,
-    is_in,
+    names_in,
     now_utc,
     shape_text,
     tensor_rows,
 )
+from ._manifests import Manifests
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
 from .schema import collections, commits, leases, segments, tags, tensors
@@ -114,15 +115,14 @@ def _close_rows(conn: Connection, info: CollectionInfo, version: int, replace: l
     """End the live rows of ``replace`` at ``version``: (how many, their nbytes).
     NotFound (which rolls the commit back) if a name of ``deletes`` had no live row."""
     t = tensors.c
-    close = (update(tensors).where(t.collection_id == info.id, t.end_version.is_(None),
-                                   is_in(conn, t.name, replace))
+    named = names_in(conn, t.name, replace)
+    close = (update(tensors).where(t.collection_id == info.id, t.end_version.is_(None), named)
              .values(end_version=version))
     if conn.dialect.update_returning:
         old = conn.execute(close.returning(t.name, t.nbytes)).all()
     else:
         old = conn.execute(select(t.name, t.nbytes).where(
-            t.collection_id == info.id, t.end_version.is_(None),
-            is_in(conn, t.name, replace))).all()
+            t.collection_id == info.id, t.end_version.is_(None), named)).all()
         conn.execute(close)
     found = {r[0] for r in old}
     missing = [d for d in deletes if d not in found]
@@ -157,9 +157,11 @@ class Versions:
 
     ``node`` is the node that a commit's new segment is recorded on."""
 
-    def __init__(self, engine: Engine, node: str) -> None:
+    def __init__(self, engine: Engine, node: str, manifests: Manifests | None = None) -> None:
         self.engine = engine
         self.node = node
+        #: the host's packed manifests (``_manifests``), or None to read every one from SQL
+        self.manifests = manifests
         #: how long a call keeps retrying a lost catalog connection (``_retry``)
         self.retry_seconds = RETRY_SECONDS
 
@@ -245,15 +247,30 @@ class Versions:
                 return _rows(conn, conn.execute(_SQL_HEAD_ROWS, {"cid": cid}))
             return _rows(conn, conn.execute(_SQL_VERSION_ROWS, {"cid": cid, "v": version}))
         q = _manifest_query(cid, None if head else version)
-        q = q.where(is_in(conn, tensors.c.name, names))
+        q = q.where(names_in(conn, tensors.c.name, names))
         return _rows(conn, conn.execute(q))
 
     @retrying
-    def live(self, cid: int) -> dict[str, TensorRow]:
-        """The head's rows by name."""
+    def segment_tiers(self, segment_ids: Sequence[str]) -> dict[str, str]:
+        """segment id -> the tier it is in now, for the given segments."""
+        if not segment_ids:
+            return {}
         with self.engine.connect() as conn:
-            # the text statement: a Core construct's cache-key walk was most of this call
-            return {r.name: r for r in _rows(conn, conn.execute(_SQL_HEAD_ROWS, {"cid": cid}))}
+            return dict(conn.execute(_SQL_TIERS, {"ids": list(segment_ids)}).all())
+
+    @retrying
+    def live(self, cid: int, names: Sequence[str] | None = None) -> dict[str, TensorRow]:
+        """The head's rows by name: all of them, or those of ``names`` only (what a
+        commit of those names needs: O(len(names)) whatever the collection's size)."""
+        with self.engine.connect() as conn:
+            if names is None:
+                # the text statement: a Core construct's cache-key walk was most of this
+                return {r.name: r for r in _rows(conn, conn.execute(_SQL_HEAD_ROWS,
+                                                                    {"cid": cid}))}
+            if not names:
+                return {}
+            q = _manifest_query(cid, None).where(names_in(conn, tensors.c.name, names))
+            return {r.name: r for r in _rows(conn, conn.execute(q))}
 
     # -- commits -----------------------------------------------------------------------
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
@@ -312,17 +329,23 @@ class Versions:
                                 {p.name for p in puts} | set(unchanged) | set(deletes))
             version = head + 1
             replace = [p.name for p in puts] + deletes
+            # a collection's first version replaces nothing: no statement to find that out
             removed_n, removed_bytes = (_close_rows(conn, info, version, replace, deletes)
-                                        if replace else (0, 0))
+                                        if replace and head else (0, 0))
+            if deletes and not head:
+                raise NotFound(f"cannot delete {deletes[0]!r}: collection {name!r} has no "
+                               f"such tensor", collection=name, tensor=deletes[0])
             if segment is not None:
                 sid, tier, snb = segment
                 conn.execute(segments.insert().values(id=sid, node=self.node, tier=tier,
                                                       nbytes=snb, created_at=created))
             if puts:
                 _insert_rows(conn, info.id, version, puts)
-            prev = conn.execute(select(commits.c.n_tensors, commits.c.nbytes).where(
-                commits.c.collection_id == info.id, commits.c.version == head)).first()
+            prev = conn.execute(select(commits.c.n_tensors, commits.c.nbytes, commits.c.txn_id)
+                                .where(commits.c.collection_id == info.id,
+                                       commits.c.version == head)).first()
             n_prev, b_prev = (prev[0], prev[1]) if prev else (0, 0)
+            prev_txn = prev[2] if prev else None
             written_bytes = sum(p.nbytes for p in puts)
             result = Commit(
                 collection=name, version=version, created_at=created, message=message,
@@ -338,6 +361,10 @@ class Versions:
                          .values(head=version))
             if conn.dialect.name == "postgresql":  # delivered to watchers if this commits
                 conn.execute(select(func.pg_notify("tensordb_commit", f"{name}\n{version}")))
+        if self.manifests is not None and (prev_txn is not None or not head):
+            # packed off the commit's path: the commit costs what it changed
+            self.manifests.derive_later(txn_id, prev_txn, version, replace, puts,
+                                        result.tensors)
         return result
 
     @retrying

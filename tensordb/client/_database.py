@@ -75,7 +75,8 @@ class Database:
         self.config = config
         check_tier_config(config)
         self._engine, self._lease_engine = _open_catalog(config)
-        self.catalog = Catalog(self._engine, config.node, lease_engine=self._lease_engine)
+        self.catalog = Catalog(self._engine, config.node, lease_engine=self._lease_engine,
+                               manifest_dir=config.home / "manifests")
         if self._lease_engine is not self._engine:  # open its pooled connection now
             self._lease_engine.connect().close()
         self._tiers = Tiers(config)
@@ -116,6 +117,7 @@ class Database:
         self._cluster.close()
         self._tiers.close()
         self._notifier.close()
+        self.catalog.close()
         self._engine.dispose()
         self._lease_engine.dispose()
 

@@ -31,6 +31,14 @@ def check_name(kind: str, name: object, *, collection: str | None = None) -> str
     if not isinstance(name, str):
         raise InvalidInput(f"a {kind} name must be a str, not {type(name).__name__}",
                            collection=collection)
+    # the common case in a few string methods, not a cached look-up of each: a commit of
+    # 100,000 distinct names spent most of its Python time here. A printable ASCII name
+    # with no space or dot at its start, no space or slash at its end, no backslash and
+    # no "//" or "/." has none of _problem's faults; anything else takes the full check.
+    if (name.isascii() and name.isprintable() and 0 < len(name) <= _MAX[kind]
+            and name[0] not in " ./" and name[-1] not in " /" and "\\" not in name
+            and "//" not in name and "/." not in name):
+        return name
     problem = _problem(kind, name)
     if problem is not None:
         raise InvalidInput(problem, collection=collection)

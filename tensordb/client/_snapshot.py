@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 import torch
 
 import storage_engine as se
 from tensordb.arrow import LAYOUT, arrow_tensor, tensors_table
-from tensordb.catalog import Commit, TensorRow
+from tensordb.catalog import Commit, Manifest, TensorRow
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._inputs import torch_dtype
 from ._read import Reader, check_bytes
 
-__all__ = ["Snapshot", "tensors_arrow"]
+__all__ = ["Snapshot", "StateDict", "tensors_arrow"]
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -47,7 +48,7 @@ class Snapshot:
         self._verify = verify
         self._lease, _, self.version, rows = self._catalog.open_snapshot(
             collection, version, tag, se.current_holder(), lease_ttl)
-        self._rows = {r.name: r for r in rows}
+        self._rows: Manifest = rows
         self._cache: dict[str, torch.Tensor] = {}
         self._maps: dict[str, se.SegmentView] = {}
         self._closed = False
@@ -80,7 +81,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self._rows.values())
+        return self._rows.nbytes
 
     @property
     def commit(self) -> Commit:
@@ -110,16 +111,40 @@ class Snapshot:
             return t
         return t.to(self.device)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> StateDict:
         """Every tensor of the version, by name, zero-copy (copied once to ``device``
-        for rows stored elsewhere)."""
+        for rows stored elsewhere): a read-only mapping whose tensors are made when first
+        asked for (a version of 100,000 tensors hands its mapping out at once; walking
+        it builds them in bulk). The version's segments are mapped now, so the mapping
+        stays usable after the snapshot is closed, as the tensors do. A verifying
+        snapshot makes (and so checks) every tensor now: CorruptData here, not later."""
         self._check()
-        missing = [r for n, r in self._rows.items() if n not in self._cache]
-        if missing:
+        for r in self._rows.first_of_segments():
+            self._view(r)
+        sd = StateDict(self, dict(self._maps))
+        if self._verify:
+            self._materialize(None, sd._maps)
+        return sd
+
+    def _materialize(self, names: Sequence[str] | None, maps: dict[str, se.SegmentView]
+                     ) -> None:
+        """Make the tensors of ``names`` (None: every one) that are not made yet."""
+        rows, cache = self._rows, self._cache
+        with se.gc_paused():  # an object or two per tensor: see gc_paused
+            if names is not None:
+                missing: list[Any] = [rows[n] for n in names if n not in cache]
+            elif cache:
+                missing = [t for t in rows.tuples() if t[0] not in cache]
+            else:
+                missing = rows.tuples()
+            if not missing:
+                return
             got = self._reader.materialize(self.collection, missing, verify=self._verify,
-                                           maps=self._maps)
-            self._cache.update((n, self._place(t)) for n, t in got.items())
-        return {n: self._cache[n] for n in self._rows}
+                                           maps=maps)
+            if self.device is None:
+                cache.update(got)
+            else:
+                cache.update((n, self._place(t)) for n, t in got.items())
 
     def read_into(self, outs: Mapping[str, torch.Tensor]) -> int:
         """Copy tensors of this version into the caller's own host tensors, by name, and
@@ -256,6 +281,71 @@ class Snapshot:
         holds the same bytes in two versions exactly when its extent is the same (a
         tensor of no bytes has no segment). Maps nothing."""
         return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}
+
+
+class StateDict(Mapping[str, torch.Tensor]):
+    """``Snapshot.state_dict()``: a version's tensors by name, made on first access.
+
+    A mapping, not a dict: ``len``, ``in`` and iterating the names cost nothing per
+    tensor; ``sd[name]`` makes one tensor; ``values()``, ``items()`` and a walk over
+    many names make them all at once, column by column, which is what a caller that
+    touches everything pays (``dict(sd)`` is a plain dict of them). It holds the
+    version's mappings, so it works after the snapshot is closed."""
+
+    #: single look-ups after which the rest are made in one go (a walk by name)
+    _BULK_AFTER = 64
+
+    def __init__(self, snap: Snapshot, maps: dict[str, se.SegmentView]) -> None:
+        self._snap = snap
+        self._maps = maps
+        self._misses = 0
+
+    def __len__(self) -> int:
+        return len(self._snap._rows)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._snap._rows)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._snap._rows
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        snap = self._snap
+        t = snap._cache.get(name)
+        if t is not None:
+            return t
+        if name not in snap._rows:
+            raise NotFound(f"collection {snap.collection!r} version {snap.version} has no "
+                           f"tensor {name!r}", collection=snap.collection, tensor=name,
+                           version=snap.version)
+        self._misses += 1
+        snap._materialize(None if self._misses > self._BULK_AFTER else [name], self._maps)
+        return snap._cache[name]
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        snap = self._snap
+        snap._materialize(None, self._maps)
+        cache = snap._cache
+        if len(cache) == len(snap._rows) and not self._misses:
+            return dict(cache)  # made in one go, in the manifest's (name) order
+        return {n: cache[n] for n in snap._rows}
+
+    def values(self) -> Any:
+        return self._all().values()
+
+    def items(self) -> Any:
+        return self._all().items()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StateDict):
+            other = other._all()
+        return self._all() == other if isinstance(other, Mapping) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"StateDict({self._snap.collection!r} v{self._snap.version}, "
+                f"{len(self)} tensors)")
 
 
 def _query_rows(result: object) -> list[tuple[str, str, int]]:

@@ -30,6 +30,37 @@ _EMPTY_CHECKSUM = se.checksum(b"")
 _SAMPLE = 64
 
 
+def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPut]],
+          offsets: list[int], sizes: list[int]) -> dict[str, str]:
+    """Copy the stored tensors into the segment and return their checksums by name.
+
+    Contiguous tensors go in one native call per I/O thread, straight from their
+    memory (``fill_from_addresses``; the transaction holds them until the commit ends);
+    the rest (strided tensors, ``put_raw`` fills) through their own ``Source``."""
+    batch: list[int] = []
+    addresses: list[int] = []
+    other: list[int] = []
+    for i, (_, t) in enumerate(stored):
+        if se.BATCH_FILL and not isinstance(t, RawPut) and t.is_contiguous() \
+                and not t.is_conj() and not t.is_neg():  # lazy conjugates: bytes differ
+            batch.append(i)
+            addresses.append(t.data_ptr())
+        else:
+            other.append(i)
+    sums: list[str] = [""] * len(stored)
+    if batch:
+        got = se.fill_from_addresses(writer, addresses, [offsets[i] for i in batch],
+                                     [sizes[i] for i in batch])
+        for i, s in zip(batch, got, strict=True):
+            sums[i] = s
+    if other:
+        got = se.fill_segment(writer, [source(stored[i][1]) for i in other],
+                              [offsets[i] for i in other], [sizes[i] for i in other])
+        for i, s in zip(other, got, strict=True):
+            sums[i] = s
+    return {n: s for (n, _), s in zip(stored, sums, strict=True)}
+
+
 class Writer:
     """Publishes commits of this node: dedupe against the head, fill a segment of
     ``tiers``, commit in ``catalog``, then tell watchers through ``notifier``."""
@@ -50,13 +81,24 @@ class Writer:
     def publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
                 deletes: set[str], message: str | None, tier_name: str,
                 meta: dict[str, str] | None) -> Commit:
+        with se.gc_paused():  # a row object per tensor: see gc_paused
+            result = self._publish(collection, base, puts, deletes, message, tier_name, meta)
+        self._notifier.publish(collection, result.version)
+        return result
+
+    def _publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
+                 deletes: set[str], message: str | None, tier_name: str,
+                 meta: dict[str, str] | None) -> Commit:
         info = self.catalog.info(collection)
-        live = self.catalog.live(info.id) if info is not None else {}
+        # the head's rows of the names this commit touches, not the whole head: a commit
+        # of k tensors reads k rows whatever the collection's size
+        live = (self.catalog.live(info.id, [*puts, *deletes])
+                if info is not None and info.head else {})
         for name in sorted(deletes):
             if name not in live:
                 raise NotFound(f"cannot delete {name!r}: collection {collection!r} has no such "
                                f"tensor", collection=collection, tensor=name)
-        unchanged = self._unchanged(puts, live)
+        unchanged = self._unchanged(puts, live) if live else []
         skip = set(unchanged)
         changed = [(n, t) for n, t in puts.items() if n not in skip]
         stored = [(n, t) for n, t in changed if t.nbytes > 0]
@@ -73,14 +115,14 @@ class Writer:
         try:
             checksums: dict[str, str] = {}
             if writer is not None:
-                sums = se.fill_segment(writer, [source(t) for _, t in stored], offsets, sizes)
+                checksums = _fill(writer, stored, offsets, sizes)
                 writer.finish()
-                checksums = {n: s for (n, _), s in zip(stored, sums, strict=True)}
             where = dict(zip((n for n, _ in stored), offsets, strict=True))
+            sid = writer.segment_id if writer is not None else None
             new = [NewTensor(n, dtype_name(t.dtype), tuple(t.shape), t.nbytes,
                              checksums.get(n, _EMPTY_CHECKSUM),
-                             writer.segment_id if n in where and writer else None,
-                             where.get(n, 0)) for n, t in changed]
+                             sid if n in where else None, where.get(n, 0))
+                   for n, t in changed]
             result = self.catalog.commit(
                 collection, base, new, unchanged, deletes,
                 (writer.segment_id, tier.name, total) if writer else None, message, meta,
@@ -91,7 +133,6 @@ class Writer:
             raise
         if writer is not None:
             writer.release()
-        self._notifier.publish(collection, result.version)
         return result
 
     def _unchanged(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow]) -> list[str]:
