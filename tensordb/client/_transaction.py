@@ -34,7 +34,7 @@ class Hasher(Protocol):
 def as_tensor(value: object, name: str) -> torch.Tensor:
     """Normalise a user's tensor once: CPU, strided, detached, a supported dtype."""
     if type(value) is torch.Tensor and value.is_cpu and value.layout == torch.strided \
-            and not value.requires_grad and not value.is_quantized:
+            and not value.requires_grad and not value.is_quantized and not value.is_complex():
         # the common case, in a few attribute reads (a 100,000-tensor commit runs this
         # per tensor): a plain CPU tensor that no autograd graph holds
         dtype_name(value.dtype, tensor=name)
@@ -57,6 +57,8 @@ def as_tensor(value: object, name: str) -> torch.Tensor:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
+        if t.is_conj() or t.is_neg():  # a lazy conjugate's memory holds other values
+            t = t.resolve_conj().resolve_neg()
     else:
         raise InvalidInput(
             f"tensor {name!r} must be a torch.Tensor or numpy.ndarray, not "

@@ -41,8 +41,7 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
     addresses: list[int] = []
     other: list[int] = []
     for i, (_, t) in enumerate(stored):
-        if se.BATCH_FILL and not isinstance(t, RawPut) and t.is_contiguous() \
-                and not t.is_conj() and not t.is_neg():  # lazy conjugates: bytes differ
+        if se.BATCH_FILL and not isinstance(t, RawPut) and t.is_contiguous():
             batch.append(i)
             addresses.append(t.data_ptr())
         else:
