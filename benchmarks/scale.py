@@ -20,7 +20,8 @@ Beside them, measured in the same run on the same server:
 
 * ``bulk insert``: the rows of the first commit inserted by the database itself into a
   scratch table of the same definition (same keys and indexes): one ``executemany`` in
-  one transaction on SQLite, ``COPY`` on PostgreSQL. The commit's goal is stated
+  one transaction on SQLite, ``COPY`` of one pre-formatted text stream on PostgreSQL
+  (the formatting timed too: it is what any client pays). The commit's goal is stated
   against it: a commit within ``GOAL_BULK`` x its rows' bulk insert.
 * ``safetensors``: ``save_file`` of the same tensors, and in a fresh process
   ``safe_open`` + ``get_tensor`` of each (what a user of plain files pays; mmap'd).
@@ -113,10 +114,12 @@ def bulk_insert(db: tensordb.Database) -> float:
             cur.execute("CREATE TABLE bulk_tensors (LIKE tensors INCLUDING ALL)")
             conn.commit()
             t0 = time.perf_counter()
+            # COPY's text format in one stream: the fastest a Python client loads rows
+            payload = "".join("\t".join("\\N" if v is None else str(v) for v in r) + "\n"
+                              for r in rows)
             with cur.copy('COPY bulk_tensors (collection_id, name, first_version, end_version, '
                           'dtype, shape, nbytes, checksum, segment_id, "offset") FROM STDIN') as cp:
-                for r in rows:
-                    cp.write_row(r)
+                cp.write(payload)
             conn.commit()
             took = time.perf_counter() - t0
             cur.execute("DROP TABLE bulk_tensors")
