@@ -8,26 +8,39 @@ publishes the commit. Bytes are written (and synced, on disk) before that commit
 
 from __future__ import annotations
 
+import mmap
+import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import storage_engine as se
-from tensordb.catalog import Catalog, Commit, NewTensor, TensorRow
-from tensordb.errors import NotFound, StoreFull
+from tensordb.catalog import Catalog, Commit, NewSegment, NewTensor, TensorRow
+from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
 
 from ._inputs import dtype_name
 from ._notify import Notifier
 from ._placement import Tiers
 from ._transaction import RawPut, digest, source
 
-__all__ = ["Writer"]
+__all__ = ["InPlaceFile", "Writer"]
 
 _EMPTY_CHECKSUM = se.checksum(b"")
 #: bytes compared at a tensor's start, then at its middle and end
 _SAMPLE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class InPlaceFile:
+    """A local file to commit in place: ``fd`` open on it (at absolute ``path``), and its
+    tensors as (name, dtype, shape, offset in the file, nbytes)."""
+
+    path: str
+    fd: int
+    tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...], int, int]]
 
 
 class Writer:
@@ -47,15 +60,20 @@ class Writer:
         info = self.catalog.info(collection)
         return info.head if info else 0
 
-    def publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
-                deletes: set[str], message: str | None, tier_name: str,
-                meta: dict[str, str] | None) -> Commit:
+    def _live(self, collection: str, deletes: set[str]) -> dict[str, TensorRow]:
+        """The head's rows, after checking every name to delete is one of them."""
         info = self.catalog.info(collection)
         live = self.catalog.live(info.id) if info is not None else {}
         for name in sorted(deletes):
             if name not in live:
                 raise NotFound(f"cannot delete {name!r}: collection {collection!r} has no such "
                                f"tensor", collection=collection, tensor=name)
+        return live
+
+    def publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
+                deletes: set[str], message: str | None, tier_name: str,
+                meta: dict[str, str] | None) -> Commit:
+        live = self._live(collection, deletes)
         unchanged = self._unchanged(puts, live)
         skip = set(unchanged)
         changed = [(n, t) for n, t in puts.items() if n not in skip]
@@ -91,6 +109,56 @@ class Writer:
             raise
         if writer is not None:
             writer.release()
+        self._notifier.publish(collection, result.version)
+        return result
+
+    def publish_in_place(self, collection: str, base: int, files: Sequence[InPlaceFile],
+                         deletes: set[str], message: str | None, meta: dict[str, str] | None,
+                         advance: Callable[[int], None]) -> Commit:
+        """Commit files' tensors without copying them: each file becomes a disk-tier
+        segment of its own (a reflinked clone, else a reference the catalog records),
+        its tensors rows at their offsets in the file, checksummed in one pass over the
+        bytes on the I/O pool (``advance`` is told the bytes hashed). A file that
+        changes while it is hashed fails the commit (CorruptData); on any failure
+        nothing is registered and no clone is left."""
+        self._live(collection, deletes)
+        disk = self.tiers.disk
+        adoptions: list[se.Adoption | None] = []
+        try:
+            for f in files:
+                if not any(n for *_, n in f.tensors):
+                    adoptions.append(None)  # no bytes to hold: no segment
+                    continue
+                try:
+                    adoptions.append(disk.adopt(uuid.uuid4().hex, f.fd, f.path))
+                except OSError as exc:
+                    raise InvalidInput(f"{f.path}: cannot commit in place: {exc}",
+                                       collection=collection) from exc
+            sums = _hash_in_place(files, adoptions, advance)
+            for f, a in zip(files, adoptions, strict=True):
+                if a is not None and not a.reflinked:
+                    _check_unchanged(collection, f, a.source)
+            new: list[NewTensor] = []
+            for f, a in zip(files, adoptions, strict=True):
+                for name, dt, shape, offset, nbytes in f.tensors:
+                    held = a is not None and nbytes > 0
+                    new.append(NewTensor(name, dtype_name(dt), shape, nbytes,
+                                         sums.get(name, _EMPTY_CHECKSUM),
+                                         a.segment_id if held else None,
+                                         offset if held else 0))
+            segs = [NewSegment(a.segment_id, disk.name, a.nbytes,
+                               None if a.reflinked else a.source)
+                    for a in adoptions if a is not None]
+            result = self.catalog.commit(collection, base, new, [], deletes, None, message,
+                                         meta, more_segments=segs)
+        except BaseException:
+            for a in adoptions:
+                if a is not None:
+                    a.abort()
+            raise
+        for a in adoptions:
+            if a is not None:
+                a.release()
         self._notifier.publish(collection, result.version)
         return result
 
@@ -145,7 +213,7 @@ class Writer:
                 ranges.extend((live[n].offset + o, m) for o, m in mine)
             try:
                 got = self.tiers[tier].peek(segment_id, ranges)
-            except se.SegmentMissing:
+            except (se.SegmentMissing, se.SourceChanged):  # the digest decides
                 got = None
             if got is None:
                 continue
@@ -157,3 +225,50 @@ class Writer:
                         differ.add(n)
                     pos += 1
         return [n for n in names if n not in differ]
+
+
+def _hash_in_place(files: Sequence[InPlaceFile], adoptions: Sequence[se.Adoption | None],
+                   advance: Callable[[int], None]) -> dict[str, str]:
+    """Each tensor's checksum, read from a mapping of its segment's bytes (the clone, or
+    the file itself): one pass, tensors spread over the I/O pool's threads (xxhash
+    releases the GIL), largest first so the threads finish together."""
+    maps: list[mmap.mmap] = []
+    jobs: list[tuple[str, int, int, int]] = []  # name, map, offset, nbytes
+    for f, a in zip(files, adoptions, strict=True):
+        if a is not None:
+            maps.append(mmap.mmap(a.fd, a.nbytes, access=mmap.ACCESS_READ))
+            jobs.extend((name, len(maps) - 1, off, n) for name, _, _, off, n in f.tensors if n)
+    jobs.sort(key=lambda j: -j[3])
+
+    def one(job: tuple[str, int, int, int]) -> tuple[str, str]:
+        name, m, off, n = job
+        got = se.checksum(memoryview(maps[m])[off : off + n])
+        advance(n)
+        return name, got
+
+    try:
+        return dict(se.io_pool().map(one, jobs))
+    finally:
+        for mm in maps:
+            try:
+                mm.close()
+            except BufferError:  # a hash still running after another failed: it keeps it
+                pass
+
+
+def _check_unchanged(collection: str, f: InPlaceFile, source: se.SourceFile) -> None:
+    """CorruptData when the file referenced in place changed while it was hashed (its
+    descriptor's size or mtime, or the path now naming another file)."""
+    for st in (os.fstat(f.fd), _stat_or_none(f.path)):
+        diff = ["deleted"] if st is None else source.differences(st)
+        if diff:
+            raise CorruptData(f"{f.path}: changed while it was committed in place "
+                              f"({'; '.join(diff)}); nothing was committed",
+                              collection=collection)
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
