@@ -181,11 +181,17 @@ class Placement:
         pinned version. Idempotent."""
         check_name("collection", collection)
         tier = self._tiers.placement_tier(tier)
+        had = set(self._catalog.pins())
         v = self._catalog.pin(collection, version, tag, tier)
         cid = self._catalog.require(collection).id
-        for sid, at, _ in self._catalog.version_segments(cid, v):
-            if at != tier:
-                self.move(sid, at, tier)
+        try:
+            for sid, at, _ in self._catalog.version_segments(cid, v):
+                if at != tier:
+                    self.move(sid, at, tier)
+        except BaseException:  # a segment that cannot move (a changed in-place file)
+            if (collection, v, tier) not in had:
+                self._catalog.unpin(collection, v, None, tier)
+            raise
         return v
 
     def unpin(self, collection: str, version: int | None, tag: str | None, tier: str) -> bool:
