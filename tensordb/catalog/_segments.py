@@ -9,7 +9,7 @@ tensor row refers to any more. Replicas of a segment on other nodes are
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, delete, func, or_, select, update
+from sqlalchemy import Engine, delete, func, or_, select, text, update
 
 import storage_engine as se
 
@@ -19,6 +19,12 @@ from ._sql import write_conn
 from .schema import collections, leases, pins, segment_sources, segments, tensors
 
 __all__ = ["Segments"]
+
+#: a reader's look-up of a file committed in place, as text: a fresh process's first use
+#: of a Core construct pays its compilation (milliseconds), text() microseconds
+_SQL_SOURCE = text(
+    "SELECT s.path, s.nbytes, s.mtime_ns, s.inode, s.dev FROM segment_sources s "
+    "JOIN segments g ON g.id = s.segment_id WHERE s.segment_id = :sid AND g.node = :node")
 
 
 class Segments:
@@ -72,13 +78,8 @@ class Segments:
     def segment_source(self, segment_id: str) -> se.SourceFile | None:
         """The file a segment of this node references in place, as recorded at its
         commit; None for a segment with bytes of its own (or not this node's)."""
-        s = segment_sources.c
         with self.engine.connect() as conn:
-            r = conn.execute(select(s.path, s.nbytes, s.mtime_ns, s.inode, s.dev)
-                             .select_from(segment_sources.join(
-                                 segments, segments.c.id == s.segment_id))
-                             .where(s.segment_id == segment_id,
-                                    segments.c.node == self.node)).first()
+            r = conn.execute(_SQL_SOURCE, {"sid": segment_id, "node": self.node}).first()
         return None if r is None else source_of(r[0], r[1], r[2], r[3], r[4])
 
     @retrying
