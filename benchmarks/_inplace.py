@@ -180,6 +180,18 @@ def bench(path: Path, nbytes: int, reps: int, child_runs: int,
     return res
 
 
+def section(res: dict[str, Any], path: Path, nbytes: int, args: Any) -> bool:
+    """``weights.py``'s hook: the figures into ``res["in_place"]`` (unless
+    ``--no-in-place``); True when they are all that was asked (``--in-place-only``: the
+    checkpoint is removed, the caller returns)."""
+    if args.in_place:
+        res["in_place"] = bench(path, nbytes, args.reps, args.child_runs, args.tmp_dir)
+    if args.in_place_only:
+        path.unlink()
+        return True
+    return False
+
+
 def table(s: dict[str, Any]) -> Any:
     """The section's rows for ``weights.py``'s report (a rich Table)."""
     from rich.table import Table

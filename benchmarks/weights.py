@@ -316,10 +316,7 @@ def bench_size(target: int, args: argparse.Namespace, work: Path) -> dict[str, A
     warm(path)
     if tensorizer_path is not None:
         warm(tensorizer_path)
-    if args.in_place:
-        res["in_place"] = _inplace.bench(path, nbytes, args.reps, args.child_runs, args.tmp_dir)
-    if args.in_place_only:
-        path.unlink()
+    if _inplace.section(res, path, nbytes, args):  # --in-place-only: nothing else
         return res
     res.update(measure_memcpy(nbytes, args.reps))
     fr = measure_file_read(path, args.reps)

@@ -505,3 +505,25 @@ def test_another_node_pulls_the_bytes_through_the_reference(nodes, model_file: P
     assert list(s.tier("disk").root.glob("*.seg")) == []
     with pytest.raises(NotFound):
         s.get("m", "nope")
+
+
+def test_tensors_at_odd_offsets_are_served_where_they_lie(sqlite_db: tensordb.Database,
+                                                         tmp_path: Path) -> None:
+    # another writer's file: no padding, an f32 tensor 3 bytes into the data, f16 at 19
+    a = np.arange(3, dtype=np.int8)
+    b = np.arange(4, dtype=np.float32) + 0.5
+    c = np.arange(5, dtype=np.float16)
+    header = json.dumps({"a": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
+                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [3, 19]},
+                         "c": {"dtype": "F16", "shape": [5], "data_offsets": [19, 29]}},
+                        separators=(",", ":")).encode()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + a.tobytes() + b.tobytes()
+                     + c.tobytes())
+    sqlite_db.import_safetensors("odd", path, in_place=True)
+    with sqlite_db.snapshot("odd", verify=True) as snap:
+        got = snap.state_dict()
+    assert got["a"].tolist() == a.tolist() and got["b"].tolist() == b.tolist()
+    assert got["c"].tolist() == c.tolist()
+    assert sqlite_db.export_safetensors("odd", tmp_path / "out")[0].read_bytes() \
+        == path.read_bytes()

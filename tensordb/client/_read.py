@@ -121,9 +121,10 @@ class Reader:
                     if got != csum:
                         raise _corrupt(collection, name, csum, got)
             if found is None:
+                assert mm is not None  # mapped above
                 dt = torch_dtype(dtype)
                 size = dt.itemsize
-                if mm is not None and mm.on_device:  # the IPC mapping itself: no copy
+                if mm.on_device:  # the IPC mapping itself: no copy
                     base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
                 elif offset % size or len(mm) % size:
                     # a segment committed in place is the user's file: its tensors lie

@@ -141,11 +141,10 @@ class Writer:
             new: list[NewTensor] = []
             for f, a in zip(files, adoptions, strict=True):
                 for name, dt, shape, offset, nbytes in f.tensors:
-                    held = a is not None and nbytes > 0
+                    sid = a.segment_id if a is not None and nbytes > 0 else None
                     new.append(NewTensor(name, dtype_name(dt), shape, nbytes,
-                                         sums.get(name, _EMPTY_CHECKSUM),
-                                         a.segment_id if held else None,
-                                         offset if held else 0))
+                                         sums.get(name, _EMPTY_CHECKSUM), sid,
+                                         offset if sid else 0))
             segs = [NewSegment(a.segment_id, disk.name, a.nbytes,
                                None if a.reflinked else a.source)
                     for a in adoptions if a is not None]
