@@ -527,3 +527,15 @@ def test_tensors_at_odd_offsets_are_served_where_they_lie(sqlite_db: tensordb.Da
     assert got["c"].tolist() == c.tolist()
     assert sqlite_db.export_safetensors("odd", tmp_path / "out")[0].read_bytes() \
         == path.read_bytes()
+
+
+def test_a_commit_after_the_source_changed_stores_its_bytes_anew(
+        sqlite_db: tensordb.Database, model_file: Path) -> None:
+    sqlite_db.import_safetensors("m", model_file, in_place=True)
+    same = load_file(model_file)
+    c = sqlite_db.commit("m", {"layers.0.w": same["layers.0.w"].clone()})
+    assert c.written == 0  # unchanged bytes share the in-place extent while the file holds
+    _touch(model_file)
+    c = sqlite_db.commit("m", {"layers.0.w": same["layers.0.w"].clone()})
+    assert c.written == 1  # not deduplicated against a segment that is not served
+    assert torch.equal(sqlite_db.get("m", "layers.0.w", verify=True), same["layers.0.w"])

@@ -212,8 +212,11 @@ class Writer:
                 ranges.extend((live[n].offset + o, m) for o, m in mine)
             try:
                 got = self.tiers[tier].peek(segment_id, ranges)
-            except (se.SegmentMissing, se.SourceChanged):  # the digest decides
+            except se.SegmentMissing:  # the digest decides
                 got = None
+            except se.SourceChanged:  # a file committed in place changed: its rows are
+                differ.update(group)  # no longer servable, so these bytes are stored anew
+                continue
             if got is None:
                 continue
             pos = 0
