@@ -334,7 +334,9 @@ class Adoption:
     ``reflinked``: the segment is a clone in the tier (the store's own file, ``fd`` open
     on it and locked, as a writer's is); else it is a reference to ``source``, and
     ``fd`` is the caller's descriptor of that file. ``fd`` is what to hash the bytes
-    from: the clone's bytes are the segment's, whatever happens to the original."""
+    from: the clone's bytes are the segment's, whatever happens to the original.
+    ``source`` is the record of the file (for a clone: the original's path and the
+    clone's own size and identity); ``nbytes`` the segment's size."""
 
     def __init__(self, tier: DiskTier, segment_id: str, source: SourceFile, fd: int,
                  reflinked: bool) -> None:
@@ -389,7 +391,10 @@ class DiskTier(FileTier):
             if reflink(dst, fd):
                 os.fsync(dst)
                 self._sync_dir()
-                return Adoption(self, segment_id, source, dst, reflinked=True)
+                # the clone's own size: the bytes the segment holds, whatever the
+                # original did since it was looked at
+                clone = SourceFile.of(path, os.fstat(dst))
+                return Adoption(self, segment_id, clone, dst, reflinked=True)
         except BaseException:
             os.close(dst)
             os.unlink(final)

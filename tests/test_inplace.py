@@ -539,3 +539,19 @@ def test_a_commit_after_the_source_changed_stores_its_bytes_anew(
     c = sqlite_db.commit("m", {"layers.0.w": same["layers.0.w"].clone()})
     assert c.written == 1  # not deduplicated against a segment that is not served
     assert torch.equal(sqlite_db.get("m", "layers.0.w", verify=True), same["layers.0.w"])
+
+
+def test_a_file_that_grew_after_its_header_was_read_is_not_committed(
+        sqlite_db: tensordb.Database, model_file: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    adopt = se.DiskTier.adopt
+
+    def grow_first(self: se.DiskTier, segment_id: str, fd: int, path: str) -> se.Adoption:
+        with open(path, "ab") as fh:
+            fh.write(b"\0" * 10)
+        return adopt(self, segment_id, fd, path)
+
+    monkeypatch.setattr(se.DiskTier, "adopt", grow_first)
+    with pytest.raises(CorruptData, match="changed while it was committed in place"):
+        sqlite_db.import_safetensors("m", model_file, in_place=True)
+    assert sqlite_db.collections() == [] and _counts(sqlite_db) == (0, 0, [])

@@ -237,7 +237,8 @@ def _import_in_place(db: Database, collection: str, headers: list[Header], fds: 
     for h, fd in zip(headers, fds, strict=True):
         real = os.path.realpath(h.path)  # the file itself, not a link that may move
         files.append(InPlaceFile(real, fd, [(e.name, e.dtype, e.shape, h.data_start + e.begin,
-                                             e.end - e.begin) for e in h.entries]))
+                                             e.end - e.begin) for e in h.entries],
+                                 h.data_start + h.nbytes))
     with _progress(progress, sum(h.nbytes for h in headers), label) as advance:
         return db._commit_in_place(collection, files, set(stale), message, meta, advance)
 
