@@ -132,13 +132,13 @@ class Writer:
                     adoptions.append(None)  # no bytes to hold: no segment
                     continue
                 try:
-                    adoptions.append(a := disk.adopt(uuid.uuid4().hex, f.fd, f.path))
+                    adoptions.append(adopted := disk.adopt(uuid.uuid4().hex, f.fd, f.path))
                 except OSError as exc:
                     raise InvalidInput(f"{f.path}: cannot commit in place: {exc}",
                                        collection=collection) from exc
-                if a.nbytes != f.nbytes:  # the bytes hashed must be those the header tiles
+                if adopted.nbytes != f.nbytes:  # the bytes hashed: those the header tiles
                     raise CorruptData(f"{f.path}: changed while it was committed in place "
-                                      f"(size {f.nbytes:,} -> {a.nbytes:,} bytes); nothing "
+                                      f"(size {f.nbytes:,} -> {adopted.nbytes:,} bytes); nothing "
                                       f"was committed", collection=collection)
             sums = _hash_in_place(files, adoptions, advance)
             for f, a in zip(files, adoptions, strict=True):
