@@ -555,3 +555,33 @@ def test_a_file_that_grew_after_its_header_was_read_is_not_committed(
     with pytest.raises(CorruptData, match="changed while it was committed in place"):
         sqlite_db.import_safetensors("m", model_file, in_place=True)
     assert sqlite_db.collections() == [] and _counts(sqlite_db) == (0, 0, [])
+
+
+def test_flight_and_the_data_plane_send_a_reference_or_refuse_it(tmp_path: Path,
+                                                                 model_file: Path) -> None:
+    import transport
+
+    db = open_store(tmp_path / "w", node="w")
+    server = transport.NodeServer(db, chunk_bytes=64 << 10, timeout=5.0)
+    client = transport.FlightTransport(None, timeout=5.0)
+    try:
+        db.import_safetensors("m", model_file, in_place=True)
+        info = db.catalog.require("m")
+        (sid,) = [s for s, _ in NodeDirectory(db.catalog.engine).version_segments(info.id, 1)]
+        address = f"127.0.0.1:{server.port}"
+        data = model_file.read_bytes()
+        got: list[bytes] = []
+        client.read_segment("w", address, sid, 0, len(data), lambda v: got.append(bytes(v)))
+        assert b"".join(got) == data  # Flight
+        dst = np.empty(len(data), np.uint8)
+        client.read_segment_into("w", address, sid, 0, dst, lambda n: None)
+        assert dst.tobytes() == data  # the data plane
+        _touch(model_file)
+        with pytest.raises(CorruptData, match="changed since it was committed"):
+            client.read_segment("w", address, sid, 0, len(data), lambda v: None)
+        with pytest.raises(CorruptData, match="changed since it was committed"):
+            client.read_segment_into("w", address, sid, 0, dst, lambda n: None)
+    finally:
+        client.close()
+        server.close()
+        remove_store(db)
