@@ -31,8 +31,15 @@ and times, best of ``--reps`` (median beside):
 Goals printed beside: import >= 0.8 x memcpy (1 thread) and >= 1.5 x the best peer;
 the second process materializes the whole model in <= 5 ms.
 
+Then the import in place (``in_place=True``, opt-in), in a table of its own
+(``_inplace.py``): each import in a fresh process on a cold store, beside the hash
+bound (checksum of the file on 2 threads) and safetensors ``load_file`` (mapped) in a
+fresh process, and a second process's snapshot + state_dict of the in-place version
+(zero-copy over the source file). Goal: import in place >= 0.8 x the hash bound.
+``--in-place-only`` runs that section alone; ``--no-in-place`` skips it.
+
 Run:  .venv/bin/python benchmarks/weights.py [--sizes 512M,2G] [--reps 3] [--json]
-      [--png weights.png]
+      [--png weights.png] [--in-place-only | --no-in-place]
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _inplace
 import torch
 
 GB = 1e9
@@ -308,6 +316,8 @@ def bench_size(target: int, args: argparse.Namespace, work: Path) -> dict[str, A
     warm(path)
     if tensorizer_path is not None:
         warm(tensorizer_path)
+    if _inplace.section(res, path, nbytes, args):  # --in-place-only: nothing else
+        return res
     res.update(measure_memcpy(nbytes, args.reps))
     fr = measure_file_read(path, args.reps)
     res["file_read_2t_s"], res["file_read_hash_2t_s"] = fr["bare"], fr["hashed"]
@@ -390,6 +400,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for s in out["sizes"]:
+        if "tensordb" not in s:  # --in-place-only
+            continue
         tdb = s["tensordb"]["prefaulted"]["best_s"]
         s["x_memcpy_1t"] = s["memcpy_1t_s"] / tdb
         s["x_file_read"] = s["file_read_2t_s"] / tdb
@@ -415,6 +427,12 @@ def print_report(res: dict[str, Any]) -> None:
     con = Console(width=132)
     for s in res["sizes"]:
         n = s["bytes"]
+        if "in_place" in s:
+            con.print(_inplace.table(s))
+        if "tensordb" not in s:  # --in-place-only
+            con.print(f"({n / MiB:,.0f} MiB checkpoint, {s['tensors']} tensors, page cache "
+                      f"warm; GB = 1e9 bytes; {res['cpus']} CPUs)")
+            continue
         con.print(f"[bold]import[/] of a {n / MiB:,.0f} MiB checkpoint, {s['tensors']} tensors "
                   f"({', '.join(s['dtypes'])}), page cache warm; GB = 1e9 bytes; "
                   f"{res['cpus']} CPUs")
@@ -523,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default=",".join(PEERS), help=f"peers to run ({','.join(PEERS)})")
     p.add_argument("--tmp-dir", default=None, help="where checkpoints and stores go")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--in-place-only", action="store_true",
+                   help="only the import in place (in_place=True) and its bound and peer")
+    p.add_argument("--no-in-place", dest="in_place", action="store_false",
+                   help="skip the import in place")
     p.add_argument("--png", default=None, help="write a bar chart to this PNG")
     p.add_argument("--peer", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--store-child", nargs=3, help=argparse.SUPPRESS)
@@ -536,8 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.peers.split(",")) - set(PEERS) - {""}
     if unknown:
         p.error(f"unknown peers {sorted(unknown)}; known: {','.join(PEERS)}")
+    args.in_place = args.in_place or args.in_place_only
     res = run(args)
-    if args.png and plot(res, args.png):
+    if args.png and not args.in_place_only and plot(res, args.png):
         res["png"] = args.png
     if args.json:
         print(json.dumps(res, indent=2))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ._checksum import ALGORITHM, HASH_PIECE, STREAMING, Hasher, checksum, copy, copy_and_checksum
 from ._cuda import GpuError
-from ._errors import SegmentMissing, StorageError, TierFull
-from ._files import DiskTier, FileTier, HostTier, HostView, shm_root
+from ._errors import SegmentMissing, SourceChanged, StorageError, TierFull
+from ._files import Adoption, DiskTier, FileTier, HostTier, HostView, shm_root
 from ._gpu import GpuTier, GpuView
 from ._io import (
     ALIGN,
@@ -30,11 +30,13 @@ from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
 from ._procs import boot_id, current_holder, gc_paused, holder_alive
+from ._sources import SourceFile
 from ._tier import Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
 
 __all__ = [
     "ALGORITHM",
     "ALIGN",
+    "Adoption",
     "BATCH_FILL",
     "BlockStore",
     "BlockView",
@@ -59,6 +61,8 @@ __all__ = [
     "SegmentMissing",
     "SegmentView",
     "SegmentWriter",
+    "SourceChanged",
+    "SourceFile",
     "Source",
     "StorageError",
     "Tier",

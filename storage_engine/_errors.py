@@ -6,7 +6,7 @@ client facade converts these into ``tensordb.errors`` at its boundary.
 
 from __future__ import annotations
 
-__all__ = ["StorageError", "SegmentMissing", "TierFull"]
+__all__ = ["StorageError", "SegmentMissing", "SourceChanged", "TierFull"]
 
 
 class StorageError(Exception):
@@ -33,3 +33,17 @@ class TierFull(StorageError):
         self.needed = needed
         self.used = used
         self.capacity = capacity
+
+
+class SourceChanged(StorageError):
+    """The file a segment references in place (``DiskTier.adopt``) is not the file that
+    was committed any more: deleted, replaced, truncated, grown or written since. The
+    segment is not served; ``what`` says which of its recorded facts differ."""
+
+    def __init__(self, tier: str, segment_id: str, path: str, what: str) -> None:
+        super().__init__(f"{path}: the file segment {segment_id} references in place has "
+                         f"changed since it was committed ({what}); not served")
+        self.tier = tier
+        self.segment_id = segment_id
+        self.path = path
+        self.what = what

@@ -28,9 +28,10 @@ import numpy as np
 
 from ._errors import SegmentMissing, TierFull
 from ._io import io_pool
+from ._sources import SourceFile, check, reflink
 from ._tier import SegmentWriter, Tier
 
-__all__ = ["FileTier", "HostTier", "DiskTier", "HostView", "shm_root"]
+__all__ = ["FileTier", "HostTier", "DiskTier", "HostView", "Adoption", "shm_root"]
 
 _SUFFIX = ".seg"
 _SPARE_PREFIX = "spare-"
@@ -327,11 +328,91 @@ class FileTier(Tier):
         return total
 
 
-class DiskTier(FileTier):
-    """Segments under the store's data directory, fsynced before they are registered."""
+class Adoption:
+    """A file being committed in place (``DiskTier.adopt``), until released or aborted.
 
-    def __init__(self, root: Path, *, capacity: int | None = None) -> None:
+    ``reflinked``: the segment is a clone in the tier (the store's own file, ``fd`` open
+    on it and locked, as a writer's is); else it is a reference to ``source``, and
+    ``fd`` is the caller's descriptor of that file. ``fd`` is what to hash the bytes
+    from: the clone's bytes are the segment's, whatever happens to the original.
+    ``source`` is the record of the file (for a clone: the original's path and the
+    clone's own size and identity); ``nbytes`` the segment's size."""
+
+    def __init__(self, tier: DiskTier, segment_id: str, source: SourceFile, fd: int,
+                 reflinked: bool) -> None:
+        self.segment_id = segment_id
+        self.source = source
+        self.nbytes = source.nbytes
+        self.fd = fd
+        self.reflinked = reflinked
+        self._tier = tier
+        self._open = reflinked
+
+    def release(self) -> None:
+        """Drop the clone's lock: call once the catalog references the segment."""
+        if self._open:
+            self._open = False
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        """Delete the clone (never the original). Idempotent."""
+        if self.reflinked and self._open:
+            try:
+                os.unlink(self._tier.path(self.segment_id))
+            except FileNotFoundError:
+                pass
+        self.release()
+
+
+class DiskTier(FileTier):
+    """Segments under the store's data directory, fsynced before they are registered;
+    and segments committed in place (``adopt``): a reflinked clone in the directory,
+    or a reference to a file elsewhere, which ``sources`` (segment id -> the recorded
+    ``SourceFile``, or None) looks up when a segment has no file of its own here."""
+
+    def __init__(self, root: Path, *, capacity: int | None = None,
+                 sources: Callable[[str], SourceFile | None] | None = None) -> None:
         super().__init__("disk", root, capacity=capacity, persistent=True)
+        self.sources = sources
+
+    def adopt(self, segment_id: str, fd: int, path: str) -> Adoption:
+        """Make the regular file open as ``fd`` (at absolute ``path``) the bytes of a new
+        segment, without copying them: a reflinked clone where the filesystem shares
+        extents, else a reference, for the caller to record as ``Adoption.source`` in
+        the same catalog transaction that registers the segment. OSError for a clone
+        that fails for another reason than "unsupported" (nothing is left behind)."""
+        st = os.fstat(fd)
+        source = SourceFile.of(path, st)
+        final = self.path(segment_id)
+        dst = os.open(final, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            if not _lock_nb(dst):  # nobody else can know this fresh name
+                raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {final}")
+            if reflink(dst, fd):
+                os.fsync(dst)
+                self._sync_dir()
+                # the clone's own size: the bytes the segment holds, whatever the
+                # original did since it was looked at
+                clone = SourceFile.of(path, os.fstat(dst))
+                return Adoption(self, segment_id, clone, dst, reflinked=True)
+        except BaseException:
+            os.close(dst)
+            os.unlink(final)
+            raise
+        os.close(dst)
+        os.unlink(final)
+        return Adoption(self, segment_id, source, fd, reflinked=False)
+
+    def _open_ro(self, segment_id: str) -> int:
+        """The segment's own file, else the file it references (checked against the
+        record: ``SourceChanged`` when it differs or is gone)."""
+        try:
+            return os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            source = self.sources(segment_id) if self.sources is not None else None
+            if source is None:
+                raise SegmentMissing(self.name, segment_id) from exc
+        return check(self.name, segment_id, source)
 
 
 #: a spare is faulted in pieces of this size, so closing the tier stops a refill early

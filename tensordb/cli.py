@@ -309,10 +309,14 @@ def import_command(
         help="A .safetensors file, or a folder with model.safetensors.index.json.")],
     message: Annotated[str | None, typer.Option("--message", "-m")] = None,
     tier: Annotated[str | None, typer.Option(help="host or disk (default: the store's).")] = None,
+    in_place: Annotated[bool, typer.Option(
+        "--in-place", help="Commit the local files without copying them (a reflink where "
+        "the filesystem has one, else a reference): keep them unchanged afterwards.")] = False,
 ) -> None:
     """Import a safetensors checkpoint as one new version."""
     with _open(ctx) as db:
-        c = db.import_safetensors(collection, path, message=message, tier=tier, progress=True)
+        c = db.import_safetensors(collection, path, message=message, tier=tier, progress=True,
+                                  in_place=in_place)
     _console().print(f"{escape(c.collection)} version {c.version}: {c.tensors} tensors, "
                      f"{human_bytes(c.nbytes)} ({c.written} written, "
                      f"{human_bytes(c.written_nbytes)})")

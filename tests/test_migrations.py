@@ -54,3 +54,25 @@ def test_newer_store_is_refused(store_home: Path, catalog_url: str | None) -> No
     with pytest.raises(IncompatibleStore) as info:
         open_store(store_home, catalog_url)
     assert "9999" in str(info.value) and HEAD_REVISION in str(info.value)
+
+
+def test_a_0006_store_gains_segment_sources(store_home: Path, catalog_url: str | None,
+                                            tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from sqlalchemy import inspect
+
+    engine = make_engine(_url(store_home, catalog_url))
+    upgrade(engine, "0006")
+    assert "segment_sources" not in inspect(engine).get_table_names()
+    engine.dispose()
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(4.0)}, src)
+    db = open_store(store_home, catalog_url)
+    try:
+        with db.catalog.engine.connect() as conn:
+            assert current_revision(conn) == HEAD_REVISION == "0007"
+        assert "segment_sources" in inspect(db.catalog.engine).get_table_names()
+        db.import_safetensors("m", src, in_place=True)
+        assert torch.equal(db.get("m", "w", verify=True), torch.arange(4.0))
+    finally:
+        remove_store(db)

@@ -47,7 +47,7 @@ import xxhash
 
 import storage_engine as se
 from tensordb.catalog import NodeDirectory
-from tensordb.errors import InvalidInput, NodeUnavailable, NotFound, TensorDBError
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, TensorDBError
 
 from ._auth import TokenMiddlewareFactory, require_token_for
 from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text
@@ -173,6 +173,9 @@ class NodeService:
         except se.SegmentMissing as exc:
             raise NotFound(f"node {self.node!r} lost the bytes of segment {sid}",
                            node=self.node) from exc
+        except se.SourceChanged as exc:  # committed in place; the file changed since
+            raise CorruptData(f"node {self.node!r} cannot serve segment {sid}: {exc}",
+                              node=self.node) from exc
         data = memoryview(mm.host_bytes())  # a view on the host, a copy from a device
         if offset + length > len(data):
             raise InvalidInput(f"segment {sid} has {len(data)} bytes; asked for "

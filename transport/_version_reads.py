@@ -29,7 +29,7 @@ import pyarrow.flight as fl
 import storage_engine as se
 from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, tensors_table
 from tensordb.catalog import NodeDirectory, TensorRow
-from tensordb.errors import InvalidInput, NotFound
+from tensordb.errors import CorruptData, InvalidInput, NotFound
 
 from ._base import NodeStore
 
@@ -118,6 +118,9 @@ class VersionReads:
                 return self.db.tier(here).open(segment_id)
             except se.SegmentMissing:
                 continue
+            except se.SourceChanged as exc:  # committed in place; the file changed since
+                raise CorruptData(f"node {self.node!r} cannot serve segment {segment_id}: "
+                                  f"{exc}", node=self.node) from exc
         raise NotFound(f"node {self.node!r} lost the bytes of segment {segment_id}",
                        node=self.node)
 

@@ -8,7 +8,7 @@ cluster's nodes and segment replicas; ``schema`` (public) the tables. The functi
 from __future__ import annotations
 
 from ._catalog import Catalog
-from ._common import CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
+from ._common import CollectionInfo, Commit, GcPlan, NewSegment, NewTensor, TensorRow
 from ._manifests import PACK_MIN_ROWS, Manifest
 from ._nodes import NodeDirectory, NodeInfo, SegmentInfo
 from ._sql import current_revision, ensure_schema, make_engine, upgrade, write_conn
@@ -22,6 +22,7 @@ __all__ = [
     "CollectionInfo",
     "Commit",
     "GcPlan",
+    "NewSegment",
     "NewTensor",
     "NodeDirectory",
     "NodeInfo",

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, select
 
-from ._common import CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
+import storage_engine as se
+
+from ._common import CollectionInfo, Commit, GcPlan, NewSegment, NewTensor, TensorRow
 from ._gc import GarbageCollector
 from ._leases import Leases, Opened
 from ._manifests import Manifests
@@ -91,10 +93,10 @@ class Catalog:
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
                message: str | None, meta: dict[str, str] | None = None, *,
-               durable: bool = True) -> Commit:
+               durable: bool = True, more_segments: Sequence[NewSegment] = ()) -> Commit:
         """Publish a new version in one SQL transaction (``Versions.commit``)."""
         return self._versions.commit(name, base, puts, unchanged, deletes, segment, message,
-                                     meta, durable=durable)
+                                     meta, durable=durable, more_segments=more_segments)
 
     def history(self, name: str, *, after: int | None = None,
                 version: int | None = None) -> list[Commit]:
@@ -156,6 +158,10 @@ class Catalog:
 
     def segment_tier(self, segment_id: str) -> str | None:
         return self._segments.segment_tier(segment_id)
+
+    def segment_source(self, segment_id: str) -> se.SourceFile | None:
+        """The file a segment of this node references in place (None: bytes of its own)."""
+        return self._segments.segment_source(segment_id)
 
     def segment_registered(self, segment_id: str) -> bool:
         return self._segments.segment_registered(segment_id)

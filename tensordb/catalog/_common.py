@@ -20,6 +20,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
+import storage_engine as se
+
 from .schema import collections
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "CollectionInfo",
     "TensorRow",
     "NewTensor",
+    "NewSegment",
     "GcPlan",
     "collection_info",
     "gc_lock",
@@ -36,6 +39,8 @@ __all__ = [
     "now_utc",
     "parse_shape",
     "shape_text",
+    "source_of",
+    "source_row",
     "tensor_rows",
 ]
 
@@ -103,6 +108,17 @@ class NewTensor(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class NewSegment:
+    """A segment a commit registers beside its rows: ``source`` is the file it references
+    in place (None: the tier holds the segment's own bytes)."""
+
+    id: str
+    tier: str
+    nbytes: int
+    source: se.SourceFile | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GcPlan:
     """What a catalog gc removed: the segments whose files may now be deleted."""
 
@@ -110,6 +126,22 @@ class GcPlan:
     dropped_versions: int
     dropped_rows: int
     expired_leases: int
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def source_row(src: se.SourceFile) -> dict[str, Any]:
+    """A ``segment_sources`` row's columns for a referenced file (inode and device as
+    signed 64-bit: BIGINT has no unsigned kind)."""
+    return {"path": src.path, "nbytes": src.nbytes, "mtime_ns": src.mtime_ns,
+            "inode": _signed64(src.inode), "dev": _signed64(src.dev)}
+
+
+def source_of(path: str, nbytes: int, mtime_ns: int, inode: int, dev: int) -> se.SourceFile:
+    """The referenced file a ``segment_sources`` row records."""
+    return se.SourceFile(path, nbytes, mtime_ns, inode % (1 << 64), dev % (1 << 64))
 
 
 @lru_cache(maxsize=4096)

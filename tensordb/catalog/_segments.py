@@ -9,14 +9,22 @@ tensor row refers to any more. Replicas of a segment on other nodes are
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, func, or_, select, update
+from sqlalchemy import Engine, delete, func, or_, select, text, update
 
-from ._common import TensorRow, parse_shape
+import storage_engine as se
+
+from ._common import TensorRow, parse_shape, source_of
 from ._retry import RETRY_SECONDS, retrying
 from ._sql import write_conn
-from .schema import collections, leases, pins, segments, tensors
+from .schema import collections, leases, pins, segment_sources, segments, tensors
 
 __all__ = ["Segments"]
+
+#: a reader's look-up of a file committed in place, as text: a fresh process's first use
+#: of a Core construct pays its compilation (milliseconds), text() microseconds
+_SQL_SOURCE = text(
+    "SELECT s.path, s.nbytes, s.mtime_ns, s.inode, s.dev FROM segment_sources s "
+    "JOIN segments g ON g.id = s.segment_id WHERE s.segment_id = :sid AND g.node = :node")
 
 
 class Segments:
@@ -55,11 +63,24 @@ class Segments:
             return set(conn.execute(q).scalars())
 
     def move_segment(self, segment_id: str, src: str, dst: str) -> bool:
-        """Record that a segment now lives in ``dst``; False if it was not in ``src``."""
+        """Record that a segment now lives in ``dst``; False if it was not in ``src``. A
+        segment committed in place stops referencing its file: ``dst`` holds a copy."""
         with write_conn(self.engine) as conn:
-            return conn.execute(update(segments).where(
+            moved: bool = conn.execute(update(segments).where(
                 segments.c.id == segment_id, segments.c.tier == src,
                 segments.c.node == self.node).values(tier=dst)).rowcount == 1
+            if moved:
+                conn.execute(delete(segment_sources)
+                             .where(segment_sources.c.segment_id == segment_id))
+            return moved
+
+    @retrying
+    def segment_source(self, segment_id: str) -> se.SourceFile | None:
+        """The file a segment of this node references in place, as recorded at its
+        commit; None for a segment with bytes of its own (or not this node's)."""
+        with self.engine.connect() as conn:
+            r = conn.execute(_SQL_SOURCE, {"sid": segment_id, "node": self.node}).first()
+        return None if r is None else source_of(r[0], r[1], r[2], r[3], r[4])
 
     @retrying
     def segment_tier(self, segment_id: str) -> str | None:

@@ -26,7 +26,7 @@ from .schema import HEAD_REVISION
 
 __all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write_conn"]
 
-_KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006")
+_KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 _PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
 
 

@@ -31,6 +31,7 @@ from ..errors import CommitConflict, InvalidInput, NotFound
 from ._common import (
     CollectionInfo,
     Commit,
+    NewSegment,
     NewTensor,
     TensorRow,
     collection_info,
@@ -38,12 +39,13 @@ from ._common import (
     names_in,
     now_utc,
     shape_text,
+    source_row,
     tensor_rows,
 )
 from ._manifests import Manifests
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
-from .schema import collections, commits, leases, segments, tags, tensors
+from .schema import collections, commits, leases, segment_sources, segments, tags, tensors
 
 __all__ = ["Versions", "DBAPI_HEAD_ROWS"]
 
@@ -310,7 +312,7 @@ class Versions:
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
                message: str | None, meta: dict[str, str] | None = None, *,
-               durable: bool = True) -> Commit:
+               durable: bool = True, more_segments: Sequence[NewSegment] = ()) -> Commit:
         """Publish a new version in one SQL transaction.
 
         ``base`` is the head the transaction started from; if the head moved since, the
@@ -318,6 +320,8 @@ class Versions:
         written or deleted after ``base``: then CommitConflict. ``segment`` is (id, tier,
         nbytes) of the bytes already written for ``puts``. ``durable=False`` skips the
         embedded catalog's fsync, for a segment on a tier that a reboot clears anyway.
+        ``more_segments``: further segments the rows point into (an import in place
+        registers one per file), each with the file it references, if any.
 
         A lost catalog connection is retried (``_retry``); the commit carries an id of
         its own, and a retry whose first attempt did land returns that commit instead of
@@ -335,7 +339,7 @@ class Versions:
                 if landed is not None:
                     return landed
             return self._commit(name, base, puts, unchanged, deletes, segment, message,
-                                meta, txn_id, durable)
+                                meta, txn_id, durable, more_segments)
 
         return retry_call(self.retry_seconds, once)
 
@@ -347,7 +351,7 @@ class Versions:
     def _commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: list[str],
                 deletes: list[str], segment: tuple[str, str, int] | None,
                 message: str | None, meta: dict[str, str] | None, txn_id: str,
-                durable: bool) -> Commit:
+                durable: bool, more_segments: Sequence[NewSegment]) -> Commit:
         """One attempt of ``commit``: close the replaced rows, insert the new ones and the
         segment, add the commit row and move the head, all in one SQL transaction."""
         created = now_utc()
@@ -373,6 +377,12 @@ class Versions:
                 sid, tier, snb = segment
                 conn.execute(segments.insert().values(id=sid, node=self.node, tier=tier,
                                                       nbytes=snb, created_at=created))
+            for seg in more_segments:
+                conn.execute(segments.insert().values(id=seg.id, node=self.node, tier=seg.tier,
+                                                      nbytes=seg.nbytes, created_at=created))
+                if seg.source is not None:
+                    conn.execute(segment_sources.insert().values(
+                        segment_id=seg.id, created_at=created, **source_row(seg.source)))
             if puts:
                 _insert_rows(conn, info.id, version, puts)
             prev = conn.execute(select(commits.c.n_tensors, commits.c.nbytes, commits.c.txn_id)

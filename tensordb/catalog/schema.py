@@ -41,12 +41,13 @@ __all__ = [
     "policy_runs",
     "kv_namespaces",
     "segment_replicas",
+    "segment_sources",
     "UTCDateTime",
     "HEAD_REVISION",
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -241,4 +242,23 @@ segment_replicas = Table(
     Column("tier", String(16), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
     Index("ix_segment_replicas_node", "node"),
+)
+
+# -- revision 0007 ------------------------------------------------------------------------
+
+#: segments committed in place by reference: the file the segment's bytes are, and what
+#: was recorded of it at the commit (size, mtime, inode, device: every open compares
+#: them); the row goes with its segment. ``inode`` and ``dev`` are stored as signed
+#: 64-bit (values past 2**63 wrap), compared after the same conversion
+segment_sources = Table(
+    "segment_sources",
+    metadata,
+    Column("segment_id", String(32), ForeignKey("segments.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("path", Text, nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("mtime_ns", BigInteger, nullable=False),
+    Column("inode", BigInteger, nullable=False),
+    Column("dev", BigInteger, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
 )

@@ -101,6 +101,9 @@ class Cluster:
                                    collection=collection, tensor=tensor) from exc
             try:
                 return self._tiers.open(here, segment_id)
+            except se.SourceChanged as exc:
+                raise CorruptData(f"{collection}/{tensor}: {exc}", collection=collection,
+                                  tensor=tensor) from exc
             except se.SegmentMissing:
                 # a replica registered here whose file is gone (host memory lost in a
                 # reboot): forget it and pull again, once

@@ -15,7 +15,7 @@ and pre-faulted buffers are not carried across fork).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +40,7 @@ from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
 from ._snapshot import Snapshot, tensors_arrow
 from ._transaction import Transaction
-from ._write import Writer
+from ._write import InPlaceFile, Writer
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -79,7 +79,7 @@ class Database:
                                manifest_dir=config.home / "manifests")
         if self._lease_engine is not self._engine:  # open its pooled connection now
             self._lease_engine.connect().close()
-        self._tiers = Tiers(config)
+        self._tiers = Tiers(config, sources=self.catalog.segment_source)
         self._notifier = notifier_for(self._engine, config.shm_dir)
         self._kv_caches: list[KVCache] = []
         self._cluster = Cluster(config, self._engine, self.catalog, self._tiers, self.kv)
@@ -322,14 +322,31 @@ class Database:
     # -- formats and the other interfaces ------------------------------------------------
     def import_safetensors(self, collection: str, path: str | os.PathLike[str], *,
                            message: str | None = None, tier: str | None = None,
-                           progress: bool = False) -> Commit:
+                           progress: bool = False, in_place: bool = False) -> Commit:
         """Commit a .safetensors file, or a Hugging Face folder with
         model.safetensors.index.json, as one version of ``collection``: read straight
         into the store's extents, headers checked as strictly as safetensors does
-        (CorruptData / InvalidInput, and nothing committed, for a bad file)."""
+        (CorruptData / InvalidInput, and nothing committed, for a bad file).
+
+        ``in_place=True`` (opt-in) commits the local files without copying them: a
+        reflinked clone where the filesystem can, else a reference to the files, which
+        the caller must keep unchanged. One checksum pass; readers map the page cache.
+        A change the store can see (size, mtime, inode on open; the checksum on a
+        verifying read) makes the version refuse to be served (CorruptData); a reader
+        that mapped the file before a change may see the change (docs/storage.md)."""
         self._check_open()
         return import_safetensors(self, collection, path, message=message, tier=tier,
-                                  progress=progress)
+                                  progress=progress, in_place=in_place)
+
+    def _commit_in_place(self, collection: str, files: list[InPlaceFile], deletes: set[str],
+                         message: str, meta: dict[str, str],
+                         advance: Callable[[int], None]) -> Commit:
+        """One version whose tensors are ``files``' bytes where they lie (the safetensors
+        import in place): a commit of the writer's, on the head it finds."""
+        self._check_open()
+        check_name("collection", collection)
+        return self._writer.publish_in_place(collection, self._writer.head(collection), files,
+                                             deletes, message, meta, advance)
 
     def export_safetensors(self, collection: str, out_dir: str | os.PathLike[str], *,
                            version: int | None = None, progress: bool = False) -> list[Path]:

@@ -88,13 +88,16 @@ class Maintenance:
         for coll, first, r in self._catalog.all_rows():
             assert r.segment_id is not None and r.tier is not None
             if current is None or current[0] != r.segment_id:
+                why = "missing"
                 try:
                     current = (r.segment_id, self._tiers.open(r.tier, r.segment_id))
                 except se.SegmentMissing:
                     current = (r.segment_id, None)
+                except se.SourceChanged as exc:  # committed in place; the file changed
+                    current, why = (r.segment_id, None), str(exc)
             mm = current[1]
             if mm is None:
-                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "missing"))
+                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, why))
                 continue
             if r.offset + r.nbytes > len(mm):
                 problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "truncated"))

@@ -8,7 +8,7 @@ them down. Readers that mapped a segment before it moved keep their mapping.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +16,12 @@ import torch
 import storage_engine as se
 from tensordb.catalog import Catalog
 from tensordb.config import Config
-from tensordb.errors import InvalidInput
+from tensordb.errors import CorruptData, InvalidInput
 
 from ._inputs import check_name
 
 __all__ = ["ORDER", "EvictReport", "Placement", "Tiers", "check_tier_config",
-           "device_of"]
+           "device_of", "source_changed"]
 
 #: tier names, fastest first: eviction moves bytes one step to the right
 ORDER = ("gpu", "host", "disk")
@@ -37,6 +37,15 @@ class EvictReport:
     segments: int
     nbytes: int
     skipped_pinned: int
+
+
+def source_changed(exc: se.SourceChanged, collection: str | None = None,
+                   tensor: str | None = None) -> CorruptData:
+    """The public error of a segment committed in place whose file changed: the version
+    is not served (it names the file, and what changed)."""
+    what = f"{collection}/{tensor}" if collection and tensor else \
+        (collection or f"segment {exc.segment_id}")
+    return CorruptData(f"{what}: {exc}", collection=collection, tensor=tensor)
 
 
 def check_tier_config(config: Config) -> None:
@@ -80,12 +89,14 @@ class Tiers(Mapping[str, se.Tier]):
     gets it the first time a row points at it; a process with ``Config.gpu_device``
     writes (and owns) GPU segments and opens it at once."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config,
+                 sources: Callable[[str], se.SourceFile | None] | None = None) -> None:
         self._config = config
+        self._disk = se.DiskTier(config.data_dir, sources=sources)
         self._tiers: dict[str, se.Tier] = {
             "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
                                 spare_bytes=config.spare_bytes),
-            "disk": se.DiskTier(config.data_dir),
+            "disk": self._disk,
         }
         if config.gpu_device is not None:
             self._tiers["gpu"] = self._gpu()
@@ -101,6 +112,12 @@ class Tiers(Mapping[str, se.Tier]):
 
     def __len__(self) -> int:
         return len(self._tiers)
+
+    @property
+    def disk(self) -> se.DiskTier:
+        """The disk tier, by the feature its callers use: segments committed in place
+        (``adopt``), whose files ``sources`` (the catalog) records."""
+        return self._disk
 
     @property
     def host(self) -> se.Prefaulting:
@@ -164,11 +181,17 @@ class Placement:
         pinned version. Idempotent."""
         check_name("collection", collection)
         tier = self._tiers.placement_tier(tier)
+        had = set(self._catalog.pins())
         v = self._catalog.pin(collection, version, tag, tier)
         cid = self._catalog.require(collection).id
-        for sid, at, _ in self._catalog.version_segments(cid, v):
-            if at != tier:
-                self.move(sid, at, tier)
+        try:
+            for sid, at, _ in self._catalog.version_segments(cid, v):
+                if at != tier:
+                    self.move(sid, at, tier)
+        except BaseException:  # a segment that cannot move (a changed in-place file)
+            if (collection, v, tier) not in had:
+                self._catalog.unpin(collection, v, None, tier)
+            raise
         return v
 
     def unpin(self, collection: str, version: int | None, tag: str | None, tier: str) -> bool:
@@ -208,6 +231,8 @@ class Placement:
             mm = self._tiers.open(src, segment_id)
         except se.SegmentMissing:
             return False
+        except se.SourceChanged as exc:
+            raise source_changed(exc) from exc
         writer = self._tiers.store(dst).create(segment_id, len(mm))
         try:
             se.copy(writer.buffer, mm.host_bytes())

@@ -20,7 +20,7 @@ from tensordb.errors import CorruptData, NodeUnavailable, NotFound
 
 from ._cluster import Cluster
 from ._inputs import check_name, torch_dtype
-from ._placement import Tiers
+from ._placement import Tiers, source_changed
 
 __all__ = ["Reader", "check_bytes"]
 
@@ -79,6 +79,8 @@ class Reader:
         except se.GpuError as exc:
             raise NodeUnavailable(f"cannot map {collection}/{tensor} from the GPU tier: {exc}",
                                   collection=collection, tensor=tensor) from exc
+        except se.SourceChanged as exc:  # committed in place, and the file changed since
+            raise source_changed(exc, collection, tensor) from exc
         except se.SegmentMissing as exc:
             moved_to = self.catalog.segment_tier(segment_id)
             if moved_to is not None and moved_to != tier:  # evicted or promoted meanwhile
@@ -107,6 +109,8 @@ class Reader:
                 out[name] = torch.empty(shape, dtype=torch_dtype(dtype))
                 continue
             found = bases.get((segment_id, dtype))
+            if found is not None and offset % found[1]:
+                found = None  # an odd offset (a file committed in place): a base of its own
             if found is None or verify:
                 mm = maps.get(segment_id)
                 if mm is None:
@@ -117,12 +121,24 @@ class Reader:
                     if got != csum:
                         raise _corrupt(collection, name, csum, got)
             if found is None:
+                assert mm is not None  # mapped above
                 dt = torch_dtype(dtype)
-                if mm is not None and mm.on_device:  # the IPC mapping itself: no copy
+                size = dt.itemsize
+                if mm.on_device:  # the IPC mapping itself: no copy
                     base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
+                elif offset % size or len(mm) % size:
+                    # a segment committed in place is the user's file: its tensors lie
+                    # where the file put them, and its length is the file's
+                    skew = offset % size
+                    base = torch.frombuffer(mm, dtype=dt, count=(len(mm) - skew) // size,
+                                            offset=skew)
+                    if not skew:
+                        bases[(segment_id, dtype)] = (base, size)
+                    out[name] = base.as_strided(shape, _strides(shape), offset // size)
+                    continue
                 else:
                     base = torch.frombuffer(mm, dtype=dt)
-                found = bases[(segment_id, dtype)] = (base, dt.itemsize)
+                found = bases[(segment_id, dtype)] = (base, size)
             base, size = found
             out[name] = base.as_strided(shape, _strides(shape), offset // size)
         return out
@@ -144,6 +160,8 @@ class Reader:
                     segment_id, [(r.offset, out) for r, out in group])
             except se.SegmentMissing:
                 done = False  # moved or remote meanwhile: the mapping path finds it
+            except se.SourceChanged as exc:
+                raise source_changed(exc, collection, group[0][0].name) from exc
             if not done:
                 left.extend(r for r, _ in group)
                 continue

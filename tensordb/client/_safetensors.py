@@ -48,6 +48,7 @@ from ._safetensors_format import (
     resolve_source,
 )
 from ._transaction import Transaction
+from ._write import InPlaceFile
 
 if TYPE_CHECKING:
     from ._database import Database
@@ -166,7 +167,7 @@ def _owners(headers: list[Header], index: Index | None) -> dict[str, Path]:
 
 def import_safetensors(db: Database, collection: str, path: str | os.PathLike[str],
                        *, message: str | None = None, tier: str | None = None,
-                       progress: bool | None = None) -> Commit:
+                       progress: bool | None = None, in_place: bool = False) -> Commit:
     """Import one ``.safetensors`` file, or a Hugging Face folder with
     ``model.safetensors.index.json`` (all shards), as ONE new version of ``collection``.
 
@@ -177,7 +178,16 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
     raises ``CorruptData``, an unsupported dtype or a bad argument ``InvalidInput``, and
     the store is left unchanged. Blocks until the commit is published; ``progress=True``
     shows a rich progress bar (for the CLI).
+
+    ``in_place=True`` (opt-in; the copy is the default) commits the files without
+    copying them (``_import_in_place``): the caller promises to keep them unchanged.
     """
+    if not isinstance(in_place, bool):
+        raise InvalidInput(f"in_place must be True or False, not {in_place!r}",
+                           collection=collection)
+    if in_place and tier not in (None, "disk"):
+        raise InvalidInput(f"an import in place is held by the disk tier, not {tier!r}",
+                           collection=collection)
     files, index = resolve_source(path)
     fds: list[int] = []
     try:
@@ -194,6 +204,10 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
         except NotFound:  # a new collection (or one with no version yet)
             pass
         total = sum(h.nbytes for h in headers)
+        if in_place:
+            return _import_in_place(db, collection, headers, fds, stale, meta,
+                                    message or f"import {source.name} in place", progress,
+                                    f"import {source.name} in place")
         with _progress(progress, total, f"import {source.name}") as advance:
             chunk = _CHUNK if progress else 1 << 62
             with db.transaction(collection, message=message or f"import {source.name}",
@@ -210,6 +224,23 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _import_in_place(db: Database, collection: str, headers: list[Header], fds: list[int],
+                     stale: list[str], meta: dict[str, str], message: str,
+                     progress: bool | None, label: str) -> Commit:
+    """Commit validated files without a copy: each file is one disk-tier segment, a
+    reflinked clone where the filesystem has it, else a reference to the file (its path,
+    size, mtime, inode and device recorded; every open checks them, and a changed file
+    is refused with CorruptData). One checksum pass over the bytes, on the I/O pool."""
+    files = []
+    for h, fd in zip(headers, fds, strict=True):
+        real = os.path.realpath(h.path)  # the file itself, not a link that may move
+        files.append(InPlaceFile(real, fd, [(e.name, e.dtype, e.shape, h.data_start + e.begin,
+                                             e.end - e.begin) for e in h.entries],
+                                 h.data_start + h.nbytes))
+    with _progress(progress, sum(h.nbytes for h in headers), label) as advance:
+        return db._commit_in_place(collection, files, set(stale), message, meta, advance)
 
 
 # -- export ----------------------------------------------------------------------------
