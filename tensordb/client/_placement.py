@@ -84,7 +84,8 @@ class Tiers(Mapping[str, se.Tier]):
         self._config = config
         self._tiers: dict[str, se.Tier] = {
             "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
-                                spare_bytes=config.spare_bytes),
+                                spare_bytes=config.spare_bytes,
+                                pool_limit=config.pool_bytes),
             "disk": se.DiskTier(config.data_dir),
         }
         if config.gpu_device is not None:
