@@ -190,6 +190,8 @@ class Pool:
         """Give back pooled files, oldest first, until the pool holds at most ``limit``
         bytes (default: its bound; everything under memory pressure); returns the bytes
         given back."""
+        if not self.dir.is_dir():  # nothing was ever pooled here
+            return 0
         with self._locked():
             return self._trim(self.limit if limit is None else limit)
 
