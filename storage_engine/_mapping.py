@@ -71,23 +71,21 @@ def populate(mm: mmap.mmap, nbytes: int) -> None:
     worker. The file's pages must be allocated already (fallocate): then nothing can
     fail but the call itself, raised as OSError."""
     global _madvise_ok
+    # the array's export of the mapping ends with this frame (the caller may close it)
     buf = np.frombuffer(mm, np.uint8, count=nbytes)
-    try:
-        workers = io_workers()
-        step = -(-nbytes // workers // mmap.PAGESIZE) * mmap.PAGESIZE
-        spans = [(lo, min(nbytes, lo + step)) for lo in range(0, nbytes, step)]
-        base = buf.ctypes.data
-        if _madvise_ok:
-            codes = list(_threads().map(lambda s: _madvise(base + s[0], s[1] - s[0]), spans))
-            if all(c == 0 for c in codes):
-                return
-            if any(c not in (errno.EINVAL, errno.ENOSYS) for c in codes):
-                bad = next(c for c in codes if c not in (0, errno.EINVAL, errno.ENOSYS))
-                raise OSError(bad, f"populating a mapping: {os.strerror(bad)}")
-            _madvise_ok = False  # an older kernel: walk the pages instead
-        list(_threads().map(lambda s: _walk(buf[s[0] : s[1]]), spans))
-    finally:
-        del buf
+    workers = io_workers()
+    step = -(-nbytes // workers // mmap.PAGESIZE) * mmap.PAGESIZE
+    spans = [(lo, min(nbytes, lo + step)) for lo in range(0, nbytes, step)]
+    base = buf.ctypes.data
+    if _madvise_ok:
+        codes = list(_threads().map(lambda s: _madvise(base + s[0], s[1] - s[0]), spans))
+        if all(c == 0 for c in codes):
+            return
+        bad = [c for c in codes if c not in (0, errno.EINVAL, errno.ENOSYS)]
+        if bad:
+            raise OSError(bad[0], f"populating a mapping: {os.strerror(bad[0])}")
+        _madvise_ok = False  # an older kernel: walk the pages instead
+    list(_threads().map(lambda s: _walk(buf[s[0] : s[1]]), spans))
 
 
 def map_shared(path: os.PathLike[str] | str, nbytes: int, how: str) -> tuple[int, mmap.mmap]:
@@ -188,7 +186,7 @@ class MapCache:
         drop: list[tuple[int, mmap.mmap]] = []
         with self._lock:
             self._mine()
-            for ino, (fd, mm) in list(self._maps.items()):
+            for ino, (fd, _mm) in list(self._maps.items()):
                 if os.fstat(fd).st_nlink == 0:
                     drop.append(self._maps.pop(ino))
             while len(self._maps) > max(0, self.entries):

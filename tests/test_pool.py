@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import open_store, remove_store
 
 import storage_engine as se
 import tensordb
 from storage_engine import _pool
 from tensordb.errors import InvalidInput
-
-from conftest import open_store, remove_store
 
 MiB = 1 << 20
 
