@@ -31,7 +31,7 @@ from ._kv_gpu import GpuBlockView
 from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
 from ._procs import boot_id, current_holder, gc_paused, holder_alive
 from ._sources import SourceFile
-from ._tier import Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
+from ._tier import Pooling, Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
 
 __all__ = [
     "ALGORITHM",
@@ -55,6 +55,7 @@ __all__ = [
     "KVStats",
     "KVStoreFull",
     "LRUEviction",
+    "Pooling",
     "Prefaulting",
     "S3FIFOEviction",
     "STREAMING",

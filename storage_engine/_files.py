@@ -2,14 +2,19 @@
 
 Why a file per segment and not one arena with an allocator: deleting a file while a
 reader still maps it keeps the reader's pages alive (POSIX unlink semantics), so gc can
-never change or free bytes under a tensor someone holds, and no reader has to register
-anything. A segment is one commit's bytes, so a reader of a 1,000-tensor commit maps
-one file.
+never change or free bytes under a tensor someone holds. A segment is one commit's
+bytes, so a reader of a 1,000-tensor commit maps one file.
 
-The cost of a fresh file is the page faults of first touch. The host tier therefore
-keeps a *spare*: a file already allocated and mapped with its page tables populated,
-owned by the process and refilled in the background; a commit that fits is copied into
-it at memcpy speed and the spare is renamed into place.
+Readers hold a shared ``flock`` on a segment for as long as they map it (the lock
+belongs to the open file description the mapping keeps). That lets a delete tell a
+file nobody maps from one somebody does: the first goes to the tier's *pool* of freed
+files (``_pool``), whose pages later writes reuse without page faults; the second is
+unlinked as before.
+
+The cost of a fresh file is the page faults of first touch: a writer takes, in order,
+the process's pre-faulted *spare* (host tier, ``prefault``), a file from the pool (a
+mapping this process still holds of it, else one ``MAP_POPULATE`` of resident pages),
+or a fresh file populated on every I/O worker at once (``_mapping``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import numpy as np
 
 from ._errors import SegmentMissing, TierFull
 from ._io import io_pool
+from ._mapping import MapCache, close_in_background, map_shared
+from ._pool import Pool, default_pool_limit, lock_nb, same_file
 from ._sources import SourceFile, check, reflink
 from ._tier import SegmentWriter, Tier
 
@@ -35,27 +42,20 @@ __all__ = ["FileTier", "HostTier", "DiskTier", "HostView", "Adoption", "shm_root
 
 _SUFFIX = ".seg"
 _SPARE_PREFIX = "spare-"
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_POOL_DIR = "pool"
+_lock_nb = lock_nb  # the name the tests and older callers use
 
 
 def shm_root() -> Path:
     return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def _lock_nb(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
 class HostView(mmap.mmap):
     """A private (copy-on-write) mapping of a segment file: the file tiers'
     ``SegmentView``. It is an ``mmap``, so ``torch.frombuffer``, ``np.frombuffer`` and
-    ``memoryview`` map it with no copy, and a reader's writes stay in its own pages."""
+    ``memoryview`` map it with no copy, and a reader's writes stay in its own pages.
+    Its descriptor holds a shared lock on the file for as long as the mapping lives,
+    which keeps the file out of the pool."""
 
     __slots__ = ()
 
@@ -72,12 +72,13 @@ class HostView(mmap.mmap):
 
 class _FileWriter(SegmentWriter):
     def __init__(self, tier: FileTier, segment_id: str, path: Path, fd: int,
-                 mm: mmap.mmap, nbytes: int) -> None:
+                 map_fd: int, mm: mmap.mmap, nbytes: int) -> None:
         self._tier = tier
         self.segment_id = segment_id
         self.nbytes = nbytes
         self._path = path
         self._fd: int | None = fd
+        self._map_fd = map_fd
         self._mm: mmap.mmap | None = mm
         self._buffer = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
@@ -89,11 +90,10 @@ class _FileWriter(SegmentWriter):
         if self._mm is not None:
             self._buffer = np.empty(0, np.uint8)
             mm, self._mm = self._mm, None
-            # munmap of a large populated mapping takes ~35-70 ms/GiB and holds the
-            # process's mmap lock all along, stalling every page fault of the other
-            # threads (SQLite's included): it runs in the background, and only once the
-            # catalog commit is done (release), never beside it
-            threading.Thread(target=_close_quietly, args=(mm,), daemon=True).start()
+            # only once the catalog commit is done (release), never beside it: the
+            # mapping is kept for the file's next turn from the pool, or unmapped in
+            # the background
+            self._tier._retire_mapping(self._map_fd, mm)
 
     def finish(self) -> None:
         if self._mm is None or self._fd is None:
@@ -114,34 +114,32 @@ class _FileWriter(SegmentWriter):
             self._tier._released()
 
     def abort(self) -> None:
+        if self._fd is not None:
+            # still locked by us, so nobody maps it: it may go to the pool
+            self._tier._discard(self._path, self._fd)
         self._unmap()
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
         self.release()
 
 
-def _close_quietly(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:  # a caller still holds a view: the mapping goes with it
-        pass
-
-
 class FileTier(Tier):
-    """Segments as files of mode 0600 in a directory of mode 0700."""
+    """Segments as files of mode 0600 in a directory of mode 0700.
+
+    ``pool_limit``: bytes of freed files kept in ``root/pool`` for later writes (0: none,
+    deletes unlink; None: a quarter of the host's memory, at most ``capacity``)."""
 
     file_backed = True
 
     def __init__(self, name: str, root: Path, *, capacity: int | None = None,
-                 persistent: bool) -> None:
+                 persistent: bool, pool_limit: int | None = 0) -> None:
         self.name = name
         self.root = Path(root)
         self.capacity = capacity
         self.persistent = persistent
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
+        limit = default_pool_limit(capacity) if pool_limit is None else max(0, pool_limit)
+        self._pool = Pool(self.root / _POOL_DIR, limit)
+        self._maps = MapCache()
 
     # -- paths ---------------------------------------------------------------------
     def path(self, segment_id: str) -> Path:
@@ -162,68 +160,130 @@ class FileTier(Tier):
             if used + nbytes > self.capacity:
                 raise TierFull(self.name, nbytes, used, self.capacity)
 
+    def _allocate(self, fd: int, offset: int, nbytes: int) -> None:
+        """Allocate pages for real: a file only truncated to size on a full tmpfs maps
+        fine and then kills the writer with SIGBUS at the first write. On a full medium
+        the pool gives its files back first; TierFull if that is not enough."""
+        for attempt in (0, 1):
+            try:
+                os.posix_fallocate(fd, offset, nbytes)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                if attempt == 0 and exc.errno != errno.EFBIG and self.trim_pool(0):
+                    continue
+                raise TierFull(self.name, nbytes, self.used_bytes(),
+                               self.capacity or self.used_bytes()) from exc
+
     def _new_file(self, path: Path, nbytes: int, *, populate: bool = True
-                  ) -> tuple[int, mmap.mmap]:
-        """A new locked file of ``nbytes``, mapped shared. ``populate`` pre-faults the
-        mapping in the kernel (fastest, but holds the GIL); without it the pages are
-        allocated by fallocate and faulted in by the caller."""
+                  ) -> tuple[int, int, mmap.mmap]:
+        """A new locked file of ``nbytes``, mapped shared: (locked fd, mapping's fd,
+        mapping). ``populate`` pre-faults the mapping (on every I/O worker at once when
+        large); without it the pages are allocated by fallocate and faulted in by the
+        caller."""
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             if not _lock_nb(fd):  # nobody else can know this fresh name
                 raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {path}")
-            # allocate for real: a file only truncated to size on a full tmpfs maps fine
-            # and then kills the writer with SIGBUS at the first write
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise TierFull(self.name, nbytes, self.used_bytes(),
-                                   self.capacity or self.used_bytes()) from exc
-                raise
+            self._allocate(fd, 0, nbytes)
             # map through a second open file description: mmap keeps a dup of the fd it
             # is given, and a dup of the locked description would keep the lock for as
             # long as the mapping lives (its unmapping runs in the background)
-            map_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                mm = mmap.mmap(map_fd, nbytes,
-                               flags=mmap.MAP_SHARED | (_POPULATE if populate else 0),
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(map_fd)
+            map_fd, mm = map_shared(path, nbytes, "fresh" if populate else "lazy")
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        return fd, mm
+        return fd, map_fd, mm
+
+    def _from_pool(self, path: Path, nbytes: int) -> tuple[int, int, mmap.mmap] | None:
+        """A pooled file claimed for a new segment at ``path``, sized and mapped: its
+        pages are resident, so mapping them costs page-table entries only, and nothing
+        at all where this process still holds a mapping of that file."""
+        got = self._pool.claim(nbytes, path, self._maps.inodes())
+        if got is None:
+            return None
+        try:
+            if got.size > nbytes:
+                os.ftruncate(got.fd, nbytes)  # the tail goes back to the system
+            elif got.size < nbytes or got.allocated < nbytes:
+                self._allocate(got.fd, 0, nbytes)
+            kept = self._maps.take(got.ino, nbytes)
+            if kept is not None:
+                self._pool.counters["mapping_reused"] = \
+                    self._pool.counters.get("mapping_reused", 0) + 1
+                return got.fd, kept[0], kept[1]
+            map_fd, mm = map_shared(path, nbytes, "resident")
+        except BaseException:
+            self._discard(path, got.fd)
+            os.close(got.fd)
+            raise
+        return got.fd, map_fd, mm
 
     def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
         if nbytes <= 0:
             raise ValueError("a segment holds at least one byte")
         self._check_capacity(nbytes)
         path = self.path(segment_id)
-        fd, mm = self._new_file(path, nbytes)
-        return _FileWriter(self, segment_id, path, fd, mm, nbytes)
+        made = self._from_pool(path, nbytes) or self._new_file(path, nbytes)
+        return _FileWriter(self, segment_id, path, made[0], made[1], made[2], nbytes)
 
     def _released(self) -> None:
         """A writer of this tier let go of its segment (hook for spare refills)."""
 
+    def _retire_mapping(self, map_fd: int, mm: mmap.mmap) -> None:
+        """A writer is done with its mapping: kept for the file's next turn from the
+        pool where the tier pools, else unmapped in the background."""
+        if self._pool.limit > 0:
+            self._maps.keep(map_fd, mm)
+        else:
+            close_in_background(mm, map_fd)
+
+    def _discard(self, path: Path, fd: int) -> None:
+        """Drop the file at ``path``, exclusively locked by the caller through ``fd``
+        (so nobody maps it): into the pool if it fits, else unlinked."""
+        if self._pool.put(path, fd):
+            return
+        try:
+            if same_file(fd, path):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self._maps.forget(os.fstat(fd).st_ino)
+
     # -- reading -------------------------------------------------------------------
     def _open_ro(self, segment_id: str) -> int:
-        """A read-only descriptor of the segment's file; SegmentMissing when it is gone."""
-        try:
-            return os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise SegmentMissing(self.name, segment_id) from exc
+        """A read-only descriptor of the segment's file, holding a shared lock on it (a
+        writer still finishing it lets go first); SegmentMissing when it is gone."""
+        path = self.path(segment_id)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError as exc:
+                raise SegmentMissing(self.name, segment_id) from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                # between our open and our lock the file may have gone to the pool (and
+                # even come back as another segment): only the file still at the path
+                # is the segment
+                if same_file(fd, path):
+                    return fd
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise SegmentMissing(self.name, segment_id)
 
     def open(self, segment_id: str) -> HostView:
         fd = self._open_ro(segment_id)
         try:
+            # the mapping keeps a dup of fd: the shared lock lives as long as it does
             return HostView(fd, 0, access=mmap.ACCESS_COPY)
         except ValueError as exc:  # an empty file: truncated under us
             raise SegmentMissing(self.name, segment_id) from exc
         finally:
             os.close(fd)
-
     def peek(self, segment_id: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         fd = self._open_ro(segment_id)
         try:
@@ -273,8 +333,23 @@ class FileTier(Tier):
 
     # -- housekeeping --------------------------------------------------------------
     def delete(self, segment_id: str) -> bool:
+        """Remove a segment. A file nobody maps (its exclusive lock is free) goes to the
+        pool when the tier pools and the pool has room; any other is unlinked, so a
+        reader's mapping keeps its pages and its bytes."""
+        path = self.path(segment_id)
+        if self._pool.limit > 0:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return False
+            try:
+                if lock_nb(fd) and same_file(fd, path):
+                    self._discard(path, fd)
+                    return True
+            finally:
+                os.close(fd)
         try:
-            os.unlink(self.path(segment_id))
+            os.unlink(path)
             return True
         except FileNotFoundError:
             return False
@@ -303,18 +378,51 @@ class FileTier(Tier):
                 continue
             try:
                 if not _lock_nb(fd):
-                    continue  # its writer is alive
+                    continue  # its writer is alive (or a reader maps it)
                 # the writer may have registered it and let go between our two looks
                 if not is_spare and is_registered(seg):
                     continue
-                try:
-                    os.unlink(path)
+                if same_file(fd, path):
+                    self._discard(path, fd)  # nobody maps it: the pool may take it
                     reclaimed.append(seg)
-                except FileNotFoundError:
-                    pass
             finally:
                 os.close(fd)
         return reclaimed
+
+    def close(self) -> None:
+        self._maps.close()
+
+    # -- the pool --------------------------------------------------------------------
+    @property
+    def pool_limit(self) -> int:
+        """Bytes of freed files the pool may hold (0: the tier does not pool)."""
+        return self._pool.limit
+
+    @pool_limit.setter
+    def pool_limit(self, value: int) -> None:
+        self._pool.limit = max(0, int(value))
+        self.trim_pool()
+
+    def pooled_bytes(self) -> int:
+        """Bytes of pages the pool holds now, for every process of the store."""
+        return self._pool.pooled_bytes()
+
+    def trim_pool(self, limit: int | None = None) -> int:
+        """Give pooled files back to the system, oldest first, until the pool holds at
+        most ``limit`` bytes (default: its bound; 0: all; everything when memory is
+        short); returns the bytes given back."""
+        freed = self._pool.trim(limit)
+        self._maps.prune()
+        return freed
+
+    def pool_counters(self) -> dict[str, int]:
+        """This process's pool figures: ``claimed`` (files a write reused) and their
+        bytes, ``pooled`` (files a delete, abort or orphan reclaim kept) and their
+        bytes, ``mapping_reused`` (claims that found this process's own mapping of the
+        file), ``released_bytes`` (given back by trims)."""
+        out = dict(self._pool.counters)
+        out.setdefault("mapping_reused", 0)
+        return out
 
     def used_bytes(self) -> int:
         total = 0
@@ -368,11 +476,12 @@ class DiskTier(FileTier):
     """Segments under the store's data directory, fsynced before they are registered;
     and segments committed in place (``adopt``): a reflinked clone in the directory,
     or a reference to a file elsewhere, which ``sources`` (segment id -> the recorded
-    ``SourceFile``, or None) looks up when a segment has no file of its own here."""
+    ``SourceFile``, or None) looks up when a segment has no file of its own here. It
+    keeps no pool: a disk file's blocks cost little to allocate again."""
 
     def __init__(self, root: Path, *, capacity: int | None = None,
                  sources: Callable[[str], SourceFile | None] | None = None) -> None:
-        super().__init__("disk", root, capacity=capacity, persistent=True)
+        super().__init__("disk", root, capacity=capacity, persistent=True, pool_limit=0)
         self.sources = sources
 
     def adopt(self, segment_id: str, fd: int, path: str) -> Adoption:
@@ -419,17 +528,23 @@ class DiskTier(FileTier):
 #: (a process that commits and exits does not wait a second for a spare it drops)
 _FAULT_PIECE = 64 << 20
 
+#: a spare: its path, the locked fd, the mapping's fd, the mapping, its size
+_Spare = tuple[Path, int, int, mmap.mmap, int]
+
 
 class HostTier(FileTier):
-    """Segments in POSIX shared memory (tmpfs), with a pre-faulted spare per process."""
+    """Segments in POSIX shared memory (tmpfs), with a pool of freed files shared by
+    the store's processes (``pool_limit``; None: a quarter of the host's memory) and an
+    optional pre-faulted spare per process (``spare_bytes``, ``prefault``)."""
 
     def __init__(self, root: Path, *, capacity: int | None = None,
-                 spare_bytes: int = 0) -> None:
-        super().__init__("host", root, capacity=capacity, persistent=False)
+                 spare_bytes: int = 0, pool_limit: int | None = None) -> None:
+        super().__init__("host", root, capacity=capacity, persistent=False,
+                         pool_limit=pool_limit)
         self._lock = threading.Lock()
-        self._spare: tuple[Path, int, mmap.mmap, int] | None = None
+        self._spare: _Spare | None = None
         self._pending: Future[None] | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool_threads: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closing = threading.Event()  # a refill still faulting stops early
         self.spare_bytes = spare_bytes
@@ -440,28 +555,25 @@ class HostTier(FileTier):
         path = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
         # runs beside the caller's threads: fallocate and numpy's page walk release the
         # GIL, MAP_POPULATE would not
-        fd, mm = self._new_file(path, nbytes, populate=False)
+        fd, map_fd, mm = self._new_file(path, nbytes, populate=False)
         pages = np.frombuffer(mm, dtype=np.uint8)
         for lo in range(0, nbytes, _FAULT_PIECE):
             if self._closing.is_set():  # closed meanwhile: the spare would only be dropped
                 del pages
-                self._drop((path, fd, mm, nbytes))
+                self._drop((path, fd, map_fd, mm, nbytes))
                 return
             pages[lo : lo + _FAULT_PIECE : mmap.PAGESIZE] = 0
         del pages
         with self._lock:
-            old, self._spare = self._spare, (path, fd, mm, nbytes)
+            old, self._spare = self._spare, (path, fd, map_fd, mm, nbytes)
         if old is not None:
             self._drop(old)
 
-    @staticmethod
-    def _drop(spare: tuple[Path, int, mmap.mmap, int]) -> None:
-        path, fd, mm, _ = spare
-        mm.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    def _drop(self, spare: _Spare) -> None:
+        """A spare given up: its file goes to the pool (nobody ever mapped it to read)."""
+        path, fd, map_fd, mm, _ = spare
+        self._discard(path, fd)
+        self._retire_mapping(map_fd, mm)
         os.close(fd)
 
     @staticmethod
@@ -475,12 +587,12 @@ class HostTier(FileTier):
         """Allocate and map a spare of ``nbytes`` so the next commit that fits is a memcpy."""
         self.spare_bytes = max(self.spare_bytes, nbytes)
         with self._lock:
-            if self._spare is not None and self._spare[3] >= nbytes:
+            if self._spare is not None and self._spare[4] >= nbytes:
                 return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensordb-prefault")
+            if self._pool_threads is None:
+                self._pool_threads = ThreadPoolExecutor(1, thread_name_prefix="tensordb-prefault")
             if self._pending is None or self._pending.done():
-                self._pending = self._pool.submit(self._make_spare, nbytes)
+                self._pending = self._pool_threads.submit(self._make_spare, nbytes)
             pending = self._pending
         if wait:
             pending.result()
@@ -488,18 +600,19 @@ class HostTier(FileTier):
     def spare_ready(self) -> int:
         """Bytes of the pre-faulted spare ready now (0: none, or still being faulted)."""
         with self._lock:
-            return self._spare[3] if self._spare is not None and os.getpid() == self._pid \
+            return self._spare[4] if self._spare is not None and os.getpid() == self._pid \
                 else 0
 
     def create(self, segment_id: str, nbytes: int) -> SegmentWriter:
         if os.getpid() != self._pid:  # a forked child does not own its parent's spare
-            self._spare, self._pending, self._pool, self._pid = None, None, None, os.getpid()
+            self._spare, self._pending, self._pool_threads, self._pid = \
+                None, None, None, os.getpid()
         if nbytes <= 0:
             raise ValueError("a segment holds at least one byte")
         self._check_capacity(nbytes)
         with self._lock:
             ready, pending = self._spare, self._pending
-        if (ready is None or ready[3] < nbytes) and pending is not None \
+        if (ready is None or ready[4] < nbytes) and pending is not None \
                 and not pending.done() and nbytes <= self.spare_bytes <= 2 * nbytes:
             # the spare is being refilled (a commit came right after the last one): a
             # fresh file would fault in the same pages again, beside the refill and
@@ -510,16 +623,16 @@ class HostTier(FileTier):
                 pass
         with self._lock:
             spare = self._spare
-            if spare is not None and spare[3] >= nbytes:
+            if spare is not None and spare[4] >= nbytes:
                 self._spare = None
             else:
                 spare = None
         if spare is None:
             return super().create(segment_id, nbytes)
-        path, fd, mm, _ = spare
+        path, fd, map_fd, mm, _ = spare
         final = self.path(segment_id)
         os.rename(path, final)  # the lock and the mapping follow the inode
-        return _FileWriter(self, segment_id, final, fd, mm, nbytes)
+        return _FileWriter(self, segment_id, final, fd, map_fd, mm, nbytes)
 
     def _released(self) -> None:
         # refill only now: a refill running during the commit would compete for memory
@@ -538,8 +651,9 @@ class HostTier(FileTier):
                 pass
         with self._lock:
             spare, self._spare = self._spare, None
-            pool, self._pool = self._pool, None
+            threads, self._pool_threads = self._pool_threads, None
         if spare is not None and os.getpid() == self._pid:
             self._drop(spare)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if threads is not None:
+            threads.shutdown(wait=True)
+        super().close()

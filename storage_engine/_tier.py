@@ -15,7 +15,8 @@ it: ``reclaim_orphans`` deletes exactly those, never one whose writer still runs
 
 Readers ``open`` a segment as a ``SegmentView``. On a host tier it is a private
 copy-on-write mapping: their writes never reach the tier, and the mapping stays valid
-after the segment is deleted. On the GPU tier it is shared device memory, read-only by
+and unchanged after the segment is deleted (a file tier recycles a deleted file only
+when no reader maps it). On the GPU tier it is shared device memory, read-only by
 convention, also valid after a delete. Callers read the view's ``on_device`` rather
 than its type, and the tier's capability properties rather than the tier's type.
 """
@@ -29,7 +30,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["Tier", "SegmentWriter", "SegmentView", "Prefaulting", "arrow_buffer"]
+__all__ = ["Tier", "SegmentWriter", "SegmentView", "Prefaulting", "Pooling", "arrow_buffer"]
 
 
 @runtime_checkable
@@ -80,6 +81,28 @@ class Prefaulting(Protocol):
 
     def spare_for(self, nbytes: int) -> int:
         """The spare size that holds a segment of ``nbytes`` of tensors."""
+
+
+@runtime_checkable
+class Pooling(Protocol):
+    """An optional feature of a tier: a *pool* of freed segment files, shared by the
+    store's processes, that later writes reuse without page faults (the host tier has
+    it). A delete pools a file only when no reader maps it; the pool holds at most
+    ``pool_limit`` bytes and gives them back under memory pressure and when trimmed."""
+
+    @property
+    def pool_limit(self) -> int:
+        """Bytes the pool may hold (0: the tier does not pool)."""
+
+    def pooled_bytes(self) -> int:
+        """Bytes of pages the pool holds now."""
+
+    def trim_pool(self, limit: int | None = None) -> int:
+        """Give pooled files back until at most ``limit`` bytes remain (default: the
+        bound; 0: all); returns the bytes given back."""
+
+    def pool_counters(self) -> dict[str, int]:
+        """This process's figures: files claimed by writes, pooled by deletes, given back."""
 
 
 class SegmentWriter(ABC):

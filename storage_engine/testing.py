@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from ._errors import SegmentMissing, TierFull
-from ._tier import SegmentView, SegmentWriter, Tier, arrow_buffer
+from ._tier import Pooling, SegmentView, SegmentWriter, Tier, arrow_buffer
 
 __all__ = ["TierTests"]
 
@@ -123,10 +123,40 @@ class TierTests:
         if root is None:
             raise pytest.skip.Exception(f"{type(tier).__name__} keeps no files (no root)")
         self.write_segment(tier, b"z" * 64).release()
+        self.write_segment(tier, b"z" * 64, "s2").release()
+        tier.delete("s2")  # a tier with a pool keeps the file in a folder of its own
         root = Path(root)
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-        for name in os.listdir(root):
-            assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
+        for folder, dirs, files in os.walk(root):
+            for d in dirs:
+                assert stat.S_IMODE(os.stat(Path(folder) / d).st_mode) == 0o700
+            for name in files:
+                assert stat.S_IMODE(os.stat(Path(folder) / name).st_mode) == 0o600
+
+    def test_a_deleted_segment_keeps_its_bytes_under_later_writes(self, tier: Tier) -> None:
+        # a reader's view must not see the bytes of segments written after the delete,
+        # even where the tier reuses freed storage for them
+        self.write_segment(tier, b"k" * 65536, "held").release()
+        view = tier.open("held")
+        assert tier.delete("held") is True
+        for i in range(3):
+            self.write_segment(tier, bytes([i]) * 65536, f"after{i}").release()
+        assert bytes(view.host_bytes(0, 4)) == b"kkkk"
+        assert bytes(view.host_bytes(65532, 4)) == b"kkkk"
+
+    def test_pool_reuses_freed_segments_and_gives_them_back(self, tier: Tier) -> None:
+        if not isinstance(tier, Pooling) or tier.pool_limit <= 0:
+            pytest.skip(f"the {tier.name} tier keeps no pool of freed segments (optional)")
+        self.write_segment(tier, b"p" * 65536, "first").release()
+        assert tier.delete("first") is True  # nobody maps it: pooled
+        assert tier.pooled_bytes() >= 65536
+        before = tier.pool_counters()["claimed"]
+        self.write_segment(tier, b"q" * 65536, "second").release()
+        assert tier.pool_counters()["claimed"] == before + 1
+        assert bytes(tier.open("second").host_bytes(0, 4)) == b"qqqq"
+        self.write_segment(tier, b"r" * 4096, "third").release()
+        tier.delete("third")
+        assert tier.trim_pool(0) > 0 and tier.pooled_bytes() == 0
 
     def test_orphans_of_live_writers_are_kept(self, tier: Tier) -> None:
         w = tier.create("busy", 4096)  # still locked by us: a writer in progress

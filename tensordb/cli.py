@@ -210,18 +210,21 @@ def tag_command(
 
 
 @app.command("gc")
-def gc_command(ctx: typer.Context) -> None:
+def gc_command(ctx: typer.Context, release_pool: Annotated[bool, typer.Option(
+        "--release-pool", help="Also give back the pool of freed shared-memory files kept "
+        "for later writes (by default gc trims it to its bound).")] = False) -> None:
     """Reclaim the bytes no version, tag, lease or retention rule needs."""
     out = _console()
     with _open(ctx) as db, _console(stderr=True).status("collecting garbage..."):
-        report = db.gc()
+        report = db.gc(keep_pool=not release_pool)
     table = Table(title="gc", title_justify="left", show_header=False, box=None,
                   pad_edge=False)
     table.add_column("what")
     table.add_column("how many", justify="right")
     for f in fields(report):
         value = getattr(report, f.name)
-        text = human_bytes(value) if f.name == "bytes_freed" else str(value)
+        text = (human_bytes(value) if f.name in ("bytes_freed", "pool_bytes", "pool_released")
+                else str(value))
         table.add_row(f.name.replace("_", " "), text)
     out.print(table)
 

@@ -29,7 +29,10 @@ class Config:
     default_tier  where commits write unless told otherwise: "host" or "disk"
     host_capacity bytes the host tier may hold (None: what /dev/shm allows)
     spare_bytes   size of the pre-faulted spare a writing process keeps (0: none until
-                  the first commit, which then sizes it)
+                  ``prefault`` asks for one)
+    pool_bytes    bytes of freed host-tier files kept for later writes, shared by the
+                  store's processes (None: a quarter of the host's memory, at most
+                  host_capacity; 0: none) ($TENSORDB_POOL_BYTES)
     lease_ttl     seconds after which a lease held on another host lapses without renewal
     sqlite_synchronous  SQLite's synchronous pragma for the catalog (FULL: a commit
                   survives power loss)
@@ -49,6 +52,7 @@ class Config:
     default_tier: str = "host"
     host_capacity: int | None = None
     spare_bytes: int = 0
+    pool_bytes: int | None = None
     lease_ttl: float = 300.0
     sqlite_synchronous: str = "FULL"
     gpu_device: int | None = None
@@ -73,6 +77,7 @@ class Config:
         kw: dict[str, object] = {
             "host_capacity": _env_int("TENSORDB_HOST_CAPACITY", None),
             "spare_bytes": _env_int("TENSORDB_SPARE_BYTES", 0),
+            "pool_bytes": _env_int("TENSORDB_POOL_BYTES", None),
             "default_tier": os.environ.get("TENSORDB_DEFAULT_TIER", "host"),
             "gpu_device": _env_int("TENSORDB_GPU_DEVICE", None),
             "gpu_capacity": _env_int("TENSORDB_GPU_CAPACITY", None),

@@ -304,11 +304,15 @@ class Database:
         self._check_open()
         return self._maintenance.drop_versions(collection, keep_last, older_than)
 
-    def gc(self) -> GcReport:
+    def gc(self, *, keep_pool: bool = True) -> GcReport:
         """Reclaim what no version, tag, lease or retention rule needs, and the segments
-        of writers that died before committing. Safe while others read and write."""
+        of writers that died before committing. Safe while others read and write.
+
+        Freed host-tier files that no reader maps go to the store's pool, where later
+        writes reuse their pages without page faults; gc trims the pool to its bound
+        (``Config.pool_bytes``), and ``keep_pool=False`` gives all of it back."""
         self._check_open()
-        return self._maintenance.gc()
+        return self._maintenance.gc(keep_pool)
 
     def verify(self) -> list[Corruption]:
         """Check every stored extent of this node against its checksum; [] when all good."""

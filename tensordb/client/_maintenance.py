@@ -28,6 +28,10 @@ class GcReport:
     segments_deleted: int
     bytes_freed: int
     orphans_reclaimed: int
+    #: bytes of freed host-tier files kept for later writes after this gc (the pool)
+    pool_bytes: int = 0
+    #: bytes the pool gave back to the system in this gc
+    pool_released: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +71,12 @@ class Maintenance:
                                collection=collection)
         return self._catalog.drop_versions(collection, keep_last, older_than)
 
-    def gc(self) -> GcReport:
+    def gc(self, keep_pool: bool = True) -> GcReport:
         """Reclaim what nothing needs, and the segments of writers that died before
-        committing."""
+        committing; then trim each tier's pool of freed files to its bound (to nothing
+        unless ``keep_pool``)."""
+        if not isinstance(keep_pool, bool):
+            raise InvalidInput(f"keep_pool must be True or False, not {keep_pool!r}")
         plan = self._catalog.gc()
         freed = 0
         for sid, tier_name, nbytes in plan.dead_segments:
@@ -78,8 +85,13 @@ class Maintenance:
         orphans = 0
         for tier in self._tiers.values():
             orphans += len(tier.reclaim_orphans(self._catalog.segment_registered))
+        released = pooled = 0
+        for tier in self._tiers.values():
+            if isinstance(tier, se.Pooling):
+                released += tier.trim_pool(None if keep_pool else 0)
+                pooled += tier.pooled_bytes()
         return GcReport(plan.dropped_versions, plan.dropped_rows, plan.expired_leases,
-                        len(plan.dead_segments), freed, orphans)
+                        len(plan.dead_segments), freed, orphans, pooled, released)
 
     def verify(self) -> list[Corruption]:
         """Check every stored extent of this node against its checksum; [] when all good."""
@@ -113,4 +125,6 @@ class Maintenance:
         out = self._catalog.stats()
         for name, tier in self._tiers.items():
             out[f"{name}_bytes"] = tier.used_bytes()
+            if isinstance(tier, se.Pooling):
+                out[f"{name}_pool_bytes"] = tier.pooled_bytes()
         return out

@@ -95,7 +95,8 @@ class Tiers(Mapping[str, se.Tier]):
         self._disk = se.DiskTier(config.data_dir, sources=sources)
         self._tiers: dict[str, se.Tier] = {
             "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
-                                spare_bytes=config.spare_bytes),
+                                spare_bytes=config.spare_bytes,
+                                pool_limit=config.pool_bytes),
             "disk": self._disk,
         }
         if config.gpu_device is not None:
