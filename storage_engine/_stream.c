@@ -134,6 +134,27 @@ static int same_length(Py_buffer *dst, Py_buffer *src, const char *what) {
     return 0;
 }
 
+/* one source: hashed piece by piece, each piece streamed (or copied, below STREAM_MIN)
+ * while it is in L1; a small one hashed in one call */
+static uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n) {
+    if (n <= HASH_PIECE && xxh_oneshot != NULL) {
+        uint64_t h = xxh_oneshot(s, n);
+        memcpy(d, s, n);
+        return h;
+    }
+    int streamed = n >= STREAM_MIN;
+    xxh_reset(state);
+    for (size_t lo = 0; lo < n; lo += HASH_PIECE) {
+        size_t m = n - lo < HASH_PIECE ? n - lo : HASH_PIECE;
+        xxh_update(state, s + lo, m);
+        if (streamed)
+            stream_lines(d + lo, s + lo, m);
+        else
+            memcpy(d + lo, s + lo, m);
+    }
+    return xxh_digest(state);
+}
+
 static PyObject *py_stream_copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     (void)self;
@@ -153,46 +174,13 @@ static PyObject *py_stream_copy_hash(PyObject *self, PyObject *args) {
     }
     uint64_t digest;
     Py_BEGIN_ALLOW_THREADS
-    char *d = (char *)dst.buf;
-    const char *s = (const char *)src.buf;
-    size_t n = (size_t)src.len;
-    int streamed = n >= STREAM_MIN;
-    xxh_reset(state);
-    for (size_t lo = 0; lo < n; lo += HASH_PIECE) {
-        size_t m = n - lo < HASH_PIECE ? n - lo : HASH_PIECE;
-        xxh_update(state, s + lo, m);
-        if (streamed)
-            stream_lines(d + lo, s + lo, m);
-        else
-            memcpy(d + lo, s + lo, m);
-    }
+    digest = copy_hash_one(state, (char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     fence();
-    digest = xxh_digest(state);
     xxh_free(state);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return PyLong_FromUnsignedLongLong(digest);
-}
-
-/* one source: hashed piece by piece and streamed, as stream_copy_hash does */
-static uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n) {
-    if (n <= HASH_PIECE && xxh_oneshot != NULL) {
-        uint64_t h = xxh_oneshot(s, n);
-        memcpy(d, s, n);
-        return h;
-    }
-    int streamed = n >= STREAM_MIN;
-    xxh_reset(state);
-    for (size_t lo = 0; lo < n; lo += HASH_PIECE) {
-        size_t m = n - lo < HASH_PIECE ? n - lo : HASH_PIECE;
-        xxh_update(state, s + lo, m);
-        if (streamed)
-            stream_lines(d + lo, s + lo, m);
-        else
-            memcpy(d + lo, s + lo, m);
-    }
-    return xxh_digest(state);
 }
 
 static PyObject *py_copy_hash_many(PyObject *self, PyObject *args) {
