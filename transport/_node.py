@@ -59,15 +59,20 @@ class NodeRegistration:
                                         name="tensordb-heartbeat")
         self._thread.start()
 
+    def beat(self) -> list[str]:
+        """One heartbeat: renew this node's row (registering it again if someone removed
+        it) and mark down the nodes whose heartbeat lapsed; returns those."""
+        if not self.directory.heartbeat(self.name):  # someone removed our row
+            self.directory.register(self.name, self.address, self.tiers, self.capacity)
+        lapsed = self.directory.mark_lapsed()
+        if lapsed:
+            _log.warning("marked down (heartbeat lapsed): %s", ", ".join(lapsed))
+        return lapsed
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                if not self.directory.heartbeat(self.name):  # someone removed our row
-                    self.directory.register(self.name, self.address, self.tiers,
-                                            self.capacity)
-                lapsed = self.directory.mark_lapsed()
-                if lapsed:
-                    _log.warning("marked down (heartbeat lapsed): %s", ", ".join(lapsed))
+                self.beat()
             except Exception as exc:  # noqa: BLE001 - the next beat retries
                 _log.warning("heartbeat of node %s failed: %s", self.name, exc)
 
