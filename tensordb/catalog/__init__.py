@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from ._catalog import Catalog
 from ._common import CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
-from ._nodes import NodeDirectory, NodeInfo, SegmentInfo
+from ._nodes import Beat, NodeDirectory, NodeInfo, SegmentInfo
 from ._sql import current_revision, ensure_schema, make_engine, upgrade, write_conn
 from .schema import HEAD_REVISION, metadata
 
 __all__ = [
     "HEAD_REVISION",
+    "Beat",
     "Catalog",
     "CollectionInfo",
     "Commit",

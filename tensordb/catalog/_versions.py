@@ -19,7 +19,6 @@ from sqlalchemy import (
     Select,
     bindparam,
     delete,
-    func,
     or_,
     select,
     text,
@@ -40,7 +39,7 @@ from ._common import (
     tensor_rows,
 )
 from ._retry import RETRY_SECONDS, retry_call, retrying
-from ._sql import write_conn
+from ._sql import notify_after_commit, write_conn
 from .schema import collections, commits, leases, segments, tags, tensors
 
 __all__ = ["Versions", "DBAPI_HEAD_ROWS"]
@@ -336,8 +335,8 @@ class Versions:
                 meta=json.dumps(meta) if meta else None, txn_id=txn_id))
             conn.execute(update(collections).where(collections.c.id == info.id)
                          .values(head=version))
-            if conn.dialect.name == "postgresql":  # delivered to watchers if this commits
-                conn.execute(select(func.pg_notify("tensordb_commit", f"{name}\n{version}")))
+            # watchers hear of it once it has committed (not inside: see the helper)
+            notify_after_commit(conn, "tensordb_commit", f"{name}\n{version}")
         return result
 
     @retrying
