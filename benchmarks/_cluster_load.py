@@ -288,6 +288,16 @@ def _host_cpu() -> tuple[float, float]:
     return sum(v) - idle, sum(v)
 
 
+def _wal(conn: Any) -> tuple[int, float]:
+    """(WAL flushes, milliseconds spent in them) of the whole server so far (PostgreSQL
+    14+; the time only with track_wal_io_timing)."""
+    try:
+        row = conn.execute(text("SELECT wal_sync, wal_sync_time FROM pg_stat_wal")).one()
+        return int(row[0]), float(row[1])
+    except Exception:  # noqa: BLE001 - an older server: no figure
+        return 0, 0.0
+
+
 class ServerSampler(threading.Thread):
     """Samples the server every 50 ms inside the measured window: our database's
     connections and the wait events of its active backends; the CPU of its backends
@@ -305,6 +315,7 @@ class ServerSampler(threading.Thread):
         self.backend_cpu1: dict[int, float] = {}
         self.apps: dict[int, str] = {}
         self.host0 = self.host1 = (0.0, 0.0)
+        self.wal0 = self.wal1 = (0, 0.0)
 
     def run(self) -> None:
         q = text("SELECT pid, state, wait_event_type, wait_event, application_name "
@@ -314,6 +325,7 @@ class ServerSampler(threading.Thread):
             while time.time() < self.lo:
                 time.sleep(0.01)
             self.host0 = _host_cpu()
+            self.wal0 = _wal(conn)
             while time.time() < self.hi:
                 rows = conn.execute(q).all()
                 for r in rows:  # a backend that appears later counts from then on
@@ -328,6 +340,7 @@ class ServerSampler(threading.Thread):
                     self.waits[f"{r[2]}:{r[3]}" if r[2] else "CPU (no wait event)"] += 1
                 time.sleep(0.05)
             self.host1 = _host_cpu()
+            self.wal1 = _wal(conn)
             self.backend_cpu1 = {p: _proc_cpu(p) for p in self.backend_cpu0}
         self.engine.dispose()
 
@@ -349,6 +362,8 @@ class ServerSampler(threading.Thread):
             "host_cpu_busy_pct": round(100.0 * busy / total, 1) if total else None,
             "host_cores_busy": round(busy / ticks / seconds, 2) if seconds else None,
             "server_backend_cores": round(backends / seconds, 2) if seconds else None,
+            "wal_flushes_per_s": round((self.wal1[0] - self.wal0[0]) / seconds, 1)
+            if seconds else None,
             "server_cpu_s_by_app": {k: round(v, 3) for k, v in by_app.items()},
         }
 

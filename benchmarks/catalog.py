@@ -243,7 +243,8 @@ def print_cluster(res: dict[str, Any]) -> None:
                   f"p99 {fb['sync_on_p99_ms']:.2f} / {fa['sync_on_p99_ms']:.2f}; "
                   f"off (round trip): p50 {fb['sync_off_p50_ms']:.2f} ms")
     srv = res["server"]
-    console.print(f"  server: {srv['connections_max']} connections, "
+    console.print(f"  server: {srv['wal_flushes_per_s']} WAL flushes/s (whole server), "
+                  f"{srv['connections_max']} connections, "
                   f"{srv['active_backends_mean']} active on average; backends "
                   f"{srv['server_backend_cores']} cores, host {srv['host_cores_busy']} cores busy "
                   f"({srv['host_cpu_busy_pct']} %), clients {res['client_cores']} cores "

@@ -10,7 +10,14 @@ from __future__ import annotations
 from ._catalog import Catalog
 from ._common import CollectionInfo, Commit, GcPlan, NewTensor, TensorRow
 from ._nodes import Beat, NodeDirectory, NodeInfo, SegmentInfo
-from ._sql import current_revision, ensure_schema, make_engine, upgrade, write_conn
+from ._sql import (
+    current_revision,
+    ensure_schema,
+    make_engine,
+    notify_after_commit,
+    upgrade,
+    write_conn,
+)
 from .schema import HEAD_REVISION, metadata
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "ensure_schema",
     "make_engine",
     "metadata",
+    "notify_after_commit",
     "upgrade",
     "write_conn",
 ]

@@ -70,8 +70,6 @@ class SegmentInfo:
     extents: tuple[tuple[int, int, str], ...]
 
 
-_UPSERTS = {"postgresql": pg_insert, "sqlite": sqlite_insert}
-
 # The soft state of heartbeats, as plain PostgreSQL statements run on their own
 # (autocommit): set_config(..., true) turns synchronous_commit off for the statement's
 # own transaction, so its commit does not wait for the WAL flush (the ``quiet`` CTE is
@@ -130,9 +128,12 @@ class NodeDirectory:
         values = {"address": address, "tiers": json.dumps(list(tiers)), "capacity": capacity,
                   "heartbeat_at": now_utc(), "state": "up"}
         with write_conn(self.engine) as conn:
-            upsert = _UPSERTS.get(conn.dialect.name)
-            if upsert is not None:  # one statement: no look before the write
-                conn.execute(upsert(nodes).values(name=name, **values)
+            dialect = conn.dialect.name
+            if dialect == "postgresql":  # one statement: no look before the write
+                conn.execute(pg_insert(nodes).values(name=name, **values)
+                             .on_conflict_do_update(index_elements=[nodes.c.name], set_=values))
+            elif dialect == "sqlite":
+                conn.execute(sqlite_insert(nodes).values(name=name, **values)
                              .on_conflict_do_update(index_elements=[nodes.c.name], set_=values))
             elif conn.execute(update(nodes).where(nodes.c.name == name)
                               .values(**values)).rowcount == 0:
