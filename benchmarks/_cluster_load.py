@@ -271,6 +271,48 @@ def fsync_floor(url: str, n: int = 200) -> dict[str, float]:
     return out
 
 
+def notify_ceiling(url: str, threads: int = 8, seconds: float = 2.0) -> dict[str, float]:
+    """Commits/s of ``threads`` connections each committing single-row INSERTs into a
+    scratch table as fast as they go: plain; with a NOTIFY inside the transaction (the
+    server serialises every notifying commit, its WAL flush included, under one lock);
+    and with the NOTIFY sent after the commit in a transaction that waits for no flush
+    (what ``Catalog.commit`` does)."""
+    import psycopg
+
+    dsn = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE IF NOT EXISTS bench_notify_probe "
+                  "(id bigserial PRIMARY KEY, v integer NOT NULL)")
+    out: dict[str, float] = {}
+    for mode in ("plain", "notify_inside", "notify_after"):
+        stop = time.time() + seconds
+        counts = [0] * threads
+
+        def run(i: int, mode: str = mode, stop: float = stop, counts: list[int] = counts
+                ) -> None:
+            with psycopg.connect(dsn) as c:
+                while time.time() < stop:
+                    c.execute("INSERT INTO bench_notify_probe (v) VALUES (%s)", (i,))
+                    if mode == "notify_inside":
+                        c.execute("SELECT pg_notify('bench_probe', 'x')")
+                    c.commit()
+                    if mode == "notify_after":
+                        c.execute("SELECT set_config('synchronous_commit', 'off', true), "
+                                  "pg_notify('bench_probe', 'x')")
+                        c.commit()
+                    counts[i] += 1
+
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        out[f"{mode}_commits_per_s"] = round(sum(counts) / seconds, 1)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("DROP TABLE bench_notify_probe")
+    return out
+
+
 def _proc_cpu(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -311,8 +353,9 @@ class ServerSampler(threading.Thread):
         self.conns: list[int] = []
         self.active: list[int] = []
         self.waits = collections.Counter[str]()
-        self.backend_cpu0: dict[int, float] = {}
-        self.backend_cpu1: dict[int, float] = {}
+        self._prev: dict[int, float] = {}
+        #: CPU seconds each backend (by pid) spent while sampled, and its application
+        self.cpu_s: dict[int, float] = {}
         self.apps: dict[int, str] = {}
         self.host0 = self.host1 = (0.0, 0.0)
         self.wal0 = self.wal1 = (0, 0.0)
@@ -329,9 +372,15 @@ class ServerSampler(threading.Thread):
             while time.time() < self.hi:
                 rows = conn.execute(q).all()
                 for r in rows:  # a backend that appears later counts from then on
-                    if r[0] not in self.backend_cpu0:
-                        self.backend_cpu0[r[0]] = _proc_cpu(r[0])
+                    cpu = _proc_cpu(r[0])
+                    prev = self._prev.get(r[0])
+                    if prev is None:
                         self.apps[r[0]] = r[4] or ""
+                    elif cpu >= prev:
+                        self.cpu_s[r[0]] = self.cpu_s.get(r[0], 0.0) + cpu - prev
+                    else:  # the pid is a new backend's
+                        self.cpu_s[r[0]] = self.cpu_s.get(r[0], 0.0) + cpu
+                    self._prev[r[0]] = cpu
                 self.samples += 1
                 self.conns.append(len(rows))
                 act = [r for r in rows if r[1] == "active"]
@@ -341,7 +390,6 @@ class ServerSampler(threading.Thread):
                 time.sleep(0.05)
             self.host1 = _host_cpu()
             self.wal1 = _wal(conn)
-            self.backend_cpu1 = {p: _proc_cpu(p) for p in self.backend_cpu0}
         self.engine.dispose()
 
     def report(self, seconds: float) -> dict[str, Any]:
@@ -349,8 +397,8 @@ class ServerSampler(threading.Thread):
         busy = self.host1[0] - self.host0[0]
         total = self.host1[1] - self.host0[1]
         by_app = collections.Counter[str]()
-        for p, c in self.backend_cpu0.items():
-            by_app[self.apps.get(p, "")] += self.backend_cpu1.get(p, c) - c
+        for p, c in self.cpu_s.items():
+            by_app[self.apps.get(p, "")] += c
         backends = sum(by_app.values())
         n = max(1, self.samples)
         waits = {k: round(v / n, 2) for k, v in self.waits.most_common(8)}
@@ -401,10 +449,18 @@ def _per_op(client_cpu: float, sampler: ServerSampler, app: str, ops: int
     """CPU milliseconds an operation costs the client process and the server backend
     (its replica registrations included for a beat): a figure other load on the host
     does not move, unlike the rates."""
-    server = sum(sampler.backend_cpu1.get(p, c) - c for p, c in sampler.backend_cpu0.items()
-                 if sampler.apps.get(p) == app)
+    server = sum(c for p, c in sampler.cpu_s.items() if sampler.apps.get(p) == app)
     n = max(1, ops)
     return {"client": round(client_cpu / n * 1e3, 3), "server": round(server / n * 1e3, 3)}
+
+
+def _needs(node_cpu: float, writer_cpu: float, sampler: ServerSampler, beats: int,
+           commits: int) -> dict[str, float]:
+    b = _per_op(node_cpu, sampler, "bench-node", beats)
+    c = _per_op(writer_cpu, sampler, "bench-writer", commits)
+    return {"server": round((GOAL_HEARTBEATS * b["server"] + GOAL_COMMITS * c["server"]) / 1e3, 2),
+            "clients": round((GOAL_HEARTBEATS * b["client"] + GOAL_COMMITS * c["client"]) / 1e3,
+                             2)}
 
 
 def _kept_up(achieved: float, offered: float, lags: list[float], interval: float,
@@ -448,6 +504,7 @@ def run_cluster(url: str, plan: LoadPlan) -> dict[str, Any]:
         p.join()
     sampler.join()
     floor_after = fsync_floor(url)
+    ceiling = notify_ceiling(url)
 
     beats = [x for r in results if r["kind"] == "node" for x in r["beats"]]
     beat_lags = [x for r in results if r["kind"] == "node" for x in r["lags"]]
@@ -475,12 +532,17 @@ def run_cluster(url: str, plan: LoadPlan) -> dict[str, Any]:
         "errors": dict(errors),
         "fsync_floor_before": floor_before,
         "fsync_floor_after": floor_after,
+        "notify_ceiling_8_connections": ceiling,
         "server": sampler.report(plan.duration),
         "client_cores": round(client_cpu / plan.duration, 2),
         "cpu_ms_per_beat": _per_op(node_cpu, sampler, "bench-node", len(beats)),
         "cpu_ms_per_commit": _per_op(client_cpu - node_cpu, sampler, "bench-writer",
                                      len(commits)),
         "node_client_cores": round(node_cpu / plan.duration, 2),
+        # what the goal load would need at these per-operation costs: the server's share
+        # is what a real deployment's PostgreSQL host carries (clients are on their hosts)
+        "goal_load_needs_cores": _needs(node_cpu, client_cpu - node_cpu, sampler, len(beats),
+                                        len(commits)),
         "goals": {
             "heartbeats_per_s": GOAL_HEARTBEATS, "commits_per_s": GOAL_COMMITS,
             "heartbeats_ok": _kept_up(hb_rate, plan.nodes / plan.heartbeat, beat_lags,

@@ -242,6 +242,10 @@ def print_cluster(res: dict[str, Any]) -> None:
                   f"p50 {fb['sync_on_p50_ms']:.2f} / {fa['sync_on_p50_ms']:.2f} ms before/after, "
                   f"p99 {fb['sync_on_p99_ms']:.2f} / {fa['sync_on_p99_ms']:.2f}; "
                   f"off (round trip): p50 {fb['sync_off_p50_ms']:.2f} ms")
+    nc = res["notify_ceiling_8_connections"]
+    console.print(f"  8 connections committing 1-row INSERTs: {nc['plain_commits_per_s']:.0f}/s; "
+                  f"with a NOTIFY inside {nc['notify_inside_commits_per_s']:.0f}/s; with it "
+                  f"after the commit (as Catalog.commit) {nc['notify_after_commits_per_s']:.0f}/s")
     srv = res["server"]
     console.print(f"  server: {srv['wal_flushes_per_s']} WAL flushes/s (whole server), "
                   f"{srv['connections_max']} connections, "
@@ -252,6 +256,9 @@ def print_cluster(res: dict[str, Any]) -> None:
     b, c = res["cpu_ms_per_beat"], res["cpu_ms_per_commit"]
     console.print(f"  CPU per beat: client {b['client']:.3f} ms + server {b['server']:.3f} ms; "
                   f"per commit: client {c['client']:.3f} ms + server {c['server']:.3f} ms")
+    need = res["goal_load_needs_cores"]
+    console.print(f"  at these costs the goal load needs {need['server']} server cores and "
+                  f"{need['clients']} client cores (this host: {os.cpu_count()})")
     console.print("  wait events of active backends (per sample): " + ", ".join(
         f"{k} {v}" for k, v in srv["waits_per_sample"].items()))
     if res["errors"]:
