@@ -35,6 +35,7 @@ import collections
 import itertools
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import threading
@@ -491,8 +492,19 @@ def run_cluster(url: str, plan: LoadPlan) -> dict[str, Any]:
         procs.append(ctx.Process(target=writer_proc, args=(plan, w, ready, q, out)))
     for p in procs:
         p.start()
-    for _ in procs:
-        ready.get(timeout=300)
+    waiting = len(procs)
+    deadline = time.time() + 300
+    while waiting:
+        try:
+            ready.get(timeout=1)
+            waiting -= 1
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode is not None]
+            if dead or time.time() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a load process failed to start (exit codes "
+                                   f"{[p.exitcode for p in procs]})") from None
     t0 = time.time() + 0.5
     lo, hi = _window(plan, t0)
     sampler = ServerSampler(url, lo, hi)
