@@ -16,7 +16,13 @@ metadata commit). SQLite runs with ``sqlite_synchronous`` (default FULL: every c
 is fsynced); PostgreSQL in a throwaway database that is dropped at the end. The
 PostgreSQL part is skipped, with the reason printed, if the server does not answer.
 
+``--cluster`` runs the catalog at cluster scale instead (PostgreSQL only): 1,000
+simulated nodes heartbeating and registering replicas on the real node API while writer
+processes commit, beside the server's durable-commit floor measured in the same run
+(see ``_cluster_load``); goals: 1,000 heartbeats/s and 200 commits/s at once.
+
 Run:  .venv/bin/python benchmarks/catalog.py [--tensors 1000] [--reps 30] [--json]
+      .venv/bin/python benchmarks/catalog.py --cluster [--nodes 1000] [--duration 20] [--json]
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import PgUnavailable, remove_store, summary, temp_pg_store
-from sqlalchemy import text
+from _cluster_load import LoadPlan, run_cluster
+from _common import PgUnavailable, remove_store, summary, temp_pg_database, temp_pg_store
+from sqlalchemy import create_engine, text
 
 import tensordb
 from tensordb.catalog import NewTensor
@@ -176,6 +183,89 @@ def print_table(results: dict[str, dict[str, object]], n: int) -> None:
                 f"{k}={v}" for k, v in res["settings"].items()))  # type: ignore[union-attr]
 
 
+def cluster_part(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        with temp_pg_database(args.pg) as (url, version):
+            plan = LoadPlan(url=url, nodes=args.nodes, node_procs=args.node_procs,
+                            node_conns=args.node_conns, heartbeat=args.heartbeat,
+                            replica_every=args.replica_every, writer_procs=args.writer_procs,
+                            writer_threads=args.writer_threads, commit_rate=args.commit_rate,
+                            commit_tensors=args.commit_tensors,
+                            collections=args.collections or args.writer_procs * args.writer_threads,
+                            segments=args.segments, warmup=args.warmup, duration=args.duration)
+            res = run_cluster(url, plan)
+            engine = create_engine(url)
+            with engine.connect() as conn:
+                res["settings"] = {k: conn.execute(text(f"SHOW {k}")).scalar() for k in (
+                    "synchronous_commit", "fsync", "wal_sync_method", "commit_delay",
+                    "max_connections", "shared_buffers")}
+            engine.dispose()
+            res["settings"]["server_version"] = version
+            return res
+    except PgUnavailable as exc:
+        return {"skipped": str(exc)}
+
+
+def print_cluster(res: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(width=110)
+    if "skipped" in res:
+        console.print(f"cluster: skipped: {res['skipped']}")
+        return
+    plan, g = res["plan"], res["goals"]
+
+    def verdict(ok: bool) -> str:
+        return "[green]ok[/]" if ok else "[red]MISS[/]"
+
+    def lat(d: dict[str, float]) -> str:
+        return f"p50 {d['p50_ms']:.2f} ms, p99 {d['p99_ms']:.2f} ms"
+
+    console.print(f"[bold]catalog at cluster scale[/]: {plan['nodes']} nodes over "
+                  f"{plan['node_procs']} processes x {plan['node_conns']} connections, beat "
+                  f"every {plan['heartbeat']:g} s; {plan['writer_procs']} x "
+                  f"{plan['writer_threads']} writers, {plan['commit_tensors']} tensors a commit, "
+                  f"{plan['collections']} collections; {plan['duration']:g} s measured after "
+                  f"{plan['warmup']:g} s")
+    console.print(f"  heartbeats/s  {res['heartbeats_per_s']:8.1f} of "
+                  f"{res['heartbeats_offered_per_s']:.0f} offered  (goal >= {g['heartbeats_per_s']:.0f}: "
+                  f"{verdict(g['heartbeats_ok'])})   beat {lat(res['heartbeat'])}; "
+                  f"late p99 {res['heartbeat_lag']['p99_ms']:.1f} ms")
+    offered = res["commits_offered_per_s"]
+    console.print(f"  commits/s     {res['commits_per_s']:8.1f} of "
+                  f"{offered if offered else 'unlimited'} offered  (goal >= "
+                  f"{g['commits_per_s']:.0f}: {verdict(g['commits_ok'])})   commit {lat(res['commit'])}")
+    console.print(f"  replica registrations/s {res['replica_registrations_per_s']:.1f}: "
+                  f"{lat(res['replica_registration'])}")
+    fb, fa = res["fsync_floor_before"], res["fsync_floor_after"]
+    console.print(f"  server's durable-commit floor (1-row INSERT, synchronous_commit on): "
+                  f"p50 {fb['sync_on_p50_ms']:.2f} / {fa['sync_on_p50_ms']:.2f} ms before/after, "
+                  f"p99 {fb['sync_on_p99_ms']:.2f} / {fa['sync_on_p99_ms']:.2f}; "
+                  f"off (round trip): p50 {fb['sync_off_p50_ms']:.2f} ms")
+    nc = res["notify_ceiling_8_connections"]
+    console.print(f"  8 connections committing 1-row INSERTs: {nc['plain_commits_per_s']:.0f}/s; "
+                  f"with a NOTIFY inside {nc['notify_inside_commits_per_s']:.0f}/s; with it "
+                  f"after the commit (as Catalog.commit) {nc['notify_after_commits_per_s']:.0f}/s")
+    srv = res["server"]
+    console.print(f"  server: {srv['wal_flushes_per_s']} WAL flushes/s (whole server), "
+                  f"{srv['connections_max']} connections, "
+                  f"{srv['active_backends_mean']} active on average; backends "
+                  f"{srv['server_backend_cores']} cores, host {srv['host_cores_busy']} cores busy "
+                  f"({srv['host_cpu_busy_pct']} %), clients {res['client_cores']} cores "
+                  f"(nodes {res['node_client_cores']})")
+    b, c = res["cpu_ms_per_beat"], res["cpu_ms_per_commit"]
+    console.print(f"  CPU per beat: client {b['client']:.3f} ms + server {b['server']:.3f} ms; "
+                  f"per commit: client {c['client']:.3f} ms + server {c['server']:.3f} ms")
+    need = res["goal_load_needs_cores"]
+    console.print(f"  at these costs the goal load needs {need['server']} server cores and "
+                  f"{need['clients']} client cores (this host: {os.cpu_count()})")
+    console.print("  wait events of active backends (per sample): " + ", ".join(
+        f"{k} {v}" for k, v in srv["waits_per_sample"].items()))
+    if res["errors"]:
+        console.print(f"  [red]errors[/]: {res['errors']}")
+    console.print("  settings: " + ", ".join(f"{k}={v}" for k, v in res["settings"].items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,7 +279,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="sqlite,postgresql", help="comma-separated")
     p.add_argument("--tmp-dir", default=None, help="where the temporary stores go")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    c = p.add_argument_group("--cluster: the catalog under many nodes and writers (PostgreSQL)")
+    c.add_argument("--cluster", action="store_true", help="run the cluster-scale load instead")
+    c.add_argument("--nodes", type=int, default=1000, help="simulated nodes (1000)")
+    c.add_argument("--node-procs", type=int, default=4, help="processes driving them (4)")
+    c.add_argument("--node-conns", type=int, default=4,
+                   help="threads (pooled connections) per node process (4)")
+    c.add_argument("--heartbeat", type=float, default=1.0, help="seconds between beats (1)")
+    c.add_argument("--replica-every", type=int, default=10,
+                   help="a node records a replica every N beats (10; 0: never)")
+    c.add_argument("--writer-procs", type=int, default=2, help="writer processes (2)")
+    c.add_argument("--writer-threads", type=int, default=4, help="threads per writer (4)")
+    c.add_argument("--commit-rate", type=float, default=200.0,
+                   help="commits/s offered in all (200; 0: as fast as they go)")
+    c.add_argument("--commit-tensors", type=int, default=4, help="tensors per commit (4)")
+    c.add_argument("--collections", type=int, default=0,
+                   help="collections the writers share (0: one per writer thread)")
+    c.add_argument("--segments", type=int, default=200, help="segments nodes replicate (200)")
+    c.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring (3)")
+    c.add_argument("--duration", type=float, default=20.0, help="seconds measured (20)")
     args = p.parse_args(argv)
+
+    if args.cluster:
+        res = cluster_part(args)
+        if args.json:
+            print(json.dumps(res, indent=2, default=str))
+        else:
+            print_cluster(res)
+        return 0
 
     results: dict[str, dict[str, object]] = {}
     load_before = os.getloadavg()[0]

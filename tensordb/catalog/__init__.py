@@ -10,13 +10,21 @@ from __future__ import annotations
 from ._catalog import Catalog
 from ._common import CollectionInfo, Commit, GcPlan, NewSegment, NewTensor, TensorRow
 from ._manifests import PACK_MIN_ROWS, Manifest
-from ._nodes import NodeDirectory, NodeInfo, SegmentInfo
-from ._sql import current_revision, ensure_schema, make_engine, upgrade, write_conn
+from ._nodes import Beat, NodeDirectory, NodeInfo, SegmentInfo
+from ._sql import (
+    current_revision,
+    ensure_schema,
+    make_engine,
+    notify_after_commit,
+    upgrade,
+    write_conn,
+)
 from .schema import HEAD_REVISION, metadata
 
 __all__ = [
     "HEAD_REVISION",
     "PACK_MIN_ROWS",
+    "Beat",
     "Manifest",
     "Catalog",
     "CollectionInfo",
@@ -32,6 +40,7 @@ __all__ = [
     "ensure_schema",
     "make_engine",
     "metadata",
+    "notify_after_commit",
     "upgrade",
     "write_conn",
 ]

@@ -14,7 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Engine, delete, or_, select, update
+from sqlalchemy import Connection, Engine, delete, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
 from ..errors import NotFound
@@ -22,7 +24,7 @@ from ._common import now_utc
 from ._sql import write_conn
 from .schema import kv_namespaces, nodes, segment_replicas, segments, tensors
 
-__all__ = ["NodeDirectory", "NodeInfo", "SegmentInfo", "DEFAULT_LAPSE"]
+__all__ = ["Beat", "NodeDirectory", "NodeInfo", "SegmentInfo", "DEFAULT_LAPSE"]
 
 #: seconds without a heartbeat after which a node counts as down
 DEFAULT_LAPSE = float(os.environ.get("TENSORDB_NODE_LAPSE", "") or 10.0)
@@ -47,6 +49,16 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Beat:
+    """What one heartbeat found: whether the node's row exists (False: register again),
+    the nodes it marked down, and how many are up after it (None: it did not sweep)."""
+
+    known: bool
+    lapsed: list[str]
+    up: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class SegmentInfo:
     """A segment's writer, its tier there, its size, and the extents it holds
     (offset, nbytes, checksum), sorted by offset."""
@@ -56,6 +68,50 @@ class SegmentInfo:
     tier: str
     nbytes: int
     extents: tuple[tuple[int, int, str], ...]
+
+
+# The soft state of heartbeats, as plain PostgreSQL statements run on their own
+# (autocommit): set_config(..., true) turns synchronous_commit off for the statement's
+# own transaction, so its commit does not wait for the WAL flush (the ``quiet`` CTE is
+# referenced by the outer SELECT, so it runs). The lapse sweep rides in the same
+# statement, one round trip: it skips the beating node itself, whose row the other CTE
+# is renewing.
+_PG_QUIET = "quiet AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
+_PG_BEAT = (  # up: the nodes up before the sweep, less those it marks down
+    f"WITH {_PG_QUIET}, "
+    "mine AS (UPDATE nodes SET heartbeat_at = %(now)s, state = 'up' "
+    "WHERE name = %(name)s RETURNING 1), "
+    "lapsed AS (UPDATE nodes SET state = 'down' WHERE state = 'up' AND name <> %(name)s "
+    "AND (heartbeat_at IS NULL OR heartbeat_at < %(cutoff)s) RETURNING name) "
+    "SELECT (SELECT count(*) FROM mine), ARRAY(SELECT name FROM lapsed), "
+    "(SELECT count(*) FROM nodes WHERE state = 'up' OR name = %(name)s) "
+    "- (SELECT count(*) FROM lapsed), (SELECT v FROM quiet)"
+)
+_PG_HEARTBEAT = (
+    f"WITH {_PG_QUIET}, "
+    "mine AS (UPDATE nodes SET heartbeat_at = %(now)s, state = 'up' "
+    "WHERE name = %(name)s RETURNING 1) "
+    "SELECT (SELECT count(*) FROM mine), (SELECT v FROM quiet)"
+)
+_PG_MARK_LAPSED = (
+    f"WITH {_PG_QUIET}, "
+    "lapsed AS (UPDATE nodes SET state = 'down' WHERE state = 'up' "
+    "AND (heartbeat_at IS NULL OR heartbeat_at < %(cutoff)s) RETURNING name) "
+    "SELECT name FROM lapsed WHERE (SELECT v FROM quiet) IS NOT NULL"
+)
+
+# a replica, in one durable statement (a data-modifying CTE runs whether or not it is
+# read): the writer's own segment is no replica of it; a segment gc dropped answers no
+# row, and one gc is dropping fails the insert's foreign key check once gc commits
+# (IntegrityError: False too)
+_PG_ADD_REPLICA = (
+    "WITH seg AS (SELECT node FROM segments WHERE id = %(sid)s::varchar), "
+    "ins AS (INSERT INTO segment_replicas (segment_id, node, tier, created_at) "
+    "SELECT %(sid)s::varchar, %(node)s::varchar, %(tier)s::varchar, %(now)s::timestamptz "
+    "FROM seg WHERE seg.node <> %(node)s::varchar "
+    "ON CONFLICT (segment_id, node) DO UPDATE SET tier = EXCLUDED.tier RETURNING 1) "
+    "SELECT node FROM seg"
+)
 
 
 class NodeDirectory:
@@ -72,15 +128,63 @@ class NodeDirectory:
         values = {"address": address, "tiers": json.dumps(list(tiers)), "capacity": capacity,
                   "heartbeat_at": now_utc(), "state": "up"}
         with write_conn(self.engine) as conn:
-            if conn.execute(update(nodes).where(nodes.c.name == name)
-                            .values(**values)).rowcount == 0:
+            dialect = conn.dialect.name
+            if dialect == "postgresql":  # one statement: no look before the write
+                conn.execute(pg_insert(nodes).values(name=name, **values)
+                             .on_conflict_do_update(index_elements=[nodes.c.name], set_=values))
+            elif dialect == "sqlite":
+                conn.execute(sqlite_insert(nodes).values(name=name, **values)
+                             .on_conflict_do_update(index_elements=[nodes.c.name], set_=values))
+            elif conn.execute(update(nodes).where(nodes.c.name == name)
+                              .values(**values)).rowcount == 0:
                 conn.execute(nodes.insert().values(name=name, **values))
 
+    def beat(self, name: str, *, sweep: bool = True) -> Beat:
+        """One heartbeat of ``name``: renew its row (and bring it back up) and, with
+        ``sweep``, mark down every other up node whose heartbeat is older than the lapse
+        and count the nodes left up.
+
+        On PostgreSQL this is one statement in its own transaction, one round trip, that
+        does not wait for its WAL flush: a heartbeat or a down mark lost to a server
+        crash is written again by the next beat, a second later, and the lapse is many
+        beats long. The sweep reads the whole table, so a cluster whose every node
+        swept on every beat would do work growing with the square of its size: a node
+        sweeps on some beats only (``transport.NodeRegistration``), and a reader never
+        needs the mark anyway (``NodeInfo.live`` looks at the heartbeat's age)."""
+        now = now_utc()
+        cutoff = now - timedelta(seconds=self.lapse)
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                if not sweep:
+                    known = conn.exec_driver_sql(_PG_HEARTBEAT, {"name": name, "now": now}
+                                                 ).scalar() == 1
+                    return Beat(known, [], None)
+                row = conn.exec_driver_sql(_PG_BEAT, {"name": name, "now": now,
+                                                      "cutoff": cutoff}).one()
+            return Beat(row[0] == 1, sorted(row[1]), int(row[2]))
+        with write_conn(self.engine) as conn:
+            known = conn.execute(update(nodes).where(nodes.c.name == name).values(
+                heartbeat_at=now, state="up")).rowcount == 1
+            if not sweep:
+                return Beat(known, [], None)
+            lapsed = self._mark_lapsed(conn, cutoff)
+            up = conn.execute(select(func.count()).select_from(nodes)
+                              .where(nodes.c.state == "up")).scalar() or 0
+            return Beat(known, lapsed, int(up))
+
     def heartbeat(self, name: str) -> bool:
-        """Renew ``name``'s heartbeat (and bring it back up); False if it is unknown."""
+        """Renew ``name``'s heartbeat (and bring it back up); False if it is unknown.
+        On PostgreSQL one statement that does not wait for its WAL flush (``beat``)."""
+        now = now_utc()
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                return conn.exec_driver_sql(_PG_HEARTBEAT, {"name": name, "now": now}
+                                            ).scalar() == 1
         with write_conn(self.engine) as conn:
             return conn.execute(update(nodes).where(nodes.c.name == name).values(
-                heartbeat_at=now_utc(), state="up")).rowcount == 1
+                heartbeat_at=now, state="up")).rowcount == 1
 
     def deregister(self, name: str) -> None:
         """Mark ``name`` down (a clean shutdown); its rows and replicas stay."""
@@ -88,14 +192,23 @@ class NodeDirectory:
             conn.execute(update(nodes).where(nodes.c.name == name).values(state="down"))
 
     def mark_lapsed(self) -> list[str]:
-        """Mark down every up node whose heartbeat is older than the lapse."""
+        """Mark down every up node whose heartbeat is older than the lapse; their names."""
         cutoff = now_utc() - timedelta(seconds=self.lapse)
+        if self.engine.dialect.name == "postgresql":
+            with self.engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                return sorted(conn.exec_driver_sql(_PG_MARK_LAPSED, {"cutoff": cutoff})
+                              .scalars())
         with write_conn(self.engine) as conn:
-            names = list(conn.execute(select(nodes.c.name).where(
-                nodes.c.state == "up",
-                or_(nodes.c.heartbeat_at.is_(None), nodes.c.heartbeat_at < cutoff))).scalars())
-            if names:
-                conn.execute(update(nodes).where(nodes.c.name.in_(names)).values(state="down"))
+            return self._mark_lapsed(conn, cutoff)
+
+    @staticmethod
+    def _mark_lapsed(conn: Connection, cutoff: datetime) -> list[str]:
+        names = sorted(conn.execute(select(nodes.c.name).where(
+            nodes.c.state == "up",
+            or_(nodes.c.heartbeat_at.is_(None), nodes.c.heartbeat_at < cutoff))).scalars())
+        if names:
+            conn.execute(update(nodes).where(nodes.c.name.in_(names)).values(state="down"))
         return names
 
     def nodes(self) -> dict[str, NodeInfo]:
@@ -163,13 +276,21 @@ class NodeDirectory:
     def add_replica(self, segment_id: str, node: str, tier: str) -> bool:
         """Record that ``node`` now holds a verified copy in ``tier``, in one transaction
         that confirms the segment still exists; False if it was dropped meanwhile (the
-        caller then deletes its copy). Idempotent."""
+        caller then deletes its copy). Idempotent.
+
+        On PostgreSQL one statement, an upsert that reads the segment's row as it
+        inserts (the foreign key holds that row against gc until it commits)."""
         try:
+            if self.engine.dialect.name == "postgresql":
+                with self.engine.connect() as conn:
+                    conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                    owner = conn.exec_driver_sql(_PG_ADD_REPLICA, {
+                        "sid": segment_id, "node": node, "tier": tier,
+                        "now": now_utc()}).scalar()
+                return owner is not None
             with write_conn(self.engine) as conn:
-                q = select(segments.c.node).where(segments.c.id == segment_id)
-                if conn.dialect.name == "postgresql":
-                    q = q.with_for_update(read=True)  # gc cannot delete it under us
-                owner = conn.execute(q).scalar()
+                owner = conn.execute(select(segments.c.node)
+                                     .where(segments.c.id == segment_id)).scalar()
                 if owner is None:
                     return False
                 if owner == node:

@@ -9,6 +9,7 @@ does not know is refused with IncompatibleStore.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,8 +25,10 @@ import migrations
 from ..errors import IncompatibleStore, InvalidInput
 from .schema import HEAD_REVISION
 
-__all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write_conn"]
+__all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write_conn",
+           "notify_after_commit"]
 
+_log = logging.getLogger("tensordb.catalog")
 _KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 _PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
 
@@ -87,11 +90,48 @@ def write_conn(engine: Engine, *, durable: bool = True) -> Iterator[Connection]:
 
     ``durable=False`` (SQLite): the commit is not fsynced, for rows that describe bytes
     which do not outlive a reboot themselves; it stays atomic and crash-safe.
+    Notifications queued with ``notify_after_commit`` are sent once it has committed.
     """
     with engine.connect() as conn:
         conn = conn.execution_options(tensordb_write=True, tensordb_durable=durable)
-        with conn.begin():
-            yield conn
+        notes: list[tuple[str, str]] = []
+        conn.info[_NOTES] = notes
+        try:
+            with conn.begin():
+                yield conn
+        finally:
+            conn.info.pop(_NOTES, None)
+        if notes:
+            _send_notes(conn, notes)
+
+
+_NOTES = "tensordb_notify_after_commit"
+_PG_NOTIFY = ("SELECT set_config('synchronous_commit', 'off', true), "
+              "pg_notify(%(channel)s, %(payload)s)")
+
+
+def notify_after_commit(conn: Connection, channel: str, payload: str) -> None:
+    """On PostgreSQL, NOTIFY ``channel`` once the transaction of ``conn`` (a
+    ``write_conn``) has committed, and only if it does; elsewhere nothing.
+
+    Not inside the transaction: PostgreSQL serialises the commits of all transactions
+    that notify, across the whole server, under one lock held through each one's WAL
+    flush, so writers into different collections could commit no faster together than
+    one alone (about one fsync each). Sent after, in a transaction of its own that does
+    not wait for a flush, the lock is held for microseconds. A notification lost with
+    its sender between the two is a watcher's poll late (``client._notify``), nothing
+    more."""
+    if conn.dialect.name == "postgresql":
+        conn.info[_NOTES].append((channel, payload))
+
+
+def _send_notes(conn: Connection, notes: list[tuple[str, str]]) -> None:
+    try:
+        auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+        for channel, payload in notes:
+            auto.exec_driver_sql(_PG_NOTIFY, {"channel": channel, "payload": payload})
+    except SQLAlchemyError as exc:  # the commit stands; watchers poll
+        _log.warning("commit notification not sent: %s", exc)
 
 
 def current_revision(conn: Connection) -> str | None:

@@ -20,7 +20,6 @@ from sqlalchemy import (
     Select,
     bindparam,
     delete,
-    func,
     or_,
     select,
     text,
@@ -44,7 +43,7 @@ from ._common import (
 )
 from ._manifests import Manifests
 from ._retry import RETRY_SECONDS, retry_call, retrying
-from ._sql import write_conn
+from ._sql import notify_after_commit, write_conn
 from .schema import collections, commits, leases, segment_sources, segments, tags, tensors
 
 __all__ = ["Versions", "DBAPI_HEAD_ROWS"]
@@ -403,8 +402,8 @@ class Versions:
                 meta=json.dumps(meta) if meta else None, txn_id=txn_id))
             conn.execute(update(collections).where(collections.c.id == info.id)
                          .values(head=version))
-            if conn.dialect.name == "postgresql":  # delivered to watchers if this commits
-                conn.execute(select(func.pg_notify("tensordb_commit", f"{name}\n{version}")))
+            # watchers hear of it once it has committed (not inside: see the helper)
+            notify_after_commit(conn, "tensordb_commit", f"{name}\n{version}")
         if self.manifests is not None and (prev_txn is not None or not head):
             # packed off the commit's path: the commit costs what it changed
             self.manifests.derive_later(txn_id, prev_txn, version, replace, puts,

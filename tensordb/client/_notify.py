@@ -4,8 +4,9 @@
   shared-memory directory (``watch/<id>.sock``, mode 0600); a committing process sends
   ``collection LF version`` (names hold no control characters) to every socket there. A socket whose owner died refuses
   the datagram and the sender removes it.
-- PostgreSQL catalog: the commit's own transaction calls ``pg_notify`` (delivered only
-  if it commits, to every host); watchers LISTEN on a connection of their own.
+- PostgreSQL catalog: the commit sends ``pg_notify`` once its transaction has
+  committed, and only then, on the same connection (``catalog.notify_after_commit``),
+  to every host; watchers LISTEN on a connection of their own.
 
 A notification only says "look again": watchers always re-read the catalog, so a lost
 or duplicated datagram costs latency, never correctness (``watch``).
@@ -193,7 +194,7 @@ class _PgSubscription(Subscription):
 
 
 class PgNotifier(Notifier):
-    """Notifications through PostgreSQL LISTEN/NOTIFY; the commit sends them itself."""
+    """Notifications through PostgreSQL LISTEN/NOTIFY; the catalog's commit sends them."""
 
     def __init__(self, conninfo: str) -> None:
         self._conninfo = conninfo
