@@ -268,3 +268,24 @@ def test_manifest_files_are_private(sqlite_db: tensordb.Database, tmp_path: Path
     root = sqlite_db.catalog.manifests.root
     assert root.stat().st_mode & 0o777 == 0o700
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in root.iterdir())
+
+
+def test_postgres_statistics_follow_a_large_commit(pg_url: str, store_home: Path) -> None:
+    """A commit of 10,000+ rows into a table the planner last saw (nearly) empty
+    analyzes it, so a later look-up by name takes the head index (not the whole head)."""
+    from conftest import open_store, remove_store
+    from sqlalchemy import text
+
+    db = open_store(store_home, pg_url)
+    try:
+        db.commit("big", model(10_000))
+        with db.catalog.engine.connect() as conn:
+            known = conn.execute(text("SELECT reltuples FROM pg_class "
+                                      "WHERE oid = 'tensors'::regclass")).scalar()
+            plan = "\n".join(r[0] for r in conn.execute(text(
+                "EXPLAIN UPDATE tensors SET end_version = 9 WHERE collection_id = 1 AND "
+                "end_version IS NULL AND name = ANY(ARRAY['experts.00001.w'])")))
+        assert known is not None and known >= 10_000
+        assert "uq_tensors_head" in plan and "ANY" in plan.split("Index Cond")[1].split("\n")[0]
+    finally:
+        remove_store(db)

@@ -9,6 +9,7 @@ concurrent writers queue instead of failing, and versions stay consecutive.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.exc import SQLAlchemyError
 
 from ..errors import CommitConflict, InvalidInput, NotFound
 from ._common import (
@@ -47,6 +49,8 @@ from ._sql import notify_after_commit, write_conn
 from .schema import collections, commits, leases, segment_sources, segments, tags, tensors
 
 __all__ = ["Versions", "DBAPI_HEAD_ROWS"]
+
+_log = logging.getLogger("tensordb.catalog")
 
 # The read path as plain text statements: a reader process pays SQLAlchemy's statement
 # compilation on its first use of each Core construct (~4 ms for a snapshot's five),
@@ -102,6 +106,29 @@ def _copy_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTenso
     assert dbapi is not None
     with dbapi.cursor() as cur, cur.copy(_PG_COPY) as copy:
         copy.write(text_rows)
+
+
+#: commits of at least this many rows may leave PostgreSQL's statistics of the tensors
+#: table stale (``_refresh_statistics``)
+_ANALYZE_OVER = 10_000
+
+
+def _refresh_statistics(engine: Engine, inserted: int) -> None:
+    """ANALYZE the tensors table on PostgreSQL when a commit just inserted more than a
+    tenth of the rows its statistics know of (what autovacuum waits for, up to a minute,
+    before it analyzes). Until then the planner takes a table that was empty when last
+    analyzed for a tiny one, and reads a head row by name through the collection's
+    whole head: a 1-tensor commit into a fresh 100,000-tensor collection cost 60 ms
+    against 11 ms at 1,000 tensors. ANALYZE samples a fixed number of rows (~0.1 s) and
+    blocks no reader or writer; a failure only leaves it to autovacuum."""
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            known = c.exec_driver_sql(
+                "SELECT reltuples FROM pg_class WHERE oid = 'tensors'::regclass").scalar()
+            if known is None or known < 0 or inserted > 0.1 * known:
+                c.exec_driver_sql("ANALYZE tensors")
+    except SQLAlchemyError as exc:
+        _log.warning("ANALYZE after a large commit failed: %s", exc)
 
 
 def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTensor]) -> None:
@@ -404,6 +431,8 @@ class Versions:
                          .values(head=version))
             # watchers hear of it once it has committed (not inside: see the helper)
             notify_after_commit(conn, "tensordb_commit", f"{name}\n{version}")
+        if len(puts) >= _ANALYZE_OVER and self.engine.dialect.name == "postgresql":
+            _refresh_statistics(self.engine, len(puts))
         if self.manifests is not None and (prev_txn is not None or not head):
             # packed off the commit's path: the commit costs what it changed
             self.manifests.derive_later(txn_id, prev_txn, version, replace, puts,

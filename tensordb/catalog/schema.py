@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0007"
+HEAD_REVISION = "0008"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -124,7 +124,11 @@ tensors = Table(
     Column("checksum", String(32), nullable=False),
     Column("segment_id", String(32), nullable=True),  # NULL for a tensor of no bytes
     Column("offset", BigInteger, nullable=False),
-    Index("ix_tensors_live", "collection_id", "end_version"),
+    # closed rows by collection and end (gc, version manifests); head rows are served by
+    # uq_tensors_head below: revision 0008 says why the two do not overlap
+    Index("ix_tensors_closed", "collection_id", "end_version",
+          sqlite_where=text("end_version IS NOT NULL"),
+          postgresql_where=text("end_version IS NOT NULL")),
     Index("ix_tensors_segment", "segment_id"),
     # the head's rows: one per name; added by revision 0003
     Index("uq_tensors_head", "collection_id", "name", unique=True,
