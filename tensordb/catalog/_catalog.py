@@ -94,9 +94,19 @@ class Catalog:
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
                message: str | None, meta: dict[str, str] | None = None, *,
                durable: bool = True, more_segments: Sequence[NewSegment] = ()) -> Commit:
-        """Publish a new version in one SQL transaction (``Versions.commit``)."""
+        """Publish a new version in one SQL transaction (``Versions.commit``). The packed
+        manifest of a large version is queued: ``start_background`` runs it (the next
+        commit does, if the caller never does)."""
+        if self.manifests is not None:
+            self.manifests.start()
         return self._versions.commit(name, base, puts, unchanged, deletes, segment, message,
                                      meta, durable=durable, more_segments=more_segments)
+
+    def start_background(self) -> None:
+        """Start the work a commit queued (packing its manifest), once the caller has
+        what it waited for."""
+        if self.manifests is not None:
+            self.manifests.start()
 
     def history(self, name: str, *, after: int | None = None,
                 version: int | None = None) -> list[Commit]:

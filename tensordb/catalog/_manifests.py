@@ -24,6 +24,7 @@ rows stay queryable there; the file is a cache of them:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -210,6 +211,7 @@ class Manifests:
         self._made = False
         self._lock = threading.Lock()
         self._pending: dict[str, Future[None]] = {}
+        self._queued: list[tuple[str, str | None, int, list[str], list[NewTensor]]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
 
@@ -266,26 +268,42 @@ class Manifests:
     def derive_later(self, txn_id: str, base_txn: str | None, version: int,
                      replaced: Sequence[str], puts: Sequence[NewTensor],
                      n_rows: int) -> None:
-        """Pack the rows of commit ``txn_id`` (version ``version``, ``n_rows`` rows) in
-        the background: those of ``base_txn``'s file (the previous version; None for a
-        collection's first) less ``replaced``, plus ``puts``. Nothing is packed when the
-        base has no file (the first opener packs it from SQL) or the version is small."""
+        """Queue the packing of commit ``txn_id`` (version ``version``, ``n_rows`` rows):
+        those of ``base_txn``'s file (the previous version; None for a collection's
+        first) less ``replaced``, plus ``puts``. ``start`` runs the queue in the
+        background; the writer calls it once its commit has returned everything it
+        owes its caller, so the packing (O(rows), some of it holding the GIL) never
+        lengthens a commit. Nothing is packed when the base has no file (the first
+        opener packs it from SQL) or the version is small."""
         if n_rows < PACK_MIN_ROWS:
             return
         with self._lock:
-            if self._pool is None or self._pid != os.getpid():
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensordb-manifest")
-                self._pending, self._pid = {}, os.getpid()
-            fut = self._pool.submit(self._derive, txn_id, base_txn, version, list(replaced),
-                                    list(puts))
-            self._pending[txn_id] = fut
-        fut.add_done_callback(lambda _f: self._done(txn_id))
+            if self._pid != os.getpid():  # a forked child: its parent's jobs are not its
+                self._pool, self._pending, self._queued, self._pid = None, {}, [], os.getpid()
+            self._queued.append((txn_id, base_txn, version, list(replaced), list(puts)))
 
-    def _done(self, txn_id: str) -> None:
+    def start(self) -> None:
+        """Run the queued packings, in order, on the background thread."""
+        with self._lock:
+            if not self._queued or self._pid != os.getpid():
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensordb-manifest")
+            jobs, self._queued = self._queued, []
+            started = []
+            for job in jobs:
+                fut = self._pool.submit(self._derive, *job)
+                self._pending[job[0]] = fut
+                started.append((job[0], fut))
+        for txn_id, fut in started:
+            fut.add_done_callback(functools.partial(self._done, txn_id))
+
+    def _done(self, txn_id: str, _fut: object = None) -> None:
         with self._lock:
             self._pending.pop(txn_id, None)
 
     def _wait_pending(self, txn_id: str) -> None:
+        self.start()
         with self._lock:
             fut = self._pending.get(txn_id) if self._pid == os.getpid() else None
         if fut is not None:
@@ -333,6 +351,9 @@ class Manifests:
         return removed
 
     def close(self) -> None:
+        """Run what is queued and wait for it (a process that commits and exits leaves
+        its versions packed)."""
+        self.start()
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None and self._pid == os.getpid():

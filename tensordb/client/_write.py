@@ -113,6 +113,7 @@ class Writer:
         with se.gc_paused():  # a row object per tensor: see gc_paused
             result = self._publish(collection, base, puts, deletes, message, tier_name, meta)
         self._notifier.publish(collection, result.version)
+        self.catalog.start_background()  # after the commit's last step, not beside it
         return result
 
     def _publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
@@ -207,6 +208,7 @@ class Writer:
             if a is not None:
                 a.release()
         self._notifier.publish(collection, result.version)
+        self.catalog.start_background()
         return result
 
     def _unchanged(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow]) -> list[str]:
