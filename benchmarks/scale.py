@@ -8,7 +8,8 @@ For each size (``--sizes``, default 1000,10000,100000) and backend, on a fresh s
 not the bytes) is committed and then read:
 
 * ``commit``: ``db.transaction`` + ``put_many`` of every tensor, the first version;
-* ``1-change commit``: one tensor changed, committed on top (median of ``--reps``);
+* ``1-change commit``: one tensor changed, committed on top (median of 15, or
+  ``--reps`` if more; the first one beside it);
 * ``open`` / ``state_dict()`` / ``touch all``: a snapshot of the head in this process,
   its ``state_dict()`` (a mapping that makes tensors on first access) and the walk that
   makes every tensor (``values()``), so a lazy mapping hides nothing;
@@ -59,6 +60,10 @@ GOAL_BULK = 3.0
 GOAL_ONE_CHANGE = 1.5
 GOAL_OPEN_MS = 50.0
 COLLECTION = "moe"
+#: 1-change commits timed per size (the first ones after a bulk load run beside the
+#: database's own upkeep of it, PostgreSQL's autovacuum: the median is the steady cost,
+#: the first is printed beside it)
+ONE_CHANGE_REPS = 15
 
 
 def checkpoint(n: int) -> dict[str, torch.Tensor]:
@@ -196,12 +201,13 @@ def bench_store(db: tensordb.Database, url: str, home: str, n: int, reps: int
     db.catalog.manifests.close()  # the background packing of the first version, done
     ones = []
     name = next(iter(sd))
-    for i in range(reps):
+    for i in range(max(ONE_CHANGE_REPS, reps)):
         took, _ = timed(lambda i=i: db.commit(COLLECTION, {name: torch.full_like(sd[name],
                                                                               -1.0 - i)}))
         ones.append(took)
         db.catalog.manifests.close()  # not the next commit's cost: see docs/catalog.md
     res["one_change_commit_s"] = statistics.median(ones)
+    res["one_change_first_s"] = ones[0]
     opens, sds, touches = [], [], []
     for _ in range(reps):
         t_open, snap = timed(lambda: db.snapshot(COLLECTION))
@@ -275,7 +281,8 @@ def goals(res: dict[str, Any], sizes: list[int]) -> list[tuple[str, str, bool | 
         if big != small:
             one = b["one_change_commit_s"] / r[small]["one_change_commit_s"]
             lines.append((backend, f"1-change commit at {big}: {b['one_change_commit_s'] * 1e3:.1f}"
-                          f" ms = {one:.2f} x the one at {small} (goal <= {GOAL_ONE_CHANGE:g} x)",
+                          f" ms (median; the first {b['one_change_first_s'] * 1e3:.1f} ms) = "
+                          f"{one:.2f} x the one at {small} (goal <= {GOAL_ONE_CHANGE:g} x)",
                           one <= GOAL_ONE_CHANGE))
         sp = b["second_process"]
         if "error" in sp:
