@@ -14,8 +14,9 @@ collections with a mix of dtypes and sizes. Then, alternating, ``--reps`` runs e
 
 Each figure is the median (and p90) in milliseconds; the ratio db.query / direct is
 printed beside the goal (<= 1.2 x). The results of the two are checked to be equal.
-PostgreSQL runs in a throwaway database, dropped at the end, and is skipped (with the
-reason) if the server does not answer.
+PostgreSQL runs in a throwaway database, dropped at the end; if the server does not
+answer, its goal prints "not measured" with the reason and fails (exit 1), as a missed
+one does.
 
 Run:  .venv/bin/python benchmarks/query.py [--rows 100000] [--reps 50] [--json]
 """
@@ -48,7 +49,9 @@ from tensordb.catalog import NewTensor  # noqa: E402
 from tensordb.catalog.schema import collections, tensors  # noqa: E402
 
 sys.path.append(str(_HERE))  # after the query package: now the shared helpers
+import _verdict  # noqa: E402
 from _common import PgUnavailable, summary, temp_pg_store  # noqa: E402
+from _verdict import Verdict  # noqa: E402
 
 GOAL_RATIO = 1.2
 CHUNK = 10_000
@@ -163,8 +166,23 @@ def postgres_part(args: argparse.Namespace) -> dict[str, object]:
         return {"skipped": str(exc)}
 
 
-def print_table(results: dict[str, dict[str, Any]], rows: int) -> None:
+def goals(results: dict[str, dict[str, Any]]) -> list[Verdict]:
+    """db.query <= GOAL_RATIO x direct on each backend asked for; a backend that did
+    not run is not measured (failed), with the reason."""
+    out = []
+    for backend, res in results.items():
+        goal = f"{backend}: db.query <= {GOAL_RATIO} x direct"
+        ratio = res.get("ratio")
+        out.append(_verdict.at_most(goal, ratio, GOAL_RATIO,
+                                    "" if ratio is None else f"{ratio:.2f} x",
+                                    reason=str(res.get("skipped", "did not run"))))
+    return out
+
+
+def print_table(results: dict[str, dict[str, Any]], rows: int, load: tuple[float, float],
+                verdicts: list[Verdict]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=110)
@@ -173,15 +191,17 @@ def print_table(results: dict[str, dict[str, Any]], rows: int) -> None:
         table.add_column(col, justify="left" if col in ("backend", "path") else "right")
     for backend, res in results.items():
         if "skipped" in res:
-            table.add_row(backend, f"skipped: {res['skipped']}", "", "", "", "", "", "")
+            table.add_row(backend, f"[yellow]not measured[/]: {escape(res['skipped'])}",
+                          "", "", "", "", "", "[yellow]not measured[/]")
+            table.add_section()
             continue
         for path in ("db.query", "direct", "db.query, cold"):
             s = res[path]
             ratio = goal = ""
             if path == "db.query":
-                ok = res["ratio"] <= GOAL_RATIO
                 ratio = f"{res['ratio']:.2f} x"
-                goal = f"<= {GOAL_RATIO} x [{'green' if ok else 'red'}]{'ok' if ok else 'MISS'}[/]"
+                mark = _verdict.judge("", res["ratio"] <= GOAL_RATIO).mark()
+                goal = f"<= {GOAL_RATIO} x {mark}"
             table.add_row(backend, path, f"{s['median_ms']:.3f}", f"{s['p90_ms']:.3f}",
                           f"{s['min_ms']:.3f}", str(s["n"]), ratio, goal)
         table.add_section()
@@ -191,6 +211,9 @@ def print_table(results: dict[str, dict[str, Any]], rows: int) -> None:
         if "skipped" not in res:
             console.print(f"{backend}: {res['tensor rows']:,} tensor rows, {res['groups']} "
                           f"groups, catalog filled in {res['fill_s']:.1f} s")
+    console.print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
+                  "(other processes on the host skew the figures)")
+    _verdict.print_verdicts(console, verdicts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,16 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     if "postgresql" in backends:
         results["postgresql"] = postgres_part(args)
     load = (load_before, os.getloadavg()[0])
+    verdicts = goals(results)
     if args.json:
         print(json.dumps({"rows": args.rows, "reps": args.reps, "statement": STATEMENT,
                           "goal_ratio": GOAL_RATIO, "loadavg_before_after": load,
-                          "results": results}, indent=2, default=str))
+                          "results": results, "goals": _verdict.to_json(verdicts)},
+                         indent=2, default=str))
     else:
-        print_table(results, args.rows)
-        print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
-              "(other processes on the host skew the figures)")
-    ok = all("skipped" in r or r["ratio"] <= GOAL_RATIO for r in results.values())
-    return 0 if ok else 1
+        print_table(results, args.rows, load, verdicts)
+    return _verdict.exit_code(verdicts)
 
 
 if __name__ == "__main__":
