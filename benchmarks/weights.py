@@ -31,8 +31,8 @@ and times, best of ``--reps`` (median beside):
   timed from snapshot open to done; it checks every tensor lies in the store's shm
   mapping (zero-copy) and holds the file's values. Median of ``--child-runs``.
 
-Goals printed beside (a goal whose peer is missing or failed prints "not judged" with
-the reason): the cold import no slower than a fresh process's safetensors ``load_file``
+Goals printed beside (``_verdict``: a goal whose peer is missing or failed prints "not
+measured" with the reason and fails, and the script exits 1 unless every goal is met): the cold import no slower than a fresh process's safetensors ``load_file``
 + clone (its first load, cold as ours); the steady import >= 0.8 x memcpy on as many
 threads as the import uses (``io_workers``: 2 here) and >= 1.5 x the best peer's best;
 the second process materializes the whole model, zero-copy and with the right values,
@@ -66,7 +66,9 @@ from typing import Any
 
 import _common
 import _inplace
+import _verdict
 import torch
+from _verdict import Verdict
 
 GB = 1e9
 MiB = 1 << 20
@@ -458,61 +460,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for s in out["sizes"]:
-        if "tensordb" not in s:  # --in-place-only
-            continue
-        s["goals"] = goals(s)
+        found: list[tuple[str, Verdict]] = []
+        if "tensordb" in s:  # not --in-place-only
+            found += goals(s)
+        if "in_place" in s:
+            found.append(("in_place", _inplace.goal_of(s)))
+        s["goals"] = [{"row": row, **v.to_json()} for row, v in found]
     out["loadavg_after"] = os.getloadavg()[0]
     return out
 
 
-def goals(s: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal judged, or not judged with the reason (a peer missing or failed)."""
+def all_verdicts(res: dict[str, Any]) -> list[Verdict]:
+    """Every size's goals, each named with its size."""
+    return [Verdict(f"{s['bytes'] / MiB:,.0f} MiB, {g['row']}: {g['goal']}", g["state"],
+                    g["detail"]) for s in res["sizes"] for g in s.get("goals", [])]
+
+
+def goals(s: dict[str, Any]) -> list[tuple[str, Verdict]]:
+    """(table row, verdict) for each goal; a peer missing or failed: not measured."""
     from storage_engine import io_workers
 
-    out: list[dict[str, Any]] = []
+    out: list[tuple[str, Verdict]] = []
     cold = s["tensordb"]["cold"]["median_s"]
     steady = s["tensordb"]["steady"]["best_s"]
     peer = s["peers"].get("safetensors")
-    goal: dict[str, Any] = {"row": "cold", "text": "<= safetensors load_file + clone, cold"}
-    if peer is None:
-        goal["reason"] = s.get("skipped", {}).get("safetensors", "the peer was not run")
-    else:
-        goal["ok"] = cold <= peer["first_s"]
-        goal["text"] += f" ({peer['first_s'] * 1e3:.0f} ms)"
-    out.append(goal)
+    out.append(("cold", _verdict.at_most(
+        "<= safetensors load_file + clone, cold", None if peer is None else cold,
+        peer["first_s"] if peer else 0.0,
+        f"{cold * 1e3:.0f} ms vs {peer['first_s'] * 1e3:.0f} ms" if peer else "",
+        reason=s.get("skipped", {}).get("safetensors", "the peer was not run"))))
     threads = io_workers()
     x = s["memcpy_2t_s"] / steady
     s["x_memcpy_2t"] = x
-    out.append({"row": "steady", "ok": x >= GOAL_MEMCPY,
-                "text": f">= {GOAL_MEMCPY} x memcpy 2 threads (import: {threads} threads): "
-                        f"{x:.2f} x"})
+    out.append(("steady", _verdict.at_least(
+        f">= {GOAL_MEMCPY} x memcpy 2 threads (import: {threads} threads)", x, GOAL_MEMCPY,
+        f"{x:.2f} x")))
     if s["peers"]:
         best = min(s["peers"], key=lambda p: s["peers"][p]["best_s"])
         s["best_peer"] = best
         s["x_best_peer"] = s["peers"][best]["best_s"] / steady
-        out.append({"row": "steady", "ok": s["x_best_peer"] >= GOAL_PEER,
-                    "text": f">= {GOAL_PEER} x best peer ({PEER_LABELS[best]}): "
-                            f"{s['x_best_peer']:.2f} x"})
+        out.append(("steady", _verdict.at_least(
+            f">= {GOAL_PEER} x best peer ({PEER_LABELS[best]})", s["x_best_peer"], GOAL_PEER,
+            f"{s['x_best_peer']:.2f} x")))
     else:
-        out.append({"row": "steady", "text": f">= {GOAL_PEER} x best peer",
-                    "reason": "no peer ran: " + "; ".join(
-                        f"{k}: {v}" for k, v in s.get("skipped", {}).items())[:200]})
+        out.append(("steady", _verdict.not_measured(
+            f">= {GOAL_PEER} x best peer", "no peer ran: " + "; ".join(
+                f"{k}: {v}" for k, v in s.get("skipped", {}).items())[:200])))
     ch = s["child"]
-    out.append({"row": "child", "ok": ch["materialize_ms_median"] <= GOAL_CHILD_MS
-                and ch["all_zero_copy"] and ch["values_ok"],
-                "text": f"<= {GOAL_CHILD_MS:g} ms, zero-copy ({ch['all_zero_copy']}), values "
-                        f"right ({ch['values_ok']})"})
+    out.append(("child", _verdict.judge(
+        f"<= {GOAL_CHILD_MS:g} ms, zero-copy, values right",
+        ch["materialize_ms_median"] <= GOAL_CHILD_MS and ch["all_zero_copy"]
+        and ch["values_ok"],
+        f"{ch['materialize_ms_median']:.2f} ms, zero-copy {ch['all_zero_copy']}, values "
+        f"right {ch['values_ok']}")))
     return out
 
 
 def verdict(goal: dict[str, Any]) -> str:
-    if "reason" in goal:
-        return f"{goal['text']}: [yellow]not judged[/]: {goal['reason']}"
-    return f"{goal['text']} " + ("[green]ok[/]" if goal["ok"] else "[red]MISS[/]")
+    return Verdict(goal["goal"], goal["state"], goal["detail"]).line()
 
 
 def print_report(res: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console(width=160)
@@ -578,9 +588,10 @@ def print_report(res: dict[str, Any]) -> None:
                           f"{q[1]:.2f} ms, first touch {q[2]:.2f} ms; connect "
                           f"{c['connect_ms_median']:.1f} ms (not in the figure)")
         for peer, why in s.get("skipped", {}).items():
-            con.print(f"[yellow]skipped {peer}[/]: {why}")
+            con.print(f"[yellow]not measured {peer}[/]: {escape(why)}")
     con.print(f"1-min load average before/after: {res['loadavg_before']:.2f} / "
               f"{res['loadavg_after']:.2f} (other processes on the host skew the figures)")
+    _verdict.print_verdicts(con, all_verdicts(res))
 
 
 def plot(res: dict[str, Any], path: str) -> bool:
@@ -661,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         print_report(res)
         if args.png:
             print(f"chart: {args.png}")
-    return 0
+    return _verdict.exit_code(all_verdicts(res))
 
 
 if __name__ == "__main__":
