@@ -29,7 +29,9 @@ Beside them, measured in the same run on the same server:
 
 Goals: 100,000-tensor commit <= 3 x the bulk insert of its rows; a 1-change commit at
 the largest size <= 1.5 x the one at the smallest; the second process's open +
-``state_dict()`` at 100,000 tensors <= 50 ms.
+``state_dict()`` at 100,000 tensors <= 50 ms. A backend that did not run (PostgreSQL
+not answering) prints each of its goals "not measured" with the reason; such a goal
+fails, as a missed one does, and the script exits 1 unless every goal is met.
 
 Run:  .venv/bin/python benchmarks/scale.py [--sizes 1000,10000,100000]
       [--backends sqlite,postgresql] [--reps 5] [--json] [--png scale.png]
@@ -51,7 +53,9 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _verdict
 import torch
+from _verdict import Verdict
 from sqlalchemy import text
 
 import tensordb
@@ -264,36 +268,42 @@ def bench_backend(backend: str, sizes: list[int], args: argparse.Namespace,
     return out
 
 
-def goals(res: dict[str, Any], sizes: list[int]) -> list[tuple[str, str, bool | None]]:
-    """(backend, what, met) for every goal; met None: not judged (the line says why)."""
-    lines: list[tuple[str, str, bool | None]] = []
+def goals(res: dict[str, Any], sizes: list[int]) -> list[Verdict]:
+    """Every goal of every backend asked for, each named with its backend; a backend
+    (or a second process) that did not run: its goals not measured, with the reason."""
+    out: list[Verdict] = []
     big, small = str(max(sizes)), str(min(sizes))
     for backend, r in res["backends"].items():
+        what = [f"{backend}: {big}-tensor commit <= {GOAL_BULK:g} x the bulk insert of its rows"]
+        if big != small:
+            what.append(f"{backend}: 1-change commit at {big} <= {GOAL_ONE_CHANGE:g} x the "
+                        f"one at {small}")
+        what.append(f"{backend}: 2nd-process open + state_dict() of {big} <= "
+                    f"{GOAL_OPEN_MS:g} ms, every tensor there")
         if "skipped" in r:
-            lines.append((backend, f"every goal: not judged ({r['skipped']})", None))
+            out += [_verdict.not_measured(w, r["skipped"]) for w in what]
             continue
         b = r[big]
         ratio = b["commit_s"] / b["bulk_insert_s"]
-        lines.append((backend, f"{big}-tensor commit {b['commit_s'] * 1e3:.0f} ms = "
-                      f"{ratio:.2f} x the bulk insert of its rows "
-                      f"({b['bulk_insert_s'] * 1e3:.0f} ms) (goal <= {GOAL_BULK:g} x)",
-                      ratio <= GOAL_BULK))
+        out.append(_verdict.at_most(what[0], ratio, GOAL_BULK,
+                                    f"{b['commit_s'] * 1e3:.0f} ms = {ratio:.2f} x "
+                                    f"{b['bulk_insert_s'] * 1e3:.0f} ms"))
         if big != small:
             one = b["one_change_commit_s"] / r[small]["one_change_commit_s"]
-            lines.append((backend, f"1-change commit at {big}: {b['one_change_commit_s'] * 1e3:.1f}"
-                          f" ms (median; the first {b['one_change_first_s'] * 1e3:.1f} ms) = "
-                          f"{one:.2f} x the one at {small} (goal <= {GOAL_ONE_CHANGE:g} x)",
-                          one <= GOAL_ONE_CHANGE))
+            out.append(_verdict.at_most(
+                what[1], one, GOAL_ONE_CHANGE,
+                f"{b['one_change_commit_s'] * 1e3:.1f} ms median (the first "
+                f"{b['one_change_first_s'] * 1e3:.1f} ms) = {one:.2f} x"))
         sp = b["second_process"]
         if "error" in sp:
-            lines.append((backend, f"2nd-process open: not judged ({sp['error']})", None))
+            out.append(_verdict.not_measured(what[-1], str(sp["error"])))
         else:
             ms = (sp["open_s"] + sp["state_dict_s"]) * 1e3
-            lines.append((backend, f"2nd-process open + state_dict() of {big}: {ms:.1f} ms "
-                          f"(touching every tensor after: {sp['touch_s'] * 1e3:.0f} ms) "
-                          f"(goal <= {GOAL_OPEN_MS:g} ms, every tensor there)",
-                          ms <= GOAL_OPEN_MS and bool(sp["values_ok"])))
-    return lines
+            out.append(_verdict.judge(
+                what[-1], ms <= GOAL_OPEN_MS and bool(sp["values_ok"]),
+                f"{ms:.1f} ms, values right {bool(sp['values_ok'])}; touching every tensor "
+                f"after: {sp['touch_s'] * 1e3:.0f} ms"))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res["loadavg_after"] = os.getloadavg()[0]
-    res["goals"] = [{"backend": b, "goal": g, "met": m} for b, g, m in goals(res, sizes)]
+    res["goals"] = _verdict.to_json(goals(res, sizes))
     return res
 
 
@@ -346,12 +356,9 @@ def print_report(res: dict[str, Any]) -> None:
                       "", "", "", "", "", f"{p['open_s'] * 1e3:.1f}",
                       f"{p['all_s'] * 1e3:.0f} (get_tensor)", "", "")
     console.print(table)
-    for g in res["goals"]:
-        mark = ("[yellow]not judged[/]" if g["met"] is None
-                else "[green]ok[/]" if g["met"] else "[red]MISS[/]")
-        console.print(f"{g['backend']}: {g['goal']}: {mark}")
     console.print(f"1-min load average before/after: {res['loadavg_before']:.2f} / "
                   f"{res['loadavg_after']:.2f} (other processes skew the figures)")
+    _verdict.print_verdicts(console, _verdict.from_json(res["goals"]))
 
 
 def plot(res: dict[str, Any], path: str) -> bool:
@@ -404,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=2))
     else:
         print_report(res)
-    return 0
+    return _verdict.exit_code(_verdict.from_json(res["goals"]))
 
 
 if __name__ == "__main__":
