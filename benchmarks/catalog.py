@@ -14,7 +14,8 @@ Each figure is the median and p90 of ``--reps`` runs (``--full-reps`` for db.com
 printed beside the goals of DESIGN.md (SQLite <= 20 ms, PostgreSQL <= 50 ms for the
 metadata commit). SQLite runs with ``sqlite_synchronous`` (default FULL: every commit
 is fsynced); PostgreSQL in a throwaway database that is dropped at the end. The
-PostgreSQL part is skipped, with the reason printed, if the server does not answer.
+PostgreSQL part's goals print "not measured" with the reason, and fail, if the server
+does not answer (``_verdict``; the script exits 1 unless every goal is met).
 
 ``--cluster`` runs the catalog at cluster scale instead (PostgreSQL only): 1,000
 simulated nodes heartbeating and registering replicas on the real node API while writer
@@ -39,9 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _verdict
 import torch
 from _cluster_load import LoadPlan, run_cluster
 from _common import PgUnavailable, remove_store, summary, temp_pg_database, temp_pg_store
+from _verdict import Verdict
 from sqlalchemy import create_engine, text
 
 import tensordb
@@ -152,8 +155,42 @@ def postgres_part(args: argparse.Namespace) -> dict[str, object]:
         return {"skipped": str(exc)}
 
 
-def print_table(results: dict[str, dict[str, object]], n: int) -> None:
+METADATA_OPS = ("metadata commit (fresh)", "metadata commit (replace)")
+
+
+def goals(results: dict[str, dict[str, Any]]) -> list[Verdict]:
+    """Each backend's metadata commits against DESIGN.md's goal; a backend that did not
+    run: not measured, with the reason."""
+    out = []
+    for backend, res in results.items():
+        for op in METADATA_OPS:
+            g = GOALS_MS[backend]
+            s = res.get(op)
+            med = s["median_ms"] if isinstance(s, dict) else None
+            out.append(_verdict.at_most(f"{backend}: {op} median <= {g:.0f} ms", med, g,
+                                        "" if med is None else f"{med:.2f} ms",
+                                        reason=str(res.get("skipped", "did not run"))))
+    return out
+
+
+def cluster_goals(res: dict[str, Any]) -> list[Verdict]:
+    """The cluster load's two goals (``_cluster_load``); not measured if it did not run."""
+    from _cluster_load import GOAL_COMMITS, GOAL_HEARTBEATS
+
+    hb = f"heartbeats/s >= {GOAL_HEARTBEATS:g} while writers commit"
+    cm = f"commits/s >= {GOAL_COMMITS:g} beside the heartbeats"
+    if "skipped" in res:
+        return [_verdict.not_measured(hb, res["skipped"]),
+                _verdict.not_measured(cm, res["skipped"])]
+    g = res["goals"]
+    return [_verdict.judge(hb, g["heartbeats_ok"], f"{res['heartbeats_per_s']:.1f}/s"),
+            _verdict.judge(cm, g["commits_ok"], f"{res['commits_per_s']:.1f}/s")]
+
+
+def print_table(results: dict[str, dict[str, object]], n: int,
+                verdicts: list[Verdict]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=110)
@@ -162,17 +199,18 @@ def print_table(results: dict[str, dict[str, object]], n: int) -> None:
         table.add_column(col, justify="left" if col in ("backend", "operation") else "right")
     for backend, res in results.items():
         if "skipped" in res:
-            table.add_row(backend, f"skipped: {res['skipped']}", "", "", "", "", "")
+            table.add_row(backend, f"[yellow]not measured[/]: {escape(str(res['skipped']))}",
+                          "", "", "", "", "[yellow]not measured[/]")
+            table.add_section()
             continue
         for op, s in res.items():
             if op == "settings":
                 continue
             assert isinstance(s, dict)
             goal = ""
-            if op.startswith("metadata commit"):
+            if op in METADATA_OPS:
                 g = GOALS_MS[backend]
-                ok = s["median_ms"] <= g
-                goal = f"<= {g:.0f} [{'green' if ok else 'red'}]{'ok' if ok else 'MISS'}[/]"
+                goal = f"<= {g:.0f} {_verdict.judge('', s['median_ms'] <= g).mark()}"
             table.add_row(backend, op, f"{s['median_ms']:.2f}", f"{s['p90_ms']:.2f}",
                           f"{s['min_ms']:.2f}", str(s["n"]), goal)
         table.add_section()
@@ -181,6 +219,7 @@ def print_table(results: dict[str, dict[str, object]], n: int) -> None:
         if "settings" in res:
             console.print(f"{backend} settings: " + ", ".join(
                 f"{k}={v}" for k, v in res["settings"].items()))  # type: ignore[union-attr]
+    _verdict.print_verdicts(console, verdicts)
 
 
 def cluster_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,13 +249,12 @@ def print_cluster(res: dict[str, Any]) -> None:
     from rich.console import Console
 
     console = Console(width=110)
+    verdicts = cluster_goals(res)
     if "skipped" in res:
-        console.print(f"cluster: skipped: {res['skipped']}")
+        _verdict.print_verdicts(console, verdicts)
         return
     plan, g = res["plan"], res["goals"]
-
-    def verdict(ok: bool) -> str:
-        return "[green]ok[/]" if ok else "[red]MISS[/]"
+    hb_v, cm_v = verdicts
 
     def lat(d: dict[str, float]) -> str:
         return f"p50 {d['p50_ms']:.2f} ms, p99 {d['p99_ms']:.2f} ms"
@@ -229,12 +267,12 @@ def print_cluster(res: dict[str, Any]) -> None:
                   f"{plan['warmup']:g} s")
     console.print(f"  heartbeats/s  {res['heartbeats_per_s']:8.1f} of "
                   f"{res['heartbeats_offered_per_s']:.0f} offered  (goal >= {g['heartbeats_per_s']:.0f}: "
-                  f"{verdict(g['heartbeats_ok'])})   beat {lat(res['heartbeat'])}; "
+                  f"{hb_v.mark()})   beat {lat(res['heartbeat'])}; "
                   f"late p99 {res['heartbeat_lag']['p99_ms']:.1f} ms")
     offered = res["commits_offered_per_s"]
     console.print(f"  commits/s     {res['commits_per_s']:8.1f} of "
                   f"{offered if offered else 'unlimited'} offered  (goal >= "
-                  f"{g['commits_per_s']:.0f}: {verdict(g['commits_ok'])})   commit {lat(res['commit'])}")
+                  f"{g['commits_per_s']:.0f}: {cm_v.mark()})   commit {lat(res['commit'])}")
     console.print(f"  replica registrations/s {res['replica_registrations_per_s']:.1f}: "
                   f"{lat(res['replica_registration'])}")
     fb, fa = res["fsync_floor_before"], res["fsync_floor_after"]
@@ -264,6 +302,7 @@ def print_cluster(res: dict[str, Any]) -> None:
     if res["errors"]:
         console.print(f"  [red]errors[/]: {res['errors']}")
     console.print("  settings: " + ", ".join(f"{k}={v}" for k, v in res["settings"].items()))
+    _verdict.print_verdicts(console, verdicts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,11 +341,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cluster:
         res = cluster_part(args)
+        verdicts = cluster_goals(res)
         if args.json:
+            res["verdicts"] = _verdict.to_json(verdicts)
             print(json.dumps(res, indent=2, default=str))
         else:
             print_cluster(res)
-        return 0
+        return _verdict.exit_code(verdicts)
 
     results: dict[str, dict[str, object]] = {}
     load_before = os.getloadavg()[0]
@@ -316,15 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     if "postgresql" in backends:
         results["postgresql"] = postgres_part(args)
     load = (load_before, os.getloadavg()[0])
+    verdicts = goals(results)
     if args.json:
         print(json.dumps({"tensors": args.tensors, "reps": args.reps, "goals_ms": GOALS_MS,
-                          "loadavg_before_after": load, "results": results},
-                         indent=2, default=str))
+                          "loadavg_before_after": load, "results": results,
+                          "goals": _verdict.to_json(verdicts)}, indent=2, default=str))
     else:
-        print_table(results, args.tensors)
         print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
               "(other processes on the host skew the figures)")
-    return 0
+        print_table(results, args.tensors, verdicts)
+    return _verdict.exit_code(verdicts)
 
 
 if __name__ == "__main__":
