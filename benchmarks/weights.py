@@ -8,6 +8,9 @@ and times, best of ``--reps`` (median beside):
 
 * ``memcpy``: numpy ``copyto`` of the same number of bytes into a pre-touched
   destination, 1 thread and 2 threads (the physical limit, same run);
+* ``page-populate bound``: allocating a fresh shared-memory file of the same size and
+  faulting its pages in as the store does for a new segment (all I/O threads), and
+  that plus the file read bound below: the floor of a cold import;
 * ``file read bound``: ``preadv`` of the checkpoint file into a pre-faulted
   shared-memory file (a spare) on two threads, bare and hashing each piece as the
   import does: the fastest the bytes come out of the page cache into the store at all
@@ -304,6 +307,34 @@ def measure_file_read(path: Path, reps: int) -> dict[str, float]:
     return out
 
 
+def measure_populate(nbytes: int, reps: int) -> float:
+    """The page-populate bound: best seconds to allocate a fresh shared-memory file of
+    ``nbytes`` and fault its pages into a mapping as the store does for a new segment
+    (``fallocate``, then ``MADV_POPULATE_WRITE`` on every I/O thread). Each rep a new
+    file, removed after; nothing is copied. A cold import pays this and the
+    ``preadv`` + checksum bound, in some order or overlapped."""
+    import mmap
+    import tempfile
+
+    from storage_engine._mapping import map_shared
+
+    best = float("inf")
+    for _ in range(reps + 1):
+        fd, path = tempfile.mkstemp(prefix="tensordb-bench-populate-", dir="/dev/shm")
+        try:
+            t0 = time.perf_counter()
+            os.posix_fallocate(fd, 0, nbytes)
+            map_fd, mm = map_shared(path, nbytes, "fresh")
+            best = min(best, time.perf_counter() - t0)
+            mm.close()
+            os.close(map_fd)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    del mmap
+    return best
+
+
 def run_child(args: list[str], timeout: float = 300) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
                          check=False, timeout=timeout)
@@ -366,6 +397,7 @@ def bench_size(target: int, args: argparse.Namespace, work: Path) -> dict[str, A
     res.update(measure_memcpy(nbytes, args.reps))
     fr = measure_file_read(path, args.reps)
     res["file_read_2t_s"], res["file_read_hash_2t_s"] = fr["bare"], fr["hashed"]
+    res["populate_s"] = measure_populate(nbytes, args.reps)
 
     # tensordb cold: a fresh process on a fresh store each time, as a new user runs it
     cold: list[float] = []
@@ -556,6 +588,13 @@ def print_report(res: dict[str, Any]) -> None:
         fh = s["file_read_hash_2t_s"]
         t.add_row("  + checksum (the import's bound)", f"{fh * 1e3:.1f}", "",
                   f"{n / fh / GB:.2f}", f"{mc2 / fh:.2f}", "")
+        pop = s.get("populate_s")
+        if pop is not None:
+            t.add_row("page-populate bound: a fresh shm file, all I/O threads",
+                      f"{pop * 1e3:.1f}", "", f"{n / pop / GB:.2f}", f"{mc2 / pop:.2f}", "")
+            t.add_row("  + the import's bound (a cold import's floor)",
+                      f"{(pop + fh) * 1e3:.1f}", "", f"{n / (pop + fh) / GB:.2f}",
+                      f"{mc2 / (pop + fh):.2f}", "")
         for mode, label in (("cold", "tensordb import, cold (fresh process + store)"),
                             ("steady", "tensordb import, steady (freed as much before)")):
             m = s["tensordb"][mode]
