@@ -697,3 +697,27 @@ def test_snapshot_read_into_follows_bytes_to_another_tier(db: tensordb.Database)
         out = torch.empty_like(sd["w"])
         snap.read_into({"w": out})
     assert torch.equal(out, sd["w"])
+
+
+def test_sqlite_catalog_side_files_are_owner_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The WAL and shared-memory files SQLite creates beside the catalog are 0600 like the
+    database itself, whatever the umask, also in a home directory that already exists."""
+    import os
+    import stat
+
+    from conftest import open_store, remove_store
+
+    home = tmp_path / "existing"
+    home.mkdir(mode=0o755)
+    old = os.umask(0o022)
+    try:
+        db = open_store(home)
+    finally:
+        os.umask(old)
+    try:
+        db.commit("perm", {"a": torch.ones(2)})
+        files = [home / n for n in ("catalog.db", "catalog.db-wal", "catalog.db-shm")]
+        assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
+            f.name: "0o600" for f in files}
+    finally:
+        remove_store(db)

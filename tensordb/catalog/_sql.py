@@ -72,16 +72,31 @@ def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
                 conn.exec_driver_sql(f"PRAGMA synchronous={sync if durable else 'NORMAL'}")
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
-        if path:
-            try:
-                os.chmod(path, 0o600)
-            except FileNotFoundError:
-                pass
+        if path and path != ":memory:" and engine.url.database:
+            _owner_only(engine.url.database)
         return engine
     try:
         return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
     except (SQLAlchemyError, ImportError, ValueError) as exc:
         raise InvalidInput(f"cannot use catalog URL {url!r}: {exc}") from exc
+
+
+def _owner_only(path: str) -> None:
+    """Make the SQLite file at ``path`` owner-only (0600) before SQLite opens it.
+
+    SQLite creates the ``-wal`` and ``-shm`` side files with the mode of the database
+    file itself, so a database file created here 0600 (not left for SQLite to create
+    under the process umask) gives side files 0600 too, with no umask change (which
+    would race other threads). Side files left by an older store are tightened."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        pass
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        try:
+            os.chmod(name, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 @contextmanager
