@@ -109,6 +109,11 @@ def test_show_bad_references(store: Path) -> None:
     r = invoke(store, "show", "llama", "--version", "1", "--tag", "x")
     assert r.exit_code == 2
     assert "error: give a version or a tag, not both" in r.stderr
+    for v in ("1000000000000000000000000000000", "9223372036854775808", "0", "-3"):
+        r = invoke(store, "show", "llama", "--version", v)
+        assert r.exit_code == 2, (v, r.output)
+        assert r.stderr.strip() == f"error: version must be between 1 and 2**63-1, not {v}"
+        assert "Traceback" not in r.output
 
 
 def test_tag_and_delete(store: Path) -> None:

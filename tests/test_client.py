@@ -484,6 +484,31 @@ def test_other_bad_arguments(db: tensordb.Database) -> None:
     assert _snapshot_state(db) == before
 
 
+@pytest.mark.parametrize("version", [0, -1, 2**63, 10**30, -(2**64)])
+def test_out_of_range_versions_rejected_store_unchanged(db: tensordb.Database,
+                                                        version: int) -> None:
+    """A version outside 1 .. 2**63-1 (the catalog's int64) can name nothing: refused with
+    InvalidInput naming it, on every path that resolves a version; one in range that does
+    not exist stays NotFound."""
+    db.commit("rng", {"a": torch.ones(2)})
+    before = _snapshot_state(db)
+    cases = [
+        lambda: db.get("rng", "a", version=version),
+        lambda: db.snapshot("rng", version=version),
+        lambda: db.tag("rng", "t", version=version),
+        lambda: db.pin("rng", version=version),
+        lambda: db.evict("rng", version=version),
+    ]
+    for case in cases:
+        with pytest.raises(InvalidInput) as info:
+            case()
+        assert str(info.value) == f"version must be between 1 and 2**63-1, not {version}"
+        assert info.value.collection == "rng"
+    with pytest.raises(NotFound):
+        db.get("rng", "a", version=2**63 - 1)
+    assert _snapshot_state(db) == before
+
+
 def test_closed_store_and_snapshot(db: tensordb.Database) -> None:
     db.commit("cl", {"a": torch.ones(2)})
     snap = db.snapshot("cl")

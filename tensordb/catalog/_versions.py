@@ -55,6 +55,7 @@ _log = logging.getLogger("tensordb.catalog")
 # The read path as plain text statements: a reader process pays SQLAlchemy's statement
 # compilation on its first use of each Core construct (~4 ms for a snapshot's five),
 # which is most of a fresh process's first snapshot; text() compiles in microseconds.
+_MAX_VERSION = 2**63 - 1  # commits.version is a 64-bit integer
 _SQL_TAG = text("SELECT version FROM tags WHERE collection_id = :cid AND name = :tag")
 _SQL_HAS = text("SELECT version FROM commits WHERE collection_id = :cid AND version = :v")
 _SQL_ROWS = ('SELECT name, dtype, shape, nbytes, checksum, segment_id, "offset", first_version '
@@ -356,6 +357,9 @@ class Versions:
             return info, info.head
         if isinstance(version, bool) or not isinstance(version, int):
             raise InvalidInput(f"version must be an integer, not {version!r}", collection=name)
+        if not 1 <= version <= _MAX_VERSION:  # versions count from 1; the column is int64
+            raise InvalidInput(f"version must be between 1 and 2**63-1, not {version}",
+                               collection=name)
         if conn.execute(_SQL_HAS, {"cid": info.id, "v": version}).first() is None:
             raise NotFound(f"no version {version} of collection {name!r}", collection=name,
                            version=version)
