@@ -54,6 +54,11 @@ def _problem(kind: str, name: str) -> str | None:
         return f"a {kind} name must not be empty"
     if len(name) > _MAX[kind]:
         return f"{what[:80]}... is longer than {_MAX[kind]} characters"
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no UTF-8 the catalog can keep
+            return f"{what} is not valid Unicode (lone surrogate at position {exc.start})"
     if not (name.isascii() and name.isprintable()) and any(
             unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in name):
         return f"{what} contains a control character"
