@@ -486,6 +486,30 @@ def test_other_bad_arguments(db: tensordb.Database) -> None:
     assert _snapshot_state(db) == before
 
 
+@pytest.mark.parametrize(("message", "metadata", "says"), [
+    ("x\x00y", None, "the commit message contains a NUL character (at position 1)"),
+    ("x\udc80", None, "the commit message is not valid Unicode (lone surrogate at position 1)"),
+    (None, {"k\x00": "v"}, "metadata key 'k\\x00' contains a NUL character (at position 1)"),
+    (None, {"k": "\x00"}, "the metadata value of 'k' contains a NUL character (at position 0)"),
+    (None, {"\ud800": "v"}, "metadata key '\\ud800' is not valid Unicode"),
+    (None, {"k": "v\udfff"}, "the metadata value of 'k' is not valid Unicode"),
+], ids=["nul-message", "surrogate-message", "nul-key", "nul-value", "surrogate-key",
+        "surrogate-value"])
+def test_commit_text_the_catalog_cannot_keep_rejected_store_unchanged(
+        db: tensordb.Database, message: str | None, metadata: dict[str, str] | None,
+        says: str) -> None:
+    db.commit("txt", {"a": torch.ones(2)})
+    before = _snapshot_state(db)
+    with pytest.raises(InvalidInput) as info:
+        db.commit("txt", {"a": torch.zeros(2)}, message=message, metadata=metadata)
+    assert str(info.value).startswith(says) and info.value.collection == "txt"
+    with pytest.raises(InvalidInput):
+        db.commit("new", {"a": torch.zeros(2)}, message=message, metadata=metadata)
+    assert _snapshot_state(db) == before
+    assert db.commit("txt", {"a": torch.zeros(2)}, message="ok \u00e9",
+                     metadata={"k\u00e9": "v"}).version == 2  # other text is fine
+
+
 @pytest.mark.parametrize("version", [0, -1, 2**63, 10**30, -(2**64)])
 def test_out_of_range_versions_rejected_store_unchanged(db: tensordb.Database,
                                                         version: int) -> None:

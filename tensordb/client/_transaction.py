@@ -94,6 +94,20 @@ def digest(t: torch.Tensor) -> str:
     return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
 
 
+def _check_text(what: str, value: str, collection: str) -> None:
+    """Refuse text the catalog cannot keep as it was given: a NUL character (PostgreSQL
+    text refuses it) or a lone surrogate (no UTF-8 for it)."""
+    if "\x00" in value:
+        raise InvalidInput(f"{what} contains a NUL character (at position {value.index(chr(0))})",
+                           collection=collection)
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidInput(f"{what} is not valid Unicode (lone surrogate at position {exc.start})",
+                               collection=collection) from None
+
+
 class Transaction:
     """Puts and deletes on one collection, published as one commit when the block ends.
 
@@ -111,15 +125,20 @@ class Transaction:
         self._writer = writer
         self._check_open = check_open
         self.collection = check_name("collection", collection)
-        if message is not None and not isinstance(message, str):
-            raise InvalidInput(f"message must be a str, not {type(message).__name__}",
-                               collection=collection)
+        if message is not None:
+            if not isinstance(message, str):
+                raise InvalidInput(f"message must be a str, not {type(message).__name__}",
+                                   collection=collection)
+            _check_text("the commit message", message, collection)
         self._tier = tier or writer.default_tier
         writer.tiers.tier(self._tier)
         if metadata is not None:
             if not isinstance(metadata, Mapping) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
                 raise InvalidInput("metadata must map str to str", collection=collection)
+            for k, v in metadata.items():
+                _check_text(f"metadata key {k!r}", k, collection)
+                _check_text(f"the metadata value of {k!r}", v, collection)
             json.dumps(dict(metadata))
         self._meta = dict(metadata) if metadata else None
         self.message = message
