@@ -604,6 +604,30 @@ def test_bad_inputs_give_typed_errors_and_change_nothing(kv: KVCache,
     assert kv.match(keys) == 1 and float(kv.get(keys[:1])[0][0]) == 1.0
 
 
+def test_block_tokens_past_the_catalog_column_rejected_store_unchanged(
+        db: tensordb.Database) -> None:
+    """block_tokens is kept in a 32-bit column: a larger one is InvalidInput naming it
+    (PostgreSQL raised DataError), with no namespace row and no directory left behind."""
+    def namespaces() -> list[tuple[str, int]]:
+        with db.catalog.engine.connect() as conn:
+            return sorted((r.name, r.block_tokens) for r in conn.execute(
+                select(kv_namespaces.c.name, kv_namespaces.c.block_tokens)))
+
+    kv_dirs = [Path(db.config.shm_dir) / "kv", Path(db.config.data_dir) / "kv"]
+    for bt in (2**31, 2**40, 10**30):
+        with pytest.raises(InvalidInput) as info:
+            db.kv("big", block_tokens=bt, capacity_bytes=256 * KiB)
+        assert "block_tokens must be a positive int below 2**31" in str(info.value)
+        assert str(bt) in str(info.value) and info.value.collection == "big"
+    assert namespaces() == [] and not any(d.exists() for d in kv_dirs)
+    cache = db.kv("big", block_tokens=2**31 - 1, capacity_bytes=256 * KiB,
+                  slab_bytes=64 * KiB)  # the largest the column holds
+    try:
+        assert namespaces() == [("big", 2**31 - 1)]
+    finally:
+        cache.destroy()
+
+
 def test_pins_unpins_deletes(kv: KVCache) -> None:
     keys = kv.keys(list(range(12)))
     kv.put(keys[:2], [_block(1.0), _block(2.0)])

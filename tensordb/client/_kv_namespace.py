@@ -87,6 +87,9 @@ class KVNodeSummary:
         return n
 
 
+_MAX_BLOCK_TOKENS = 2**31 - 1  # kv_namespaces.block_tokens is a 32-bit Integer
+
+
 class KVNamespace:
     """One namespace opened on this node: registered, its directories named, its store
     open. ``close`` lets go of the store; ``remove_files`` deletes its blocks."""
@@ -99,9 +102,9 @@ class KVNamespace:
                  policy: str | None) -> None:
         check_name("collection", name)
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
-                or block_tokens <= 0:
-            raise InvalidInput(f"block_tokens must be a positive int, not {block_tokens!r}",
-                               collection=name)
+                or not 0 < block_tokens <= _MAX_BLOCK_TOKENS:
+            raise InvalidInput(f"block_tokens must be a positive int below 2**31 (the "
+                               f"catalog's column), not {block_tokens!r}", collection=name)
         if eviction is not None and policy is not None and eviction != policy:
             raise InvalidInput(f"eviction={eviction!r} and policy={policy!r} disagree (policy "
                                f"is the option's older name: give one)", collection=name)
