@@ -116,21 +116,21 @@ class TransportTests:
         raise NotImplementedError("a subclass provides the store fixture")
 
     def serve(self, store: NodeStore, token: str | None) -> str:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must give serve()")
 
     def stop(self, node: str) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must give stop()")
 
     def client(self, token: str | None) -> Transport:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must give client()")
 
     def put_segment(self, store: NodeStore, data: np.ndarray) -> str:
         """Commit ``data`` (uint8) on the node; the segment holding it at offset 0."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must give put_segment()")
 
     def put_kv(self, store: NodeStore, namespace: str, block_tokens: int,
                keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must give put_kv()")
 
     # -- fixtures --------------------------------------------------------------------
     @pytest.fixture

@@ -40,7 +40,10 @@ __all__ = ["Leases", "Opened"]
 #: what opening a snapshot returns: (lease id, collection, version, manifest)
 Opened = tuple[str, CollectionInfo, int, Manifest]
 
+#: a version's commit id (the packed manifest's key): for the SQLite cursor's hot path,
+#: and as a text statement for the others
 _SQL_TXN = "SELECT txn_id FROM commits WHERE collection_id = ? AND version = ?"
+_SQL_TXN_TEXT = text("SELECT txn_id FROM commits WHERE collection_id = :cid AND version = :v")
 
 _SQL_LEASE = text(
     "INSERT INTO leases (id, collection_id, version, holder, node, created_at, expires_at) "
@@ -128,8 +131,7 @@ class Leases:
             conn.execute(_SQL_LEASE, {
                 "id": lease_id, "cid": info.id, "v": v, "holder": holder, "node": self.node,
                 "created": created, "expires": created + timedelta(seconds=ttl)})
-            txn = conn.exec_driver_sql(_SQL_TXN.replace("?", "%s") if conn.dialect.name
-                                       == "postgresql" else _SQL_TXN, (info.id, v)).scalar()
+            txn = conn.execute(_SQL_TXN_TEXT, {"cid": info.id, "v": v}).scalar()
             rows = None
             if not self._has_packed(txn):
                 # the live-rows shortcut needs one snapshot for both statements: SQLite's
@@ -184,9 +186,9 @@ class Leases:
             assert manifests is not None and txn is not None
             table = manifests.load(txn)
             if table is not None:
-                found = Manifest(table=table)
-                return Manifest(table=table,
-                                tiers=self.versions.segment_tiers(found.segment_ids()))
+                manifest = Manifest(table=table)
+                manifest.set_tiers(self.versions.segment_tiers(manifest.segment_ids()))
+                return manifest
             rows = self.versions.manifest(cid, version)
         if manifests is not None and txn is not None and len(rows) >= PACK_MIN_ROWS:
             try:

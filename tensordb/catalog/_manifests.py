@@ -67,14 +67,15 @@ class Manifest(Mapping[str, TensorRow]):
         self._names: list[str] | None = None
         self._columns: list[list[Any]] | None = None
 
+    def set_tiers(self, tiers: Mapping[str, str]) -> None:
+        """The tiers of the rows' segments (segment id -> tier), read after the rows: a
+        packed file does not hold them, as a segment moves between tiers."""
+        self._tiers = dict(tiers)
+
     @property
     def packed(self) -> bool:
         """Whether the rows come from a packed file."""
         return self._table is not None
-
-    @property
-    def table(self) -> pa.Table | None:
-        return self._table
 
     def __len__(self) -> int:
         if self._rows is not None:
