@@ -46,7 +46,8 @@ __all__ = ["RaisingStore", "Served", "TransportTests", "sample_error"]
 _SAMPLES: dict[str, Any] = {
     "collection": "llama", "tensor": "embed.weight", "version": 3, "node": "elsewhere",
     "names": ["embed.weight", "lm_head.weight"], "base": 2, "head": 4,
-    "line": 2, "column": 7, "expected": ["FROM", "WHERE"],
+    "line": 2, "column": 7, "expected": ["FROM", "WHERE"], "group": "step-100",
+    "reason": "rank 1 died before committing its part",
 }
 _BASE_ATTRS = ("collection", "tensor", "version", "node")  # what TensorDBError takes
 
