@@ -77,8 +77,11 @@ class NodeStore(Protocol):
     def tier(self, name: str) -> se.Tier:
         """This node's tier ``name`` ('host', 'disk', 'gpu'); InvalidInput if it has none."""
 
-    def kv(self, namespace: str, block_tokens: int = ...) -> KVBlocks:
-        """The KV blocks of ``namespace`` on this node; the caller closes the handle."""
+    def kv(self, namespace: str, block_tokens: int = ..., *, create: bool = ...
+           ) -> KVBlocks:
+        """The KV blocks of ``namespace`` on this node; the caller closes the handle.
+        ``create=False`` (what a node asks): NotFound, and nothing made (no catalog
+        row, directory or descriptor), when this node never opened the namespace."""
 
     def stats(self) -> dict[str, int]:
         """Counts of the store (``leases`` among them), for the metrics endpoint."""

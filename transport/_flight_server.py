@@ -13,7 +13,8 @@ process. Requests:
   segment range as record batches of one ``large_binary`` chunk each, sent straight
   from the segment's mapping (no copy in this process);
 - ``do_get`` ticket ``{"kind": "kv", "namespace", "block_tokens", "keys": [hex]}``: the
-  blocks of those keys this node holds, with dtype, shape and checksum;
+  blocks of those keys this node holds, with dtype, shape and checksum (NotFound for a
+  namespace this node never opened: a read creates nothing);
 - ``do_get`` ticket with no ``kind``, ``{"collection", "version" | "tag"}`` (neither:
   the head): a version in the ``to_arrow`` layout, for any Flight client
   (``_version_reads``); ``list_flights`` and ``get_flight_info`` list and describe the
@@ -49,7 +50,7 @@ import storage_engine as se
 from tensordb.catalog import NodeDirectory
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, TensorDBError
 
-from ._auth import TokenMiddlewareFactory, require_token_for
+from ._auth import TokenMiddlewareFactory, check_token, require_token_for
 from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text
 from ._dataplane import DataPlaneServer
 from ._flight_client import KV_SCHEMA, SEGMENT_SCHEMA, FlightTransport, chunk_batch
@@ -221,8 +222,9 @@ class NodeService:
         with self._kv_lock:
             cache = self._kv.get((namespace, block_tokens))
             if cache is None:
-                cache = self._kv[(namespace, block_tokens)] = self.db.kv(namespace,
-                                                                         block_tokens)
+                # a read makes nothing: a namespace this node never opened is NotFound
+                cache = self._kv[(namespace, block_tokens)] = self.db.kv(
+                    namespace, block_tokens, create=False)
             return cache
 
     def kv_table(self, req: dict[str, Any]) -> pa.Table:
@@ -278,6 +280,8 @@ class NodeServer(fl.FlightServerBase):
                  timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
                  data_plane: bool = True, data_port: int = 0) -> None:
         require_token_for(host, token)
+        if token is not None:
+            check_token(token)
         middleware = {"auth": TokenMiddlewareFactory(token)} if token else None
         super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
         self.host = host
@@ -291,8 +295,8 @@ class NodeServer(fl.FlightServerBase):
             lambda req: self.service.checked("segment",
                                              lambda: self.service.segment_range(req)),
             lambda status: self.metrics.request("segment", status),
-            chunk=self.service.chunk_bytes, throttle=self.service.throttle) \
-            if data_plane else None
+            chunk=self.service.chunk_bytes, throttle=self.service.throttle,
+            node=self.service.node) if data_plane else None
         self.service.data_port = self.data_plane.port if self.data_plane else None
 
     def _answer(self, kind: str, work: Callable[[], _T]) -> _T:
