@@ -298,6 +298,44 @@ def test_kv_tickets_for_unknown_namespaces_make_no_state(
         t.close()
 
 
+def test_flight_errors_carry_no_sql_text(store: tensordb.Database) -> None:
+    """A catalog error quoting its statement reaches the client typed, without the SQL."""
+    from transport.testing import RaisingStore
+
+    store.commit("m", {"x": torch.ones(8)})
+    seg = _segment(store, "m")
+    raising = RaisingStore(store)
+    srv = NodeServer(raising, timeout=2.0)  # type: ignore[arg-type]
+    raising.error = NodeUnavailable(
+        "the catalog did not answer for 5.0 s (3 attempts): (psycopg.OperationalError) "
+        "connection refused\n[SQL: SELECT secret_column FROM nodes WHERE name = %(n)s]\n"
+        "[parameters: {'n': 'a'}]\n(Background on this error at: https://sqlalche.me/e/20/e3q8)",
+        node="catalog")
+    t = FlightTransport(None, timeout=2.0)
+    plain = fl.FlightClient(f"grpc+tcp://127.0.0.1:{srv.port}")
+    try:
+        address = f"127.0.0.1:{srv.port}"
+        calls: dict[str, Callable[[], object]] = {
+            "segment": lambda: t.read_segment("n1", address, seg, 0, 8, lambda v: None),
+            "into": lambda: t.read_segment_into("n1", address, seg, 0,
+                                                np.zeros(8, np.uint8), lambda n: None),
+            "kv": lambda: t.read_kv("n1", address, "ns", 4, [b"k"])}
+        for what, call in calls.items():
+            with pytest.raises(NodeUnavailable) as info:
+                call()
+            text = str(info.value)
+            assert "connection refused" in text and info.value.node == "catalog", what
+            assert "SELECT" not in text and "secret_column" not in text, what
+        with pytest.raises(fl.FlightServerError) as raw:
+            plain.do_get(fl.Ticket(json.dumps({"kind": "segment", "id": seg, "offset": 0,
+                                               "length": 8}).encode())).read_all()
+        assert "NodeUnavailable: " in str(raw.value) and "SELECT" not in str(raw.value)
+    finally:
+        plain.close()
+        t.close()
+        srv.close()
+
+
 # -- tokens ---------------------------------------------------------------------------------
 def test_weak_tokens_are_refused_at_start(store: tensordb.Database) -> None:
     for weak in ("t", "a" * 15, " " * 20, "\t" * 16, " padded-token-of-20 ",

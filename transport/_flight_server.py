@@ -51,7 +51,7 @@ from tensordb.catalog import NodeDirectory
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, TensorDBError
 
 from ._auth import TokenMiddlewareFactory, check_token, require_token_for
-from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text
+from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text, terse
 from ._dataplane import DataPlaneServer
 from ._flight_client import KV_SCHEMA, SEGMENT_SCHEMA, FlightTransport, chunk_batch
 from ._metrics import NodeMetrics
@@ -267,7 +267,8 @@ class NodeService:
 def _flight_error(exc: TensorDBError) -> fl.FlightServerError:
     """The Flight error of ``exc``: its class and message first, for a plain client to
     read, then its payload, for ``FlightTransport`` to raise it as itself."""
-    return fl.FlightServerError(f"{type(exc).__name__}: {exc.message}\n{error_text(exc)}")
+    return fl.FlightServerError(f"{type(exc).__name__}: {terse(exc.message)}\n"
+                                f"{error_text(exc)}")
 
 
 class NodeServer(fl.FlightServerBase):
