@@ -74,6 +74,7 @@ MIN_RATE_ENV = "TENSORDB_TRANSFER_MIN_RATE"
 #: accept() failed: pause this long, doubling up to _BACKOFF_MAX while it keeps failing
 _BACKOFF_MIN, _BACKOFF_MAX = 0.05, 1.0
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 
 
 def min_transfer_rate() -> float:
@@ -174,7 +175,9 @@ class DataPlaneServer:
         self._max_connections = max(1, max_connections)
         self._max_transfers = max(1, max_transfers)
         self._min_rate = min_rate or min_transfer_rate()
-        self._sock = socket.create_server((host, port), backlog=128)
+        # a deep backlog: a burst of connections (hundreds that stall, say) must not
+        # overflow it, or the kernel drops the handshake of the next real one for a second
+        self._sock = socket.create_server((host, port), backlog=_BACKLOG)
         self._sock.setblocking(False)
         self.port = int(self._sock.getsockname()[1])
         self._closed = False
@@ -205,30 +208,34 @@ class DataPlaneServer:
 
     def _loop(self) -> None:
         while not self._closed:
-            now = time.monotonic()
-            if not self._listening and now >= self._paused_until:
-                self._sel.register(self._sock, selectors.EVENT_READ, "listen")
-                self._listening = True
-            wait = 1.0
-            if self._pending:
-                wait = min(wait, next(iter(self._pending.values())).deadline - now)
-            if not self._listening:
-                wait = min(wait, self._paused_until - now)
             try:
-                events = self._sel.select(max(0.0, wait))
-            except OSError:  # pragma: no cover - the selector itself failed
-                if self._closed:
+                if self._step():
                     return
+            except Exception:  # noqa: BLE001 - a bug must not end the plane for good
+                _log.exception("the data plane's accept loop failed; going on")
                 time.sleep(_BACKOFF_MIN)
-                continue
-            for key, _ in events:
-                if key.data == "wake":
-                    return
-                if key.data == "listen":
-                    self._accept_some()
-                else:
-                    self._read_header(key.fileobj)  # type: ignore[arg-type]
-            self._expire(time.monotonic())
+
+    def _step(self) -> bool:
+        """One turn of the loop: accept, read headers, expire; True once woken to stop."""
+        now = time.monotonic()
+        if not self._listening and now >= self._paused_until:
+            self._sel.register(self._sock, selectors.EVENT_READ, "listen")
+            self._listening = True
+        wait = 1.0
+        if self._pending:
+            wait = min(wait, next(iter(self._pending.values())).deadline - now)
+        if not self._listening:
+            wait = min(wait, self._paused_until - now)
+        events = self._sel.select(max(0.0, wait))
+        for key, _ in events:
+            if key.data == "wake":
+                return True
+            if key.data == "listen":
+                self._accept_some()
+            else:
+                self._read_header(key.fileobj)  # type: ignore[arg-type]
+        self._expire(time.monotonic())
+        return self._closed
 
     def _accept_some(self) -> None:
         for _ in range(64):  # then read headers again, whatever keeps arriving
