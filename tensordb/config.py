@@ -112,7 +112,8 @@ class Config:
             "default_tier": os.environ.get("TENSORDB_DEFAULT_TIER", "host"),
             "gpu_device": _env_int("TENSORDB_GPU_DEVICE", None),
             "gpu_capacity": _env_int("TENSORDB_GPU_CAPACITY", None),
-            "token": env_token(),
+            # a token given wins: a broken $TENSORDB_TOKEN_FILE must not fail it
+            "token": overrides["token"] if "token" in overrides else env_token(),
             "node_timeout": float(os.environ.get("TENSORDB_NODE_TIMEOUT") or 5.0),
         }
         kw.update(overrides)

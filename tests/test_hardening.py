@@ -361,6 +361,9 @@ def test_token_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         transport.resolve_token(None, tmp_path / "absent")
     with pytest.raises(InvalidInput, match="not both"):
         transport.resolve_token(TOKEN, path)
+    with pytest.raises(InvalidInput, match="is empty"):  # clients read the file too
+        tensordb.Config.resolve(home=tmp_path / "s")
+    assert tensordb.Config.resolve(home=tmp_path / "s", token=TOKEN).token == TOKEN
 
 
 def test_two_authorization_headers_are_refused(server: NodeServer) -> None:

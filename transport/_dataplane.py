@@ -483,7 +483,7 @@ def fetch_into(node: str, host: str, port: int, token: str | None, segment_id: s
         if "error" in answer:
             raise_error(answer["error"])
         if answer.get("ok") is not True:
-            raise NodeUnavailable(f"node {node!r} answered {answer!r}", node=node)
+            raise NodeUnavailable(f"node {node!r} answered {repr(answer)[:200]}", node=node)
         view = memoryview(dst)
         deadline = time.monotonic() + allowed  # for the bytes, once the answer is in
         while got < length:

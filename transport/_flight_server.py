@@ -165,7 +165,7 @@ class NodeService:
         if not isinstance(sid, str) or not isinstance(offset, int) or offset < 0 \
                 or not isinstance(length, int) or length < 0:
             raise InvalidInput(f"a segment ticket needs id (text), offset and length "
-                               f"(integers >= 0), not {req!r}")
+                               f"(integers >= 0), not {repr(req)[:200]}")
         tier = self.directory.local_tier(sid, self.node)
         if tier is None:
             raise NotFound(f"node {self.node!r} holds no segment {sid}", node=self.node)
@@ -204,7 +204,7 @@ class NodeService:
                 or not (source is None or isinstance(source, str)) \
                 or not (streams is None or (isinstance(streams, int) and 1 <= streams <= 64)):
             raise InvalidInput(f"pull needs segments (a list of ids), source (a node name "
-                               f"or null) and optionally streams (1-64), not {body!r}")
+                               f"or null) and optionally streams (1-64), not {repr(body)[:200]}")
         t0 = time.perf_counter()
         tiers = {s: pull_segment(self.directory, self.transport, self.node, self.tiers, s,
                                  prefer=source, on_pulled=self.metrics.pulled,
@@ -234,7 +234,7 @@ class NodeService:
         if not isinstance(namespace, str) or not isinstance(block_tokens, int) \
                 or not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise InvalidInput(f"a kv ticket needs namespace, block_tokens and keys (hex), "
-                               f"not {req!r}")
+                               f"not {repr(req)[:200]}")
         try:
             raw = [bytes.fromhex(k) for k in keys]
         except ValueError as exc:
