@@ -139,16 +139,44 @@ def test_stalled_connections_pin_no_thread_and_a_pull_still_completes(
         got = _pull_bytes(server, seg, x.numel() * 4)
         assert np.array_equal(got.view(np.float32), x.numpy())
         assert threading.active_count() <= threads + 2  # the read's own thread, no more
-        # past the cap (256 waiting) the oldest were closed; the rest at their deadline
-        # (1 s): every stalled socket reads end-of-stream
+        # past the cap (256 waiting) the oldest were closed, the rest at their deadline
+        # (1 s after they were accepted): every stalled socket reads end-of-stream
         deadline = time.monotonic() + 30
         for s in stalled:
             s.settimeout(max(0.1, deadline - time.monotonic()))
             assert s.recv(1) == b""
-        assert plane.shed >= 300 - 256
     finally:
         for s in stalled:
             s.close()
+
+
+def test_past_the_cap_a_new_connection_closes_the_oldest() -> None:
+    data = memoryview(b"0123456789")
+    plane = DataPlaneServer("127.0.0.1", 0, None, 60.0, lambda req: (data, lambda s: None),
+                            lambda status: None, chunk=1 << 20, throttle=None,
+                            max_connections=8)
+    stalled = []
+    try:
+        for _ in range(20):
+            stalled.append(socket.create_connection(("127.0.0.1", plane.port)))
+            time.sleep(0.01)  # in order of arrival
+        deadline = time.monotonic() + 30
+        while plane.shed < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert plane.shed == 12
+        for s in stalled[:12]:  # the oldest: closed
+            s.settimeout(30)
+            assert s.recv(1) == b""
+        readable, _, _ = select.select(stalled[12:], [], [], 0.2)
+        assert readable == []  # the newest 8 still wait for their header (60 s)
+        dst = np.zeros(10, np.uint8)
+        fetch_into("n", "127.0.0.1", plane.port, None, "s", 0, dst, lambda n: None, 5.0,
+                   lambda p: None)
+        assert dst.tobytes() == b"0123456789"
+    finally:
+        for s in stalled:
+            s.close()
+        plane.close()
 
 
 def test_transfers_are_capped_and_the_busy_answer_is_typed() -> None:
