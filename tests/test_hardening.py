@@ -333,7 +333,7 @@ def test_flight_errors_carry_no_sql_text(store: tensordb.Database) -> None:
     store.commit("m", {"x": torch.ones(8)})
     seg = _segment(store, "m")
     raising = RaisingStore(store)
-    srv = NodeServer(raising, timeout=2.0)  # type: ignore[arg-type]
+    srv = NodeServer(raising, timeout=2.0)
     raising.error = NodeUnavailable(
         "the catalog did not answer for 5.0 s (3 attempts): (psycopg.OperationalError) "
         "connection refused\n[SQL: SELECT secret_column FROM nodes WHERE name = %(n)s]\n"
@@ -362,6 +362,26 @@ def test_flight_errors_carry_no_sql_text(store: tensordb.Database) -> None:
         plain.close()
         t.close()
         srv.close()
+
+
+def test_a_failure_mid_stream_arrives_without_its_traceback(
+        store: tensordb.Database, server: NodeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    store.commit("m", {"x": torch.ones(8)})
+    seg = _segment(store, "m")
+
+    def broken(*args: object) -> None:
+        raise OSError(2, "No such file or directory", "/secret/place/x")
+
+    monkeypatch.setattr(server.service.metrics, "sent", broken)  # after the last chunk
+    t = FlightTransport(TOKEN, timeout=2.0, data_plane=False)
+    try:
+        with pytest.raises(NodeUnavailable) as info:
+            t.read_segment("n1", f"127.0.0.1:{server.port}", seg, 0, 32, lambda v: None)
+        text = str(info.value)
+        assert "OSError" in text or "FileNotFoundError" in text
+        assert "Traceback" not in text and "/secret/place" not in text and 'File "' not in text
+    finally:
+        t.close()
 
 
 # -- tokens ---------------------------------------------------------------------------------

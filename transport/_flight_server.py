@@ -312,18 +312,35 @@ class NodeServer(fl.FlightServerBase):
         except TensorDBError as exc:
             raise _flight_error(exc) from None
         if "kind" not in req:  # a version, asked by any Flight client
-            return self._answer("version", lambda: self.service.versions.stream(req))
+            return self._answer("version", lambda: self.service.versions.stream(
+                req, lambda batches: self._guarded("version", batches)))
         kind = str(req.get("kind"))
 
         def run() -> fl.FlightDataStream:
             if kind == "segment":
                 chunks = self.service.segment_stream(req)
-                return fl.GeneratorStream(SEGMENT_SCHEMA, (chunk_batch(c) for c in chunks))
+                return fl.GeneratorStream(SEGMENT_SCHEMA, self._guarded(
+                    kind, (chunk_batch(c) for c in chunks)))
             if kind == "kv":
                 return fl.RecordBatchStream(self.service.kv_table(req))
             raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv; no kind: a version)")
 
         return self._answer(kind, run)
+
+    def _guarded(self, kind: str, batches: Iterator[pa.RecordBatch]
+                 ) -> Iterator[pa.RecordBatch]:
+        """``batches``, with a failure while they stream turned into a Flight error as
+        ``_answer`` makes it: raised from the generator as anything else, it would
+        reach the client with its Python traceback (the paths of this host's code)."""
+        try:
+            yield from batches
+        except TensorDBError as exc:
+            raise _flight_error(exc) from None
+        except Exception as exc:  # noqa: BLE001 - logged here, named by type there
+            _log.exception("node %s failed while streaming a %s", self.node, kind)
+            raise _flight_error(NodeUnavailable(
+                f"node {self.node!r} failed while streaming a {kind} "
+                f"({type(exc).__name__})", node=self.node)) from None
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[fl.Result]:
         kind = action.type
