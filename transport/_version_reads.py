@@ -84,10 +84,14 @@ class VersionReads:
         self.pull = pull
 
     # -- do_get -----------------------------------------------------------------------
-    def stream(self, req: dict[str, Any]) -> fl.GeneratorStream:
+    def stream(self, req: dict[str, Any],
+               guard: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+               | None = None) -> fl.GeneratorStream:
         """The version a ticket names as a stream of one batch per tensor, under a lease
         released when the stream ends, fails or is dropped. Errors about the ticket (and
-        a tensor too large for one batch) are raised here, before any batch is sent."""
+        a tensor too large for one batch) are raised here, before any batch is sent;
+        ``guard`` wraps the batches (to turn a failure while they stream into a Flight
+        error of the server's making)."""
         collection, version, tag = version_ticket(req)
         lease, info, v, rows = self.db.catalog.open_snapshot(
             collection, version, tag, se.current_holder(), self.db.config.lease_ttl)
@@ -97,7 +101,7 @@ class VersionReads:
             self._release(lease)
             raise
         batches = _leased(table, lambda: self._release(lease))
-        return fl.GeneratorStream(table.schema, batches)
+        return fl.GeneratorStream(table.schema, guard(batches) if guard else batches)
 
     def table(self, rows: list[TensorRow], collection: str, version: int,
               cid: int | None = None) -> pa.Table:

@@ -85,10 +85,11 @@ class RaisingStore:
             raise self.error
         return self.inner.tier(name)
 
-    def kv(self, namespace: str, block_tokens: int = 256) -> KVBlocks:
+    def kv(self, namespace: str, block_tokens: int = 256, *, create: bool = True
+           ) -> KVBlocks:
         if self.error is not None:
             raise self.error
-        return self.inner.kv(namespace, block_tokens)
+        return self.inner.kv(namespace, block_tokens, create=create)
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()
@@ -107,7 +108,7 @@ class TransportTests:
     """The suite; see the module docstring for the hooks a subclass provides."""
 
     #: the token the served node requires (None: a node without one; the token tests skip)
-    token: str | None = "contract-token"
+    token: str | None = "contract-test-token"
     #: bytes of the segment the reads fetch: several chunks of any sensible chunk size
     segment_bytes: int = 300_007
 

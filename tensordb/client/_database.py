@@ -377,7 +377,8 @@ class Database:
         spill to disk. ``opts``: ``capacity_bytes``, ``eviction``, ``slab_bytes``, ``spill``, ``disk_capacity``,
         ``gpu_capacity`` (a GPU tier of that many bytes on ``Config.gpu_device``, for
         ``get(..., device="cuda")``: copies of hot blocks shared by the host's processes
-        through CUDA IPC; also $TENSORDB_KV_GPU_CAPACITY)."""
+        through CUDA IPC; also $TENSORDB_KV_GPU_CAPACITY), ``create`` (False: open only a
+        namespace this node has opened before, NotFound otherwise, creating nothing)."""
         self._check_open()
         cache = KVCache(self, namespace, block_tokens, **opts)
         self._kv_caches.append(cache)
