@@ -15,6 +15,7 @@ from ._cuda import GpuError
 from ._errors import SegmentMissing, SourceChanged, StorageError, TierFull
 from ._files import Adoption, DiskTier, FileTier, HostTier, HostView, shm_root
 from ._gpu import GpuTier, GpuView
+from ._integrity import WHOLE, Marks, check_extents
 from ._io import (
     ALIGN,
     BATCH_FILL,
@@ -55,6 +56,7 @@ __all__ = [
     "KVStats",
     "KVStoreFull",
     "LRUEviction",
+    "Marks",
     "Pooling",
     "Prefaulting",
     "S3FIFOEviction",
@@ -68,9 +70,11 @@ __all__ = [
     "StorageError",
     "Tier",
     "TierFull",
+    "WHOLE",
     "arrow_buffer",
     "bloom_may_hold",
     "boot_id",
+    "check_extents",
     "checksum",
     "copy",
     "copy_and_checksum",

@@ -25,13 +25,14 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 
 from ._errors import SegmentMissing, TierFull
+from ._integrity import WHOLE, Extent, Marks, check_extents
 from ._io import io_pool
 from ._mapping import MapCache, close_in_background, map_shared
 from ._pool import Pool, default_pool_limit, lock_nb, same_file
@@ -105,6 +106,7 @@ class _FileWriter(SegmentWriter):
         if self._tier.persistent:
             os.fsync(self._fd)
             self._tier._sync_dir()
+        self._tier._written(self.segment_id, self._fd)
 
     def release(self) -> None:
         self._unmap()
@@ -125,16 +127,20 @@ class FileTier(Tier):
     """Segments as files of mode 0600 in a directory of mode 0700.
 
     ``pool_limit``: bytes of freed files kept in ``root/pool`` for later writes (0: none,
-    deletes unlink; None: a quarter of the host's memory, at most ``capacity``)."""
+    deletes unlink; None: a quarter of the host's memory, at most ``capacity``).
+    ``marks``: the store's integrity marks (the disk tier records what its first open
+    of a segment per boot finds; readers refuse marked extents)."""
 
     file_backed = True
 
     def __init__(self, name: str, root: Path, *, capacity: int | None = None,
-                 persistent: bool, pool_limit: int | None = 0) -> None:
+                 persistent: bool, pool_limit: int | None = 0,
+                 marks: Marks | None = None) -> None:
         self.name = name
         self.root = Path(root)
         self.capacity = capacity
         self.persistent = persistent
+        self.marks = marks
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
         limit = default_pool_limit(capacity) if pool_limit is None else max(0, pool_limit)
@@ -232,6 +238,9 @@ class FileTier(Tier):
     def _released(self) -> None:
         """A writer of this tier let go of its segment (hook for spare refills)."""
 
+    def _written(self, segment_id: str, fd: int) -> None:
+        """A writer finished a segment's bytes (hook: the disk tier marks it verified)."""
+
     def _retire_mapping(self, map_fd: int, mm: mmap.mmap) -> None:
         """A writer is done with its mapping: kept for the file's next turn from the
         pool where the tier pools, else unmapped in the background."""
@@ -275,15 +284,34 @@ class FileTier(Tier):
             os.close(fd)
         raise SegmentMissing(self.name, segment_id)
 
-    def open(self, segment_id: str) -> HostView:
-        fd = self._open_ro(segment_id)
+    def _check_first_open(self, segment_id: str, fd: int, view: HostView | None) -> None:
+        """Hook: the disk tier verifies a segment at its first open per boot."""
+
+    def _map(self, segment_id: str, fd: int) -> HostView:
         try:
             # the mapping keeps a dup of fd: the shared lock lives as long as it does
             return HostView(fd, 0, access=mmap.ACCESS_COPY)
         except ValueError as exc:  # an empty file: truncated under us
             raise SegmentMissing(self.name, segment_id) from exc
+
+    def open(self, segment_id: str) -> HostView:
+        fd = self._open_ro(segment_id)
+        try:
+            view = self._map(segment_id, fd)
+            self._check_first_open(segment_id, fd, view)
+            return view
         finally:
             os.close(fd)
+
+    def inspect(self, segment_id: str) -> HostView:
+        """A view of the segment for checking its bytes: nothing verified at the open
+        (``verify`` and the scrub read through it)."""
+        fd = self._open_ro(segment_id)
+        try:
+            return self._map(segment_id, fd)
+        finally:
+            os.close(fd)
+
     def peek(self, segment_id: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         fd = self._open_ro(segment_id)
         try:
@@ -300,6 +328,7 @@ class FileTier(Tier):
         the GIL is released, and pieces run in parallel on the I/O pool."""
         fd = self._open_ro(segment_id)
         try:
+            self._check_first_open(segment_id, fd, None)
             size = os.fstat(fd).st_size
             piece = self.READ_PIECE
             jobs: list[tuple[int, np.ndarray]] = []
@@ -480,9 +509,51 @@ class DiskTier(FileTier):
     keeps no pool: a disk file's blocks cost little to allocate again."""
 
     def __init__(self, root: Path, *, capacity: int | None = None,
-                 sources: Callable[[str], SourceFile | None] | None = None) -> None:
-        super().__init__("disk", root, capacity=capacity, persistent=True, pool_limit=0)
+                 sources: Callable[[str], SourceFile | None] | None = None,
+                 marks: Marks | None = None,
+                 extents: Callable[[str], Sequence[Extent]] | None = None) -> None:
+        super().__init__("disk", root, capacity=capacity, persistent=True, pool_limit=0,
+                         marks=marks)
         self.sources = sources
+        #: segment id -> its extents as the catalog records them: what a first open
+        #: per boot checks (docs/storage.md, "Integrity model")
+        self.extents = extents
+
+    def _written(self, segment_id: str, fd: int) -> None:
+        # bytes this boot wrote were hashed as they were copied in: no need to read
+        # them back (a later write through the filesystem changes the identity)
+        if self.marks is not None:
+            self.marks.mark_verified(segment_id, os.fstat(fd))
+
+    def _check_first_open(self, segment_id: str, fd: int, view: HostView | None) -> None:
+        """The first open of a segment per boot (or after its file changed) hashes every
+        extent against the catalog: each that fails is marked corrupt (readers refuse
+        it); a segment with none is marked verified, so nobody hashes it again on this
+        boot."""
+        if self.marks is None or self.extents is None:
+            return
+        st = os.fstat(fd)
+        if self.marks.verified(segment_id, st) or self.marks.corrupt(segment_id) is not None:
+            return  # checked on this boot (the extents that failed are marked)
+        extents = self.extents(segment_id)
+        if not extents:
+            return  # not (yet) recorded: nothing to check against
+        mm = view if view is not None else (
+            mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if st.st_size else None)
+        try:
+            if mm is None:
+                bad = [(WHOLE, "the file is empty (truncated)")]
+            else:
+                bad = check_extents(
+                    lambda o, n: np.frombuffer(mm, np.uint8, count=n, offset=o),
+                    len(mm), extents)
+        finally:
+            if view is None and mm is not None:
+                mm.close()
+        for offset, reason in bad:
+            self.marks.mark_corrupt(segment_id, offset, reason)
+        if not bad:
+            self.marks.mark_verified(segment_id, st)
 
     def adopt(self, segment_id: str, fd: int, path: str) -> Adoption:
         """Make the regular file open as ``fd`` (at absolute ``path``) the bytes of a new
@@ -503,6 +574,8 @@ class DiskTier(FileTier):
                 # the clone's own size: the bytes the segment holds, whatever the
                 # original did since it was looked at
                 clone = SourceFile.of(path, os.fstat(dst))
+                # its bytes are hashed now, by the import: they are the checksums
+                self._written(segment_id, dst)
                 return Adoption(self, segment_id, clone, dst, reflinked=True)
         except BaseException:
             os.close(dst)
@@ -510,6 +583,7 @@ class DiskTier(FileTier):
             raise
         os.close(dst)
         os.unlink(final)
+        self._written(segment_id, fd)  # the file as it is recorded (see above)
         return Adoption(self, segment_id, source, fd, reflinked=False)
 
     def _open_ro(self, segment_id: str) -> int:
@@ -538,9 +612,10 @@ class HostTier(FileTier):
     optional pre-faulted spare per process (``spare_bytes``, ``prefault``)."""
 
     def __init__(self, root: Path, *, capacity: int | None = None,
-                 spare_bytes: int = 0, pool_limit: int | None = None) -> None:
+                 spare_bytes: int = 0, pool_limit: int | None = None,
+                 marks: Marks | None = None) -> None:
         super().__init__("host", root, capacity=capacity, persistent=False,
-                         pool_limit=pool_limit)
+                         pool_limit=pool_limit, marks=marks)
         self._lock = threading.Lock()
         self._spare: _Spare | None = None
         self._pending: Future[None] | None = None

@@ -176,6 +176,12 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Bytes held by segments on this tier."""
 
+    def inspect(self, segment_id: str) -> SegmentView:
+        """A view of a segment for checking its bytes against their checksums: as
+        ``open``, but a file tier consults no integrity mark and verifies nothing (the
+        scrub and ``verify`` read through it)."""
+        return self.open(segment_id)
+
     def peek(self, segment_id: str, ranges: list[tuple[int, int]]) -> list[bytes] | None:
         """A few small byte ranges ``(offset, length)`` of a segment, read without mapping
         it; None where the tier cannot do that cheaply (the caller then does without).

@@ -73,6 +73,10 @@ class Config:
                   file $TENSORDB_TOKEN_FILE names)
     node_timeout  seconds a dead or silent node may take to fail a request
                   ($TENSORDB_NODE_TIMEOUT, else 5)
+    scrub_interval  seconds between two scrubs of this node's segments: a node server's
+                  full pass, and the age past which ``gc`` scrubs (0: never)
+                  ($TENSORDB_SCRUB_INTERVAL, else 600)
+    scrub_rate    bytes a second a scrub reads at most ($TENSORDB_SCRUB_RATE, else 256 MB)
     """
 
     home: Path
@@ -90,6 +94,8 @@ class Config:
     gpu_capacity: int | None = None
     token: str | None = None
     node_timeout: float = 5.0
+    scrub_interval: float = 600.0
+    scrub_rate: int = 256_000_000
 
     @classmethod
     def resolve(cls, url: str | None = None, *, home: str | os.PathLike[str] | None = None,
@@ -115,6 +121,8 @@ class Config:
             # a token given wins: a broken $TENSORDB_TOKEN_FILE must not fail it
             "token": overrides["token"] if "token" in overrides else env_token(),
             "node_timeout": float(os.environ.get("TENSORDB_NODE_TIMEOUT") or 5.0),
+            "scrub_interval": float(os.environ.get("TENSORDB_SCRUB_INTERVAL") or 600.0),
+            "scrub_rate": _env_int("TENSORDB_SCRUB_RATE", 256_000_000),
         }
         kw.update(overrides)
         return cls(home=home_p, catalog_url=url, node=node or "local", data_dir=data_p,

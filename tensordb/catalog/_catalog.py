@@ -215,9 +215,16 @@ class Catalog:
     def segment_registered(self, segment_id: str) -> bool:
         return self._segments.segment_registered(segment_id)
 
-    def all_rows(self) -> list[tuple[str, int, TensorRow]]:
-        """Every stored tensor row (collection name, first version, row) of this node."""
-        return self._segments.all_rows()
+    def all_rows(self, segment_id: str | None = None) -> list[tuple[str, int, TensorRow]]:
+        """Every stored tensor row (collection name, first version, row) of this node
+        (of one segment, when ``segment_id`` is given)."""
+        return self._segments.all_rows(segment_id)
+
+    def segment_extents(self, segment_id: str) -> list[tuple[int, int, str, str]]:
+        """The extents of a segment of this node, as (offset, nbytes, checksum,
+        "collection/tensor"): what a check of its bytes compares."""
+        return [(r.offset, r.nbytes, r.checksum, f"{coll}/{r.name}")
+                for coll, _, r in self._segments.all_rows(segment_id)]
 
     def stats(self) -> dict[str, int]:
         return self._segments.stats()

@@ -125,9 +125,10 @@ class Segments:
                                 .where(segments.c.id == segment_id)).first() is not None
 
     @retrying
-    def all_rows(self) -> list[tuple[str, int, TensorRow]]:
-        """Every stored tensor row (collection name, first version, row) of this node,
-        in the order of its bytes (segment, offset)."""
+    def all_rows(self, segment_id: str | None = None) -> list[tuple[str, int, TensorRow]]:
+        """Every stored tensor row (collection name, first version, row) of this node
+        (of the segment ``segment_id`` only, when given), in the order of its bytes
+        (segment, offset)."""
         t = tensors.c
         q = (select(collections.c.name, t.name, t.dtype, t.shape, t.nbytes, t.checksum,
                     t.segment_id, t.offset, segments.c.tier, t.first_version)
@@ -142,6 +143,9 @@ class Segments:
                   collections, collections.c.id == t.collection_id)
                   .join(segments, segments.c.id == sh.segment_id))
               .where(segments.c.node == self.node))
+        if segment_id is not None:
+            q = q.where(t.segment_id == segment_id)
+            q2 = q2.where(sh.segment_id == segment_id)
         with self.engine.connect() as conn:
             out = [(r[0], r[9], TensorRow(r[1], r[2], parse_shape(r[3]), r[4], r[5], r[6], r[7],
                                           r[8], r[9])) for r in conn.execute(q)]

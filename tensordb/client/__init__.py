@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._database import Database
 from ._kv_cache import KVCache
 from ._kv_namespace import KVNodeSummary
-from ._maintenance import Corruption, GcReport
+from ._maintenance import Corruption, GcReport, ScrubReport
 from ._placement import EvictReport
 from ._safetensors import export_safetensors, import_safetensors
 from ._safetensors_format import INDEX_NAME, LAYOUT_KEY, MAX_HEADER_SIZE, SAFETENSORS_DTYPES
@@ -26,6 +26,7 @@ __all__ = [
     "Database",
     "EvictReport",
     "GcReport",
+    "ScrubReport",
     "KVCache",
     "KVNodeSummary",
     "Shard",

@@ -33,7 +33,7 @@ from tensordb.errors import InvalidInput, NodeUnavailable, StoreClosed
 from ._cluster import Cluster
 from ._inputs import check_name
 from ._kv_cache import KVCache
-from ._maintenance import Corruption, GcReport, Maintenance
+from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
 from ._notify import notifier_for, watch
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
 from ._read import Reader
@@ -79,7 +79,8 @@ class Database:
                                manifest_dir=config.home / "manifests")
         if self._lease_engine is not self._engine:  # open its pooled connection now
             self._lease_engine.connect().close()
-        self._tiers = Tiers(config, sources=self.catalog.segment_source)
+        self._tiers = Tiers(config, sources=self.catalog.segment_source,
+                            extents=self.catalog.segment_extents)
         self._notifier = notifier_for(self._engine, config.shm_dir)
         self._kv_caches: list[KVCache] = []
         self._cluster = Cluster(config, self._engine, self.catalog, self._tiers, self.kv)
@@ -87,7 +88,9 @@ class Database:
         self._writer = Writer(self.catalog, self._tiers, self._notifier,
                               default_tier=config.default_tier, workers=se.io_workers())
         self._placement = Placement(self.catalog, self._tiers)
-        self._maintenance = Maintenance(self.catalog, self._tiers)
+        self._maintenance = Maintenance(self.catalog, self._tiers,
+                                        scrub_interval=config.scrub_interval,
+                                        scrub_rate=config.scrub_rate)
         self._closed = False
 
     # -- plumbing ----------------------------------------------------------------------
@@ -328,6 +331,17 @@ class Database:
         """Check every stored extent of this node against its checksum; [] when all good."""
         self._check_open()
         return self._maintenance.verify()
+
+    def scrub(self, max_bytes: int | None = None, *, rate: int | None = None,
+              stop: Callable[[], bool] | None = None) -> ScrubReport:
+        """Hash this node's host- and disk-tier segments against their checksums, from
+        where the last scrub of the store stopped (``max_bytes``: about that many, None:
+        one full round; ``rate``: bytes a second at most; ``stop``: asked between
+        segments), marking each that fails corrupt: no read begun afterwards returns
+        its bytes (docs/storage.md, "Integrity model"). Runs by default in a node server
+        and in ``gc``."""
+        self._check_open()
+        return self._maintenance.scrub(max_bytes, rate=rate, stop=stop)
 
     def stats(self) -> dict[str, int]:
         self._check_open()

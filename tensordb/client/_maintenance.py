@@ -1,4 +1,9 @@
-"""Upkeep of a node's store: retention (``drop_versions``), ``gc``, ``verify``, ``stats``.
+"""Upkeep of a node's store: retention (``drop_versions``), ``gc``, ``verify``, ``scrub``,
+``stats``.
+
+``verify`` and ``scrub`` hash stored extents against the catalog and mark each segment
+that fails corrupt (``Tiers.marks``), so no read begun afterwards serves it; the scrub
+runs by default (docs/storage.md, "Integrity model").
 
 All of it is safe while other processes read and write: gc frees only what the
 catalog's plan says no version, tag, pin, lease or retention rule needs, and the
@@ -7,17 +12,20 @@ segments of writers that died before committing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import storage_engine as se
-from tensordb.catalog import Catalog
+from tensordb.catalog import Catalog, TensorRow
 from tensordb.errors import InvalidInput
 
 from ._inputs import check_name
 from ._placement import Tiers
 
-__all__ = ["Corruption", "GcReport", "Maintenance"]
+__all__ = ["Corruption", "GcReport", "Maintenance", "ScrubReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +54,46 @@ class Corruption:
     reason: str
 
 
-class Maintenance:
-    """Retention, gc, verification and usage figures over ``catalog`` and ``tiers``."""
+@dataclass(frozen=True, slots=True)
+class ScrubReport:
+    """What a scrub checked: segments and bytes hashed, the damage it found (each
+    segment named there is now marked corrupt), and whether it went round the whole
+    node (False: it stopped at its byte budget; the next scrub goes on from there)."""
 
-    def __init__(self, catalog: Catalog, tiers: Tiers) -> None:
+    segments: int
+    nbytes: int
+    corrupt: list[Corruption] = field(default_factory=list)
+    complete: bool = True
+
+
+#: the tiers a scrub reads (the GPU tier's bytes live in the writing process)
+_SCRUBBED = ("host", "disk")
+
+
+def _by_segment(rows: list[tuple[str, int, TensorRow]]
+                ) -> Iterator[tuple[str, str, list[tuple[str, int, TensorRow]]]]:
+    """(segment id, tier, its rows) in segment order (``rows`` is in that order)."""
+    group: list[tuple[str, int, TensorRow]] = []
+    for item in rows:
+        if group and group[0][2].segment_id != item[2].segment_id:
+            yield group[0][2].segment_id or "", group[0][2].tier or "host", group
+            group = []
+        group.append(item)
+    if group:
+        yield group[0][2].segment_id or "", group[0][2].tier or "host", group
+
+
+class Maintenance:
+    """Retention, gc, verification, scrubs and usage figures over ``catalog`` and
+    ``tiers``. ``scrub_interval`` / ``scrub_rate``: how often, and how fast, ``gc``
+    scrubs (``Config``)."""
+
+    def __init__(self, catalog: Catalog, tiers: Tiers, *, scrub_interval: float = 0.0,
+                 scrub_rate: int = 0) -> None:
         self._catalog = catalog
         self._tiers = tiers
+        self.scrub_interval = scrub_interval
+        self.scrub_rate = scrub_rate
 
     def drop_versions(self, collection: str, keep_last: int | None,
                       older_than: timedelta | None) -> int:
@@ -79,45 +121,123 @@ class Maintenance:
             raise InvalidInput(f"keep_pool must be True or False, not {keep_pool!r}")
         plan = self._catalog.gc()
         freed = 0
+        marks = self._tiers.marks
         for sid, tier_name, nbytes in plan.dead_segments:
             if self._tiers.store(tier_name).delete(sid):
                 freed += nbytes
+            marks.forget(sid)
         orphans = 0
         for tier in self._tiers.values():
-            orphans += len(tier.reclaim_orphans(self._catalog.segment_registered))
+            gone = tier.reclaim_orphans(self._catalog.segment_registered)
+            orphans += len(gone)
+            for sid in gone:
+                marks.forget(sid)
         released = pooled = 0
         for tier in self._tiers.values():
             if isinstance(tier, se.Pooling):
                 released += tier.trim_pool(None if keep_pool else 0)
                 pooled += tier.pooled_bytes()
+        self._scheduled_scrub()
         return GcReport(plan.dropped_versions, plan.dropped_rows, plan.expired_leases,
                         len(plan.dead_segments), freed, orphans, pooled, released)
 
-    def verify(self) -> list[Corruption]:
-        """Check every stored extent of this node against its checksum; [] when all good."""
+    def _scheduled_scrub(self) -> None:
+        """gc's share of the scrub: when the store's last scrub is older than the
+        interval, scrub what the interval's rate allows. The clock starts at the
+        store's first gc (a short-lived process pays nothing)."""
+        if self.scrub_interval <= 0 or self.scrub_rate <= 0:
+            return
+        last = self._tiers.marks.cursor()
+        if last is None:
+            self._tiers.marks.set_cursor("")
+            return
+        if time.time() - last[1] >= self.scrub_interval:
+            self.scrub(max_bytes=int(self.scrub_interval * self.scrub_rate))
+
+    def scrub(self, max_bytes: int | None = None, *, rate: int | None = None,
+              stop: Callable[[], bool] | None = None) -> ScrubReport:
+        """Hash this node's host- and disk-tier segments against the catalog, from where
+        the store's last scrub stopped, marking each one that fails corrupt (no read
+        begun afterwards serves it) and each good disk segment verified. ``max_bytes``:
+        stop after about that many bytes (None: one full round); ``rate``: read at most
+        that many bytes a second; ``stop``: asked between segments, True ends the scrub."""
+        if max_bytes is not None and (isinstance(max_bytes, bool)
+                                      or not isinstance(max_bytes, int) or max_bytes < 0):
+            raise InvalidInput(f"max_bytes must be a non-negative integer or None, not "
+                               f"{max_bytes!r}")
+        marks = self._tiers.marks
+        groups = [g for g in _by_segment(self._catalog.all_rows()) if g[1] in _SCRUBBED]
+        last = marks.cursor()
+        after = last[0] if last is not None else ""
+        # from the segment after the cursor, round to it
+        start = next((i for i, g in enumerate(groups) if g[0] > after), 0)
+        order = groups[start:] + groups[:start]
         problems: list[Corruption] = []
-        current: tuple[str, se.SegmentView | None] | None = None
-        for coll, first, r in self._catalog.all_rows():
-            assert r.segment_id is not None and r.tier is not None
-            if current is None or current[0] != r.segment_id:
-                why = "missing"
-                try:
-                    current = (r.segment_id, self._tiers.open(r.tier, r.segment_id))
-                except se.SegmentMissing:
-                    current = (r.segment_id, None)
-                except se.SourceChanged as exc:  # committed in place; the file changed
-                    current, why = (r.segment_id, None), str(exc)
-            mm = current[1]
-            if mm is None:
-                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, why))
-                continue
+        done = nbytes = 0
+        began = time.monotonic()
+        complete = True
+        for sid, tier, rows in order:
+            if (max_bytes is not None and nbytes >= max_bytes) or (stop is not None
+                                                                   and stop()):
+                complete = False
+                break
+            problems += self._check_segment(sid, tier, rows, mark=True)
+            done += 1
+            nbytes += sum(r.nbytes for _, _, r in rows)
+            marks.set_cursor(sid)
+            if rate:
+                ahead = nbytes / rate - (time.monotonic() - began)
+                if ahead > 0:
+                    time.sleep(ahead)
+        return ScrubReport(done, nbytes, problems, complete)
+
+    def _check_segment(self, sid: str, tier: str, rows: list[tuple[str, int, TensorRow]],
+                       *, mark: bool) -> list[Corruption]:
+        """The damage in one segment's extents (its ``rows``); with ``mark``, a damaged
+        segment is marked corrupt and a good disk segment verified."""
+        marks = self._tiers.marks
+        problems: list[Corruption] = []
+        why = "missing"
+        try:
+            mm: se.SegmentView | None = self._tiers.store(tier).inspect(sid)
+        except se.SegmentMissing:
+            mm = None
+        except se.SourceChanged as exc:  # committed in place; the file changed
+            mm, why = None, str(exc)
+        if mm is None:
+            return [Corruption(coll, first, r.name, sid, tier, why) for coll, first, r in rows]
+        bad: dict[int, Corruption] = {}  # offset -> the first row found bad there
+        for coll, first, r in rows:
             if r.offset + r.nbytes > len(mm):
-                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier, "truncated"))
-                continue
-            got = se.checksum(mm.host_bytes(r.offset, r.nbytes))
-            if got != r.checksum:
-                problems.append(Corruption(coll, first, r.name, r.segment_id, r.tier,
+                problems.append(Corruption(coll, first, r.name, sid, tier, "truncated"))
+            else:
+                got = se.checksum(mm.host_bytes(r.offset, r.nbytes))
+                if got == r.checksum:
+                    continue
+                problems.append(Corruption(coll, first, r.name, sid, tier,
                                            f"checksum {got} != {r.checksum}"))
+            bad.setdefault(r.offset, problems[-1])
+        if mark and problems:
+            known = marks.corrupt(sid) or {}
+            for off, p in bad.items():
+                if off not in known:
+                    marks.mark_corrupt(sid, off, f"{p.collection}/{p.tensor}: {p.reason}")
+        elif mark and tier == "disk":
+            disk = self._tiers.disk
+            try:
+                st = os.stat(disk.path(sid))
+            except FileNotFoundError:
+                st = None  # a file committed in place: its first open checks it
+            if st is not None and st.st_size == len(mm):
+                marks.mark_verified(sid, st)
+        return problems
+
+    def verify(self) -> list[Corruption]:
+        """Check every stored extent of this node against its checksum; [] when all good.
+        A host- or disk-tier segment that fails is marked corrupt (docs/storage.md)."""
+        problems: list[Corruption] = []
+        for sid, tier, rows in _by_segment(self._catalog.all_rows()):
+            problems += self._check_segment(sid, tier, rows, mark=tier in _SCRUBBED)
         return problems
 
     def stats(self) -> dict[str, int]:

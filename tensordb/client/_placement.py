@@ -8,7 +8,7 @@ them down. Readers that mapped a segment before it moved keep their mapping.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,13 +90,18 @@ class Tiers(Mapping[str, se.Tier]):
     writes (and owns) GPU segments and opens it at once."""
 
     def __init__(self, config: Config,
-                 sources: Callable[[str], se.SourceFile | None] | None = None) -> None:
+                 sources: Callable[[str], se.SourceFile | None] | None = None,
+                 extents: Callable[[str], Sequence[tuple[int, int, str, str]]] | None = None
+                 ) -> None:
         self._config = config
-        self._disk = se.DiskTier(config.data_dir, sources=sources)
+        #: the integrity marks of the store (docs/storage.md, "Integrity model")
+        self.marks = se.Marks(config.shm_dir / "integrity")
+        self._disk = se.DiskTier(config.data_dir, sources=sources, marks=self.marks,
+                                 extents=extents)
         self._tiers: dict[str, se.Tier] = {
             "host": se.HostTier(config.shm_dir, capacity=config.host_capacity,
                                 spare_bytes=config.spare_bytes,
-                                pool_limit=config.pool_bytes),
+                                pool_limit=config.pool_bytes, marks=self.marks),
             "disk": self._disk,
         }
         if config.gpu_device is not None:

@@ -22,7 +22,7 @@ from ._cluster import Cluster
 from ._inputs import check_name, torch_dtype
 from ._placement import Tiers, source_changed
 
-__all__ = ["Reader", "check_bytes"]
+__all__ = ["Reader", "check_bytes", "truncated"]
 
 
 def _corrupt(collection: str, tensor: str, expected: str, found: str) -> CorruptData:
@@ -37,6 +37,14 @@ def check_bytes(collection: str, row: TensorRow, data: memoryview | np.ndarray) 
     got = se.checksum(data)
     if got != row.checksum:
         raise _corrupt(collection, row.name, row.checksum, got)
+
+
+def truncated(collection: str, tensor: str, segment_id: str, end: int,
+              size: int) -> CorruptData:
+    """The error of a read whose extent lies past the end of its segment's file."""
+    return CorruptData(f"{collection}/{tensor}: its extent ends at byte {end} of segment "
+                       f"{segment_id}, which holds {size} (truncated); not served",
+                       collection=collection, tensor=tensor)
 
 
 @lru_cache(maxsize=4096)
@@ -69,6 +77,40 @@ class Reader:
             raise NotFound(f"collection {collection!r} version {v} has no tensor {name!r}",
                            collection=collection, tensor=name, version=v)
         return self.materialize(collection, rows, verify=verify)[name]
+
+    def marked(self, segment_id: str) -> dict[int, str] | None:
+        """The segment's extents marked corrupt (offset -> why), by any process of the
+        host; None when none is. Read once per segment per read."""
+        return self._tiers.marks.corrupt(segment_id)
+
+    @staticmethod
+    def refuse(collection: str, tensor: str, segment_id: str, offset: int,
+               bad: Mapping[int, str] | None) -> None:
+        """CorruptData when the extent at ``offset`` is among the marked ``bad`` ones:
+        no read begun after the mark returns its bytes."""
+        if bad:
+            why = bad.get(offset) or bad.get(se.WHOLE)
+            if why is not None:
+                what = "fail their checksum" if "checksum" in why else "are corrupt"
+                raise CorruptData(f"{collection}/{tensor}: stored bytes {what} (segment "
+                                  f"{segment_id}, marked by an earlier check: {why}); "
+                                  f"not served", collection=collection, tensor=tensor)
+
+    def checked_bytes(self, collection: str, row: TensorRow, view: se.SegmentView, *,
+                      verify: bool, bad: Mapping[int, str] | None) -> np.ndarray:
+        """A row's bytes in ``view`` (its segment's mapping), refused when they lie past
+        the end of the file (truncated) or are marked corrupt (``bad``: the segment's
+        marks), and checked against the checksum when ``verify``."""
+        assert row.segment_id is not None
+        if row.offset + row.nbytes > len(view):
+            raise truncated(collection, row.name, row.segment_id, row.offset + row.nbytes,
+                            len(view))
+        self.refuse(collection, row.name, row.segment_id, row.offset, bad)
+        data = view.host_bytes(row.offset, row.nbytes)
+        if verify:
+            self._check_extent(collection, row.name, row.segment_id, view, row.offset,
+                               row.nbytes, row.checksum)
+        return data
 
     def map(self, segment_id: str, tier: str, collection: str, tensor: str) -> se.SegmentView:
         # a fresh private mapping per read: a reader's writes into one snapshot's tensors
@@ -128,6 +170,31 @@ class Reader:
             out[dst].copy_(view[src])
         return out
 
+    def _segment(self, segment_id: str, tier: str | None, collection: str, name: str,
+                 maps: dict[str, se.SegmentView],
+                 segs: dict[str, tuple[int, dict[int, str] | None]]
+                 ) -> tuple[se.SegmentView, tuple[int, dict[int, str] | None]]:
+        """The segment's view (mapped now, or this snapshot's earlier mapping), with its
+        length and its corrupt marks, read once per read (a mark made after the mapping
+        still refuses the extents it names)."""
+        mm = maps.get(segment_id)
+        if mm is None:
+            mm = maps[segment_id] = self.map(segment_id, tier or "host", collection, name)
+        seg = segs.get(segment_id)
+        if seg is None:
+            seg = segs[segment_id] = (len(mm), self.marked(segment_id))
+        return mm, seg
+
+    def _check_extent(self, collection: str, name: str, segment_id: str,
+                      mm: se.SegmentView, offset: int, nbytes: int, csum: str) -> None:
+        """CorruptData unless the extent matches its checksum; a failure is marked, so
+        reads that do not verify refuse the segment from now on."""
+        got = se.checksum(mm.host_bytes(offset, nbytes))  # no copy on the host
+        if got != csum:
+            self._tiers.marks.mark_corrupt(segment_id, offset,
+                                           f"{collection}/{name}: checksum {got} != {csum}")
+            raise _corrupt(collection, name, csum, got)
+
     def materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
                     maps: dict[str, se.SegmentView] | None = None,
                     shards: Mapping[str, list[ShardRow]] | None = None
@@ -140,6 +207,8 @@ class Reader:
             maps = {}
         sharded: list[TensorRow] = []
         bases: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
+        # segment -> (its length, its corrupt marks), read once per call
+        segs: dict[str, tuple[int, dict[int, str] | None]] = {}
         # a fresh process's state_dict of a whole model runs this per tensor: fields are
         # unpacked once, not read through the row's attributes (a fifth of its time)
         for name, dtype, shape, nbytes, csum, segment_id, offset, tier, first in rows:
@@ -153,15 +222,15 @@ class Reader:
             found = bases.get((segment_id, dtype))
             if found is not None and offset % found[1]:
                 found = None  # an odd offset (a file committed in place): a base of its own
-            if found is None or verify:
-                mm = maps.get(segment_id)
-                if mm is None:
-                    mm = maps[segment_id] = self.map(segment_id, tier or "host", collection,
-                                                     name)
-                if verify:
-                    got = se.checksum(mm.host_bytes(offset, nbytes))  # no copy on the host
-                    if got != csum:
-                        raise _corrupt(collection, name, csum, got)
+            seg = segs.get(segment_id)
+            if found is None or verify or seg is None:
+                mm, seg = self._segment(segment_id, tier, collection, name, maps, segs)
+            if offset + nbytes > seg[0]:
+                raise truncated(collection, name, segment_id, offset + nbytes, seg[0])
+            if seg[1]:
+                self.refuse(collection, name, segment_id, offset, seg[1])
+            if verify:
+                self._check_extent(collection, name, segment_id, mm, offset, nbytes, csum)
             if found is None:
                 assert mm is not None  # mapped above
                 dt = torch_dtype(dtype)
@@ -220,11 +289,14 @@ class Reader:
                     segment_id, [(r.offset, out) for r, out in group])
             except se.SegmentMissing:
                 done = False  # moved or remote meanwhile: the mapping path finds it
-            except se.SourceChanged as exc:
+            except se.SourceChanged as exc:  # a changed in-place file, or marked corrupt
                 raise source_changed(exc, collection, group[0][0].name) from exc
             if not done:
                 left.extend(r for r, _ in group)
                 continue
+            bad = self.marked(segment_id)  # after the read: a first open may have marked
+            for r, _ in group:
+                self.refuse(collection, r.name, segment_id, r.offset, bad)
             if verify:
                 for r, out in group:
                     got = se.checksum(out)

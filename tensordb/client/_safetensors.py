@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import storage_engine as se
 from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
@@ -393,14 +394,48 @@ def _plan(collection: str, info: dict[str, tuple[str, tuple[int, ...], int]],
     return out, index
 
 
+#: bytes an export hashes and then writes: small enough that the kernel's copy into the
+#: file reads them from cache
+_HASH_PIECE = 1 << 20
+
+
 def _write_all(fd: int, data: Any, offset: int, advance: Callable[[int], None],
-               chunk: int) -> None:
+               chunk: int, hasher: Any = None) -> None:
+    """Write ``data`` at ``offset``; with ``hasher``, each piece is hashed first (the
+    copy the kernel then makes reads it from cache)."""
     view = memoryview(data).cast("B")
+    step = min(chunk, _HASH_PIECE) if hasher is not None else chunk
     done = 0
     while done < len(view):
-        n = os.pwrite(fd, view[done : done + chunk], offset + done)
-        done += n
-        advance(n)
+        piece = view[done : done + step]
+        if hasher is not None:
+            hasher.update(piece)
+        put = 0
+        while put < len(piece):
+            n = os.pwrite(fd, piece[put:], offset + done + put)
+            put += n
+            advance(n)
+        done += put
+
+
+def _write_checked(db: Database, collection: str, fd: int, data: Any, offset: int,
+                   advance: Callable[[int], None], chunk: int,
+                   extent: tuple[str | None, int, str] | None, name: str) -> None:
+    """Write one tensor's bytes, verifying them against their checksum as they go out
+    (``extent``: segment, offset, checksum; None: already verified): an exported file
+    never carries damage. A failure marks the segment corrupt (CorruptData)."""
+    if extent is None or extent[0] is None:
+        _write_all(fd, data, offset, advance, chunk)
+        return
+    h = se.Hasher()
+    _write_all(fd, data, offset, advance, chunk, h)
+    got = h.hexdigest()
+    if got != extent[2]:
+        reason = f"{collection}/{name}: checksum {got} != {extent[2]}"
+        db._tiers.marks.mark_corrupt(extent[0], extent[1], reason)
+        raise CorruptData(f"{collection}/{name}: stored bytes fail their checksum "
+                          f"(expected {extent[2]}, found {got}); not exported",
+                          collection=collection, tensor=name)
 
 
 def export_safetensors(db: Database, collection: str,
@@ -424,7 +459,16 @@ def export_safetensors(db: Database, collection: str,
         commit = snap.commit
         layout = _find_layout(db, collection, snap.version, commit)
         files, index = _plan(collection, snap.info(), layout, commit.metadata)
-        tensors = snap.state_dict()
+        state = snap.state_dict()
+        info = snap.info()
+        extents: dict[str, tuple[str | None, int, str] | None] = {}
+        # a sharded tensor (no segment of its own, some bytes) is assembled with each
+        # shard checked now; every other one is checked as it is written
+        sharded = {n: snap.verified(n) for n, (sid, _, _) in snap.extents().items()
+                   if sid is None and info[n][2]}
+        tensors: Mapping[str, torch.Tensor] = {**state, **sharded} if sharded else state
+        for n, ext in snap.extents().items():
+            extents[n] = None if n in sharded else ext
     out.mkdir(parents=True, exist_ok=True)
     total = sum(n for f in files for _, _, n in f.tensors)
     written: list[Path] = []
@@ -441,9 +485,9 @@ def export_safetensors(db: Database, collection: str,
                 os.ftruncate(fd, size)
                 _write_all(fd, struct.pack("<Q", len(f.header)) + f.header, 0, lambda n: None,
                            chunk)
-                jobs = [pool.submit(_write_all, fd,
+                jobs = [pool.submit(_write_checked, db, collection, fd,
                                     tensors[n].reshape(-1).view(torch.uint8).numpy(), off,
-                                    advance, chunk)
+                                    advance, chunk, extents[n], n)
                         for n, off, nbytes in f.tensors if nbytes]
                 for j in jobs:
                     j.result()

@@ -14,7 +14,7 @@ from tensordb.catalog import Commit, Manifest, ShardRow, TensorRow
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._inputs import torch_dtype
-from ._read import Reader, check_bytes
+from ._read import Reader
 
 __all__ = ["Shard", "Snapshot", "StateDict", "tensors_arrow"]
 
@@ -132,6 +132,16 @@ class Snapshot:
                 self.collection, [row], verify=self._verify, maps=self._maps,
                 shards=self._shard_rows)[name])
         return t
+
+    def verified(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` with its bytes (each shard's, for a sharded tensor)
+        checked against their checksums now, whatever the snapshot's ``verify``
+        (CorruptData naming it)."""
+        self._check()
+        row = self._row(name)
+        return self._place(self._reader.materialize(
+            self.collection, [row], verify=True, maps=self._maps,
+            shards=self._shard_rows)[name])
 
     def _shards_of(self, row: TensorRow) -> list[ShardRow]:
         got = self._shard_rows.get(row.name)
@@ -298,9 +308,10 @@ class Snapshot:
             return arrow_tensor(row, self._whole_bytes(row))
         if row.segment_id is None or row.nbytes == 0:
             return arrow_tensor(row, pa.py_buffer(b""))
-        data = pa.py_buffer(self._view(row).host_bytes(row.offset, row.nbytes))
-        if self._verify:
-            check_bytes(self.collection, row, memoryview(data))
+        assert row.segment_id is not None
+        data = pa.py_buffer(self._reader.checked_bytes(
+            self.collection, row, self._view(row), verify=self._verify,
+            bad=self._reader.marked(row.segment_id)))
         return arrow_tensor(row, data)
 
     def _row(self, name: object) -> TensorRow:
@@ -347,14 +358,16 @@ class Snapshot:
         mappings); each row's bytes checked against its checksum when the snapshot
         verifies."""
         out: dict[str, se.SegmentView] = {}
+        marks: dict[str, dict[int, str] | None] = {}
         for row in rows:
             if row.segment_id is None or row.nbytes == 0:
                 continue
             view = out.get(row.segment_id)
             if view is None:
                 view = out[row.segment_id] = self._view(row)
-            if self._verify:
-                check_bytes(self.collection, row, view.host_bytes(row.offset, row.nbytes))
+                marks[row.segment_id] = self._reader.marked(row.segment_id)
+            self._reader.checked_bytes(self.collection, row, view, verify=self._verify,
+                                       bad=marks[row.segment_id])
         return out
 
     def info(self) -> dict[str, tuple[str, tuple[int, ...], int]]:

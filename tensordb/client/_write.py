@@ -373,7 +373,7 @@ class Writer:
                       if not isinstance(t, RawPut)
                       and (row := live.get(n)) is not None and row.nbytes == t.nbytes
                       and row.dtype == dtype_name(t.dtype) and row.shape == tuple(t.shape)]
-        candidates = self._sampled_equal(puts, live, candidates)
+        candidates = self._sampled_equal(puts, live, self._not_marked(live, candidates))
         if not candidates:
             return []
         pool = se.io_pool()
@@ -382,6 +382,23 @@ class Writer:
         digests = [d for batch in pool.map(lambda b: [digest(puts[n]) for n in b], batches)
                    for d in batch]
         return [n for n, d in zip(candidates, digests, strict=True) if d == live[n].checksum]
+
+    def _not_marked(self, live: Mapping[str, TensorRow], names: list[str]) -> list[str]:
+        """``names`` less those whose head extent is marked corrupt: a commit never
+        shares damaged bytes (the values are stored anew). One look per segment."""
+        marks: dict[str, dict[int, str] | None] = {}
+        out = []
+        for n in names:
+            row = live[n]
+            sid = row.segment_id
+            if sid is not None:
+                if sid not in marks:
+                    marks[sid] = self.tiers.marks.corrupt(sid)
+                bad = marks[sid]
+                if bad and (row.offset in bad or se.WHOLE in bad):
+                    continue
+            out.append(n)
+        return out
 
     def _sampled_equal(self, puts: Mapping[str, Any], live: Mapping[str, TensorRow],
                        names: list[str]) -> list[str]:

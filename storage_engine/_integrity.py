@@ -1,0 +1,164 @@
+"""Integrity marks of a store's segments, shared by the processes of a host.
+
+A mark is a small file in the store's shared-memory area (``<shm_dir>/integrity``), so
+every process of the host sees it and a reboot clears it:
+
+- ``<id>.corrupt``: extents of the segment whose bytes failed their checksums, a line
+  each (offset, reason; offset -1: the whole segment), appended by whoever finds them;
+  readers refuse those extents from then on;
+- ``<id>.ok``: a disk segment whose extents matched their checksums on this boot, with
+  the identity (boot id, device, inode, size, mtime) of the file checked, so a file
+  written or replaced since is checked again;
+- ``scrub.cursor``: where the last scrub of the store stopped.
+
+Checking for a mark costs one failed ``open`` (a few microseconds) per segment read.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ._checksum import checksum
+from ._io import io_pool
+from ._procs import boot_id
+
+__all__ = ["WHOLE", "Extent", "Marks", "check_extents"]
+
+#: the offset of a mark that covers every extent of its segment
+WHOLE = -1
+
+#: (offset, nbytes, checksum, what): one extent of a segment as the catalog records it;
+#: ``what`` names it in an error (collection/tensor)
+Extent = tuple[int, int, str, str]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, text.encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.read(fd, 4096).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+class Marks:
+    """The integrity marks of one store (see the module docstring), under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._boot = boot_id()
+
+    # -- corrupt -------------------------------------------------------------------
+    def corrupt(self, segment_id: str) -> dict[int, str] | None:
+        """The marked extents of a segment (offset -> why; ``WHOLE``: all of them), or
+        None when none is marked."""
+        text = _read(self.root / f"{segment_id}.corrupt")
+        if text is None:
+            return None
+        out: dict[int, str] = {}
+        for line in text.splitlines():
+            off, _, why = line.partition("\t")
+            try:
+                out.setdefault(int(off), why)
+            except ValueError:  # a torn line: the segment stays refused as a whole
+                out.setdefault(WHOLE, why or "marked corrupt")
+        return out or {WHOLE: "marked corrupt"}
+
+    def mark_corrupt(self, segment_id: str, offset: int, reason: str) -> None:
+        """Mark an extent of a segment corrupt (``WHOLE``: all of them): no read of it
+        succeeds from now on, in any process of the host. One appended line (atomic)."""
+        line = f"{offset}\t{' '.join(reason.split())[:1000]}\n".encode("utf-8", "replace")
+        fd = os.open(self.root / f"{segment_id}.corrupt",
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(self.root / f"{segment_id}.ok")
+        except FileNotFoundError:
+            pass
+
+    # -- verified ------------------------------------------------------------------
+    def _identity(self, st: os.stat_result) -> str:
+        return f"{self._boot} {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns}"
+
+    def verified(self, segment_id: str, st: os.stat_result) -> bool:
+        """Whether the segment's file (``st``: its stat now) was verified on this boot
+        and has not changed since."""
+        return _read(self.root / f"{segment_id}.ok") == self._identity(st)
+
+    def mark_verified(self, segment_id: str, st: os.stat_result) -> None:
+        """Record that the file ``st`` describes holds the segment's good bytes."""
+        _write_atomic(self.root / f"{segment_id}.ok", self._identity(st))
+
+    def forget(self, segment_id: str) -> None:
+        """Drop a deleted segment's marks."""
+        for suffix in (".ok", ".corrupt"):
+            try:
+                os.unlink(self.root / f"{segment_id}{suffix}")
+            except FileNotFoundError:
+                pass
+
+    # -- the scrub's cursor ----------------------------------------------------------
+    def cursor(self) -> tuple[str, float] | None:
+        """(the segment the last scrub stopped after, when it ran), or None: never."""
+        path = self.root / "scrub.cursor"
+        text = _read(path)
+        if text is None:
+            return None
+        try:
+            return text, os.stat(path).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def set_cursor(self, segment_id: str) -> None:
+        _write_atomic(self.root / "scrub.cursor", segment_id)
+
+
+def check_extents(data: Callable[[int, int], np.ndarray], size: int,
+                  extents: Sequence[Extent]) -> list[tuple[int, str]]:
+    """The extents of a segment of ``size`` bytes (whose bytes ``data(offset, nbytes)``
+    gives) that fail their checksums, as (offset, reason naming the extent); [] when
+    every one matches. Large segments are hashed on the I/O pool (xxh3 releases the
+    GIL)."""
+    def one(ext: Extent) -> tuple[int, str] | None:
+        offset, nbytes, expected, what = ext
+        if offset < 0 or offset + nbytes > size:
+            return offset, (f"{what}: extent [{offset}, {offset + nbytes}) lies past the "
+                            f"end of its {size}-byte segment (truncated)")
+        got = checksum(data(offset, nbytes))
+        if got != expected:
+            return offset, f"{what}: checksum {got} != {expected}"
+        return None
+
+    seen: set[tuple[int, int]] = set()
+    todo = []
+    for ext in extents:
+        if ext[1] and (ext[0], ext[1]) not in seen:
+            seen.add((ext[0], ext[1]))
+            todo.append(ext)
+    total = sum(e[1] for e in todo)
+    if total < (64 << 20) or len(todo) < 2:
+        results = list(map(one, todo))
+    else:
+        results = list(io_pool().map(one, todo))
+    return [r for r in results if r is not None]
