@@ -9,14 +9,21 @@ every process of the host sees it and a reboot clears it:
 - ``<id>.ok``: a disk segment whose extents matched their checksums on this boot, with
   the identity (boot id, device, inode, size, mtime) of the file checked, so a file
   written or replaced since is checked again;
-- ``scrub.cursor``: where the last scrub of the store stopped.
+- ``scrub.cursor``: where the last scrub of the store stopped;
+- ``generation``: a counter every new corrupt mark bumps (after writing the mark).
 
-Checking for a mark costs one failed ``open`` (a few microseconds) per segment read.
+Readers map the counter once per process and keep the marks they last listed: checking
+a segment costs one 8-byte read of that mapping and a dict look-up while no mark is
+made, and one listing of the directory after one is.
 """
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import struct
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -65,22 +72,79 @@ class Marks:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._boot = boot_id()
+        self._lock = threading.Lock()
+        self._gen_path = self.root / "generation"
+        fd = os.open(self._gen_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < 8:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_size < 8:
+                    os.ftruncate(fd, 8)
+                # unlocked before the mapping dups the descriptor: a lock would live on
+                # in the dup for as long as the mapping does
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            self._gen = mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._seen = -1  # the generation the cache below was listed at
+        self._marked: dict[str, dict[int, str]] = {}
+        self._ok: set[tuple[str, str]] = set()  # verified marks this process read
+
+    def close(self) -> None:
+        """Let go of the counter's mapping (later looks read the file). Idempotent."""
+        with self._lock:
+            self._gen.close()
+
+    def generation(self) -> int:
+        """The counter of corrupt marks made in the store so far (this boot)."""
+        try:
+            return int(struct.unpack_from("<Q", self._gen, 0)[0])
+        except ValueError:  # closed: tensors of a closed store may still be read
+            fd = os.open(self._gen_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return int(struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0])
+            finally:
+                os.close(fd)
+
+    def _bump(self) -> None:
+        fd = os.open(self._gen_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            n = int(struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0])
+            os.pwrite(fd, struct.pack("<Q", n + 1), 0)  # the same page the mappings see
+        finally:
+            os.close(fd)
 
     # -- corrupt -------------------------------------------------------------------
     def corrupt(self, segment_id: str) -> dict[int, str] | None:
         """The marked extents of a segment (offset -> why; ``WHOLE``: all of them), or
-        None when none is marked."""
-        text = _read(self.root / f"{segment_id}.corrupt")
-        if text is None:
-            return None
-        out: dict[int, str] = {}
-        for line in text.splitlines():
-            off, _, why = line.partition("\t")
-            try:
-                out.setdefault(int(off), why)
-            except ValueError:  # a torn line: the segment stays refused as a whole
-                out.setdefault(WHOLE, why or "marked corrupt")
-        return out or {WHOLE: "marked corrupt"}
+        None when none is marked. Costs a read of the shared counter while no new mark
+        was made since this process last listed them."""
+        gen = self.generation()
+        if gen != self._seen:
+            self._relist(gen)
+        return self._marked.get(segment_id)
+
+    def _relist(self, gen: int) -> None:
+        """List every corrupt mark (``gen``: the counter read before the listing, so a
+        mark made during it makes the next look list again)."""
+        marked: dict[str, dict[int, str]] = {}
+        with os.scandir(self.root) as it:
+            names = [e.name for e in it if e.name.endswith(".corrupt")]
+        for name in names:
+            text = _read(self.root / name)
+            if text is None:
+                continue
+            out: dict[int, str] = {}
+            for line in text.splitlines():
+                off, _, why = line.partition("\t")
+                try:
+                    out.setdefault(int(off), why)
+                except ValueError:  # a torn line: the segment stays refused as a whole
+                    out.setdefault(WHOLE, why or "marked corrupt")
+            marked[name[: -len(".corrupt")]] = out or {WHOLE: "marked corrupt"}
+        with self._lock:
+            self._marked, self._seen = marked, gen
 
     def mark_corrupt(self, segment_id: str, offset: int, reason: str) -> None:
         """Mark an extent of a segment corrupt (``WHOLE``: all of them): no read of it
@@ -96,6 +160,8 @@ class Marks:
             os.unlink(self.root / f"{segment_id}.ok")
         except FileNotFoundError:
             pass
+        self._ok = {k for k in self._ok if k[0] != segment_id}
+        self._bump()  # after the mark: a reader that sees the new count lists it
 
     # -- verified ------------------------------------------------------------------
     def _identity(self, st: os.stat_result) -> str:
@@ -104,14 +170,31 @@ class Marks:
     def verified(self, segment_id: str, st: os.stat_result) -> bool:
         """Whether the segment's file (``st``: its stat now) was verified on this boot
         and has not changed since."""
-        return _read(self.root / f"{segment_id}.ok") == self._identity(st)
+        key = (segment_id, self._identity(st))
+        if key in self._ok:
+            return True
+        if _read(self.root / f"{segment_id}.ok") == key[1]:
+            self._ok.add(key)
+            return True
+        return False
 
     def mark_verified(self, segment_id: str, st: os.stat_result) -> None:
         """Record that the file ``st`` describes holds the segment's good bytes."""
-        _write_atomic(self.root / f"{segment_id}.ok", self._identity(st))
+        ident = self._identity(st)
+        _write_atomic(self.root / f"{segment_id}.ok", ident)
+        self._ok.add((segment_id, ident))
+
+    def rename(self, old_id: str, new_id: str) -> None:
+        """A file written as ``old_id`` was renamed to be segment ``new_id`` (a pulled
+        replica): its verified mark follows it (the identity is the inode's)."""
+        try:
+            os.replace(self.root / f"{old_id}.ok", self.root / f"{new_id}.ok")
+        except FileNotFoundError:
+            pass
 
     def forget(self, segment_id: str) -> None:
         """Drop a deleted segment's marks."""
+        self._ok = {k for k in self._ok if k[0] != segment_id}
         for suffix in (".ok", ".corrupt"):
             try:
                 os.unlink(self.root / f"{segment_id}{suffix}")

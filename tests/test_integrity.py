@@ -118,7 +118,9 @@ def test_disk_segment_verified_once_per_boot(home: Path) -> None:
         db.commit("m", {"a": A})
         sid = db.snapshot("m").extents()["a"][0]
         ok = db.config.shm_dir / "integrity" / f"{sid}.ok"
+        db.close()
         ok.unlink()  # as after a reboot
+        db = open_store(home, default_tier="disk")
         assert torch.equal(db.get("m", "a"), A)
         assert ok.exists()  # the first open hashed it and marked it verified
         stamp = ok.stat().st_mtime_ns
@@ -286,3 +288,19 @@ def test_commit_never_shares_a_marked_extent(host_db: tensordb.Database) -> None
     v1, v2 = db.snapshot("m", version=1).extents(), db.snapshot("m").extents()
     assert v1["a"] != v2["a"] and v1["b"] == v2["b"]  # b still shared
     assert db.verify() and {p.first_version for p in db.verify()} == {1}
+
+
+def test_a_mark_made_by_another_process_is_seen(host_db: tensordb.Database,
+                                                home: Path) -> None:
+    db = host_db
+    db.commit("m", {"a": A, "b": B})
+    assert torch.equal(db.get("m", "a"), A)  # this process has listed the marks (none)
+    _flip(db, "host", "a")
+    other = open_store(home)  # marks of its own, as another process has
+    try:
+        assert [c.tensor for c in other.scrub().corrupt] == ["a"]
+    finally:
+        other.close()
+    with pytest.raises(CorruptData):
+        db.get("m", "a")
+    assert torch.equal(db.get("m", "b"), B)

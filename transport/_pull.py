@@ -240,6 +240,8 @@ def _transfer(directory: NodeDirectory, transport: Transport, me: str,
         writer.finish()
         os.rename(tier.path(writer.segment_id), final)  # complete and verified: visible
         renamed = True
+        if tier.marks is not None:  # verified as it arrived: no first-open hash needed
+            tier.marks.rename(writer.segment_id, info.id)
         if not directory.add_replica(info.id, me, tier.name):
             raise NotFound(f"segment {info.id} was dropped while being pulled")
     except BaseException:

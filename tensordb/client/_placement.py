@@ -172,6 +172,7 @@ class Tiers(Mapping[str, se.Tier]):
     def close(self) -> None:
         for tier in self._tiers.values():
             tier.close()
+        self.marks.close()
 
 
 class Placement:
