@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import tensordb
 from tensordb import cli
 from tensordb.errors import CorruptData
-from transport._node import Scrubber
+from transport import Scrubber
 
 A = torch.arange(4096, dtype=torch.float32)
 B = torch.full((1024,), 7, dtype=torch.int64)
@@ -199,6 +199,13 @@ def test_truncated_host_segment_is_corrupt_data(host_db: tensordb.Database) -> N
     assert torch.equal(db.get("m", "a"), A)
     assert _state(db) == before
     assert [(p.tensor, p.reason) for p in db.verify()] == [("b", "truncated")]
+    os.truncate(path, 0)  # nothing left
+    for call in (lambda: db.get("m", "a"), lambda: db.snapshot("m").to_arrow(),
+                 lambda: db.snapshot("m").read_into({"a": torch.empty_like(A)})):
+        with pytest.raises(CorruptData) as info:
+            call()
+        assert info.value.tensor == "a"
+    assert _state(db) == before
 
 
 def test_sharded_tensor_shard_flip(host_db: tensordb.Database, tmp_path: Path) -> None:

@@ -42,7 +42,14 @@ from ._flight_client import FlightTransport
 from ._flight_server import THROTTLE_ENV, NodeServer, NodeService
 from ._local import LocalTransport
 from ._metrics import NodeMetrics
-from ._node import DEFAULT_HEARTBEAT, NodeRegistration, RunningNode, ready_line, start_node
+from ._node import (
+    DEFAULT_HEARTBEAT,
+    NodeRegistration,
+    RunningNode,
+    Scrubber,
+    ready_line,
+    start_node,
+)
 from ._pull import (
     DEFAULT_STREAMS,
     CascadeReport,
@@ -75,6 +82,7 @@ __all__ = [
     "NodeService",
     "NodeStore",
     "RunningNode",
+    "Scrubber",
     "Transport",
     "VersionReads",
     "cascade",

@@ -171,24 +171,25 @@ class Reader:
         return out
 
     def _segment(self, segment_id: str, tier: str | None, collection: str, name: str,
-                 maps: dict[str, se.SegmentView],
-                 segs: dict[str, tuple[int, dict[int, str] | None]]
-                 ) -> tuple[se.SegmentView, tuple[int, dict[int, str] | None]]:
-        """The segment's view (mapped now, or this snapshot's earlier mapping), with its
-        length and its corrupt marks, read once per read (a mark made after the mapping
-        still refuses the extents it names)."""
+                 maps: dict[str, se.SegmentView], bad: dict[str, dict[int, str]]
+                 ) -> se.SegmentView:
+        """The segment's view (mapped now, or this snapshot's earlier mapping), its
+        corrupt marks looked at (a mark made after the mapping still refuses the extents
+        it names; ``bad`` collects the segments that have some)."""
         mm = maps.get(segment_id)
         if mm is None:
             mm = maps[segment_id] = self.map(segment_id, tier or "host", collection, name)
-        seg = segs.get(segment_id)
-        if seg is None:
-            seg = segs[segment_id] = (len(mm), self.marked(segment_id))
-        return mm, seg
+        marks = self.marked(segment_id)
+        if marks:
+            bad[segment_id] = marks
+        return mm
 
     def _check_extent(self, collection: str, name: str, segment_id: str,
                       mm: se.SegmentView, offset: int, nbytes: int, csum: str) -> None:
         """CorruptData unless the extent matches its checksum; a failure is marked, so
         reads that do not verify refuse the segment from now on."""
+        if offset + nbytes > len(mm):
+            raise truncated(collection, name, segment_id, offset + nbytes, len(mm))
         got = se.checksum(mm.host_bytes(offset, nbytes))  # no copy on the host
         if got != csum:
             self._tiers.marks.mark_corrupt(segment_id, offset,
@@ -203,55 +204,60 @@ class Reader:
         mappings already made for this snapshot). A sharded row is assembled into a new
         tensor from its shards (``shards``: those known already, by name)."""
         out: dict[str, torch.Tensor] = {}
-        if maps is None:
-            maps = {}
+        maps = {} if maps is None else maps
         sharded: list[TensorRow] = []
         bases: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
-        # segment -> (its length, its corrupt marks), read once per call
-        segs: dict[str, tuple[int, dict[int, str] | None]] = {}
-        # a fresh process's state_dict of a whole model runs this per tensor: fields are
-        # unpacked once, not read through the row's attributes (a fifth of its time)
-        for name, dtype, shape, nbytes, csum, segment_id, offset, tier, first in rows:
-            if segment_id is None:
-                if nbytes:  # a sharded row: assembled below
-                    sharded.append(TensorRow(name, dtype, shape, nbytes, csum, segment_id,
-                                             offset, tier, first))
+        bad: dict[str, dict[int, str]] = {}  # segments with extents marked corrupt
+        name, segment_id, offset, nbytes = "", None, 0, 0
+        try:
+            # a fresh process's state_dict of a whole model runs this per tensor: fields
+            # are unpacked once, not read through the row's attributes (a fifth of its
+            # time); the checks of the integrity model cost nothing per row where no
+            # mark is (a truncated segment surfaces as torch's bounds error, below)
+            for name, dtype, shape, nbytes, csum, segment_id, offset, tier, first in rows:
+                if segment_id is None:  # a sharded row (assembled below), or no bytes
+                    if nbytes:
+                        sharded.append(TensorRow(name, dtype, shape, nbytes, csum,
+                                                 segment_id, offset, tier, first))
+                    else:
+                        out[name] = torch.empty(shape, dtype=torch_dtype(dtype))
                     continue
-                out[name] = torch.empty(shape, dtype=torch_dtype(dtype))
-                continue
-            found = bases.get((segment_id, dtype))
-            if found is not None and offset % found[1]:
-                found = None  # an odd offset (a file committed in place): a base of its own
-            seg = segs.get(segment_id)
-            if found is None or verify or seg is None:
-                mm, seg = self._segment(segment_id, tier, collection, name, maps, segs)
-            if offset + nbytes > seg[0]:
-                raise truncated(collection, name, segment_id, offset + nbytes, seg[0])
-            if seg[1]:
-                self.refuse(collection, name, segment_id, offset, seg[1])
-            if verify:
-                self._check_extent(collection, name, segment_id, mm, offset, nbytes, csum)
-            if found is None:
-                assert mm is not None  # mapped above
-                dt = torch_dtype(dtype)
-                size = dt.itemsize
-                if mm.on_device:  # the IPC mapping itself: no copy
-                    base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
-                elif offset % size or len(mm) % size:
-                    # a segment committed in place is the user's file: its tensors lie
-                    # where the file put them, and its length is the file's
-                    skew = offset % size
-                    base = torch.frombuffer(mm, dtype=dt, count=(len(mm) - skew) // size,
-                                            offset=skew)
-                    if not skew:
-                        bases[(segment_id, dtype)] = (base, size)
-                    out[name] = base.as_strided(shape, _strides(shape), offset // size)
-                    continue
-                else:
-                    base = torch.frombuffer(mm, dtype=dt)
-                found = bases[(segment_id, dtype)] = (base, size)
-            base, size = found
-            out[name] = base.as_strided(shape, _strides(shape), offset // size)
+                found = bases.get((segment_id, dtype))
+                if found is not None and offset % found[1]:
+                    found = None  # an odd offset (a file committed in place): its own base
+                if found is None or verify:
+                    mm = self._segment(segment_id, tier, collection, name, maps, bad)
+                    if verify:
+                        self._check_extent(collection, name, segment_id, mm, offset, nbytes,
+                                           csum)
+                if bad:
+                    self.refuse(collection, name, segment_id, offset, bad.get(segment_id))
+                if found is None:
+                    dt = torch_dtype(dtype)
+                    size = dt.itemsize
+                    if mm.on_device:  # the IPC mapping itself: no copy
+                        base = torch.as_tensor(mm, device=f"cuda:{mm.device}").view(dt)
+                    elif offset % size or len(mm) % size:
+                        # a segment committed in place is the user's file: its tensors
+                        # lie where the file put them, and its length is the file's
+                        skew = offset % size
+                        base = torch.frombuffer(mm, dtype=dt,
+                                                count=(len(mm) - skew) // size, offset=skew)
+                        if not skew:
+                            bases[(segment_id, dtype)] = (base, size)
+                        out[name] = base.as_strided(shape, _strides(shape), offset // size)
+                        continue
+                    else:
+                        base = torch.frombuffer(mm, dtype=dt)
+                    found = bases[(segment_id, dtype)] = (base, size)
+                base, size = found
+                out[name] = base.as_strided(shape, _strides(shape), offset // size)
+        except (RuntimeError, ValueError) as exc:
+            view = maps.get(segment_id or "")
+            if view is None or offset + nbytes <= len(view):
+                raise
+            raise truncated(collection, name, segment_id or "", offset + nbytes,
+                            len(view)) from exc  # the file was truncated
         if sharded:
             self._assemble(collection, sharded, shards or {}, verify, maps, out)
         return out
