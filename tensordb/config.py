@@ -73,8 +73,9 @@ class Config:
                   file $TENSORDB_TOKEN_FILE names)
     node_timeout  seconds a dead or silent node may take to fail a request
                   ($TENSORDB_NODE_TIMEOUT, else 5)
-    scrub_interval  seconds between two scrubs of this node's segments: a node server's
-                  full pass, and the age past which ``gc`` scrubs (0: never)
+    scrub_interval  seconds between two full scrubs of this node's segments by a node
+                  server; ``gc`` scrubs ``scrub_rate`` bytes per second since the last
+                  scrub, at most this many seconds' worth (0: no scrub by default)
                   ($TENSORDB_SCRUB_INTERVAL, else 600)
     scrub_rate    bytes a second a scrub reads at most ($TENSORDB_SCRUB_RATE, else 256 MB)
     """

@@ -238,10 +238,11 @@ def test_gc_scrubs_by_default(home: Path) -> None:
     db = open_store(home, scrub_interval=0.001, scrub_rate=10**12)
     try:
         db.commit("m", {"a": A, "b": B})
-        db.gc()  # the store's first gc starts the clock
         _flip(db, "host", "a")
+        db.gc()  # the store's first gc starts the clock: it scrubs nothing
+        assert db.get("m", "a")[0].item() == 0  # not found yet (the flip is past [0])
         time.sleep(0.01)
-        db.gc()
+        db.gc()  # past the interval: scrubs
         with pytest.raises(CorruptData):
             db.get("m", "a")
         assert torch.equal(db.get("m", "b"), B)

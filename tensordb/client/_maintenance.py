@@ -66,6 +66,9 @@ class ScrubReport:
     complete: bool = True
 
 
+#: the least a gc scrubs once it scrubs at all (fewer bytes wait for a later gc)
+_MIN_GC_SCRUB = 64 << 20
+
 #: the tiers a scrub reads (the GPU tier's bytes live in the writing process)
 _SCRUBBED = ("host", "disk")
 
@@ -142,17 +145,21 @@ class Maintenance:
                         len(plan.dead_segments), freed, orphans, pooled, released)
 
     def _scheduled_scrub(self) -> None:
-        """gc's share of the scrub: when the store's last scrub is older than the
-        interval, scrub what the interval's rate allows. The clock starts at the
-        store's first gc (a short-lived process pays nothing)."""
+        """gc's share of the scrub: ``scrub_rate`` bytes for every second since the
+        store's last scrub step (by anyone: a node server's scrub leaves gc little to
+        do), at most one interval's worth, so processes that run gc often cover the
+        store as a node server does and each gc pays for the time since the last. The
+        clock starts at the store's first gc (a short-lived process pays nothing)."""
         if self.scrub_interval <= 0 or self.scrub_rate <= 0:
             return
         last = self._tiers.marks.cursor()
         if last is None:
             self._tiers.marks.set_cursor("")
             return
-        if time.time() - last[1] >= self.scrub_interval:
-            self.scrub(max_bytes=int(self.scrub_interval * self.scrub_rate))
+        elapsed = min(max(0.0, time.time() - last[1]), self.scrub_interval)
+        budget = int(elapsed * self.scrub_rate)
+        if budget >= _MIN_GC_SCRUB or elapsed >= self.scrub_interval:
+            self.scrub(max_bytes=max(1, budget))
 
     def scrub(self, max_bytes: int | None = None, *, rate: int | None = None,
               stop: Callable[[], bool] | None = None) -> ScrubReport:
