@@ -12,15 +12,15 @@ every process of the host sees it and a reboot clears it:
 - ``scrub.cursor``: where the last scrub of the store stopped;
 - ``generation``: a counter every new corrupt mark bumps (after writing the mark).
 
-Readers map the counter once per process and keep the marks they last listed: checking
-a segment costs one 8-byte read of that mapping and a dict look-up while no mark is
-made, and one listing of the directory after one is.
+Readers keep the counter open and the marks they last listed: checking a segment costs
+one 8-byte ``pread`` of the counter and a dict look-up while no mark is made, and one
+listing of the directory after one is. (A descriptor, not a mapping: a reader's only
+mappings of the store's area are its segments.)
 """
 
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import struct
 import threading
@@ -80,38 +80,43 @@ class Marks:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if os.fstat(fd).st_size < 8:
                     os.ftruncate(fd, 8)
-                # unlocked before the mapping dups the descriptor: a lock would live on
-                # in the dup for as long as the mapping does
                 fcntl.flock(fd, fcntl.LOCK_UN)
-            self._gen = mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._gen_fd: int | None = fd
         self._seen = -1  # the generation the cache below was listed at
         self._marked: dict[str, dict[int, str]] = {}
         self._ok: set[tuple[str, str]] = set()  # verified marks this process read
 
     def close(self) -> None:
-        """Let go of the counter's mapping (later looks read the file). Idempotent."""
+        """Let go of the counter's descriptor (later looks open the file). Idempotent."""
         with self._lock:
-            self._gen.close()
+            fd, self._gen_fd = self._gen_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def generation(self) -> int:
         """The counter of corrupt marks made in the store so far (this boot)."""
-        try:
-            return int(struct.unpack_from("<Q", self._gen, 0)[0])
-        except ValueError:  # closed: tensors of a closed store may still be read
-            fd = os.open(self._gen_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._gen_fd
+        if fd is not None:
             try:
                 return int(struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0])
-            finally:
-                os.close(fd)
+            except OSError:  # closed meanwhile: read the file below
+                pass
+        # closed: tensors of a closed store may still be read
+        fd = os.open(self._gen_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return int(struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0])
+        finally:
+            os.close(fd)
 
     def _bump(self) -> None:
         fd = os.open(self._gen_path, os.O_RDWR | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             n = int(struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0])
-            os.pwrite(fd, struct.pack("<Q", n + 1), 0)  # the same page the mappings see
+            os.pwrite(fd, struct.pack("<Q", n + 1), 0)
         finally:
             os.close(fd)
 

@@ -188,8 +188,11 @@ def test_to_arrow_verify_catches_a_flipped_byte(sqlite_db: tensordb.Database) ->
         with pytest.raises(CorruptData):
             snap.arrow("a")
         assert snap.to_arrow(["b"]).num_rows == 1
-    with db.snapshot("cor") as snap:  # verify off: served as stored
-        assert snap.to_arrow().num_rows == 2
+    with db.snapshot("cor") as snap:  # verify off: the damage found above is marked
+        with pytest.raises(CorruptData) as info:
+            snap.to_arrow()
+        assert info.value.tensor == "a"
+        assert snap.to_arrow(["b"]).num_rows == 1
 
 
 def test_gpu_tier_rows_come_back_as_host_copies(tmp_path: Path,
