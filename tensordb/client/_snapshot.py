@@ -202,7 +202,7 @@ class Snapshot:
             self._view(r)
         sd = StateDict(self, dict(self._maps))
         if self._verify:
-            self._materialize(None, sd._maps)
+            sd._all()
         return sd
 
     def _materialize(self, names: Sequence[str] | None, maps: dict[str, se.SegmentView]
@@ -212,10 +212,12 @@ class Snapshot:
         with se.gc_paused():  # an object or two per tensor: see gc_paused
             if names is not None:
                 missing: list[Any] = [rows[n] for n in names if n not in cache]
-            elif cache:
-                missing = [t for t in rows.tuples() if t[0] not in cache]
             else:
-                missing = rows.tuples()
+                # a walk over every name makes the rows mapped in place; a sharded row
+                # (no segment, some bytes) is assembled only when asked for by name, as
+                # a caller reading its slices never wants the whole of it
+                missing = [t for t in rows.tuples()
+                           if t[0] not in cache and (t[5] is not None or not t[3])]
             if not missing:
                 return
             got = self._reader.materialize(self.collection, missing, verify=self._verify,
@@ -432,12 +434,18 @@ class StateDict(Mapping[str, torch.Tensor]):
                            version=snap.version)
         self._misses += 1
         snap._materialize(None if self._misses > self._BULK_AFTER else [name], self._maps)
-        return snap._cache[name]
+        t = snap._cache.get(name)
+        if t is None:  # sharded: made by name only
+            snap._materialize([name], self._maps)
+            t = snap._cache[name]
+        return t
 
     def _all(self) -> dict[str, torch.Tensor]:
         snap = self._snap
         snap._materialize(None, self._maps)
         cache = snap._cache
+        if len(cache) < len(snap._rows):  # the sharded rows, assembled
+            snap._materialize([n for n in snap._rows if n not in cache], self._maps)
         if len(cache) == len(snap._rows) and not self._misses:
             return dict(cache)  # made in one go, in the manifest's (name) order
         return {n: cache[n] for n in snap._rows}
