@@ -375,3 +375,31 @@ def test_engine_ranks_follow_group_versions_reading_their_slices(
         WeightUpdater(db, "m", engines[0], rank=0, world_size=3, plan={"w": "1"})
     with pytest.raises(InvalidInput, match="shape"):  # a module of the wrong width
         WeightUpdater(db, "m", engines[0], rank=0, world_size=2, plan={"w": 1}).apply()
+
+
+def test_check_tiling_names_what_is_wrong() -> None:
+    """The tiling check alone, on boxes a hostile part could carry (put_shard refuses
+    most of them before they reach it)."""
+    from tensordb.catalog import check_tiling
+
+    g = (12, 10)
+    assert check_tiling("w", g, [(0, (0, 0), (6, 10)), (1, (6, 0), (6, 10))]) is None
+    assert check_tiling("w", g, [(0, (0, 0), (12, 10))]) is None
+    assert check_tiling("e", (0, 4), []) is None  # nothing to cover
+    assert check_tiling("w", g, [(0, (0, 0), (12, 10)), (1, (3, 0), (0, 10))]) is None
+    cases = {
+        "overlap": [(0, (0, 0), (6, 10)), (1, (5, 0), (6, 10))],  # the sizes add up
+        "a gap": [(0, (0, 0), (6, 10)), (1, (7, 0), (5, 10))],
+        "outside": [(0, (0, 0), (6, 10)), (1, (6, 0), (7, 10))],
+    }
+    for want, boxes in cases.items():
+        assert want in (check_tiling("w", g, boxes) or ""), want
+    for boxes in ([(0, (0,), (12, 10))], [(0, (0, 0), (12,))], [(0, (-1, 0), (12, 10))],
+                  [(0, (0, 0), (-12, 10))], [(0, (0, 1), (12, 10))]):
+        assert check_tiling("w", g, boxes) is not None, boxes
+    # boxes side by side in the second dimension that overlap only there
+    assert "overlap" in (check_tiling("w", g, [(0, (0, 0), (12, 6)), (1, (0, 5), (12, 5))])
+                         or "")
+    # three boxes where only the first and the last overlap
+    assert "overlap" in (check_tiling("w", (9,), [(0, (0,), (3,)), (1, (3,), (3,)),
+                                                   (2, (2,), (1,))]) or "")
