@@ -9,7 +9,9 @@ FileStore in RUN_DIR, with a short timeout):
    plain tensor every rank holds, and non-tensor entries (a step counter, param groups,
    a Python RNG state); rank 0 checks what the store holds; all 4 load it back resharded
    (dim 0 <-> dim 1);
-2. ranks 0-1 load version 1 into a 2-rank sharding; rank 2 alone into plain tensors;
+2. ranks 0-1 load version 1 into a 2-rank sharding, and save (and load) a checkpoint
+   of one replicated tensor, so one rank's part of the group is empty; rank 2 alone
+   loads version 1 into plain tensors;
    rank 3 alone into an empty state dict (DCP rebuilds it from the stored metadata);
 3. ranks 0-1 save version 2 (other values, one tensor dropped, one added);
 4. ranks 0-2 load the head (version 2) into a 3-rank sharding, and version 1 again.
@@ -185,6 +187,13 @@ def main(rank: int, home: Path, run: Path) -> None:
         got = blank(1, flipped, mesh)
         dcp.load(got, storage_reader=TensorDBReader(db, COLLECTION, version=1))
         check(got, 1, "2 ranks")
+        # one entry, replicated: DCP gives it to one rank, the other's part is empty
+        writer = TensorDBWriter(db, "small")
+        dcp.save({"bias": torch.arange(4.0)}, storage_writer=writer)
+        assert writer.result is not None and writer.result.version == 1, writer.result
+        small = {"bias": torch.zeros(4)}
+        dcp.load(small, storage_reader=TensorDBReader(db, "small"))
+        assert torch.equal(small["bias"], torch.arange(4.0)), small
         # 3. two ranks save version 2: a tensor dropped, one added, other values
         writer = TensorDBWriter(db, COLLECTION)
         dcp.save(make(2, fsdp, mesh), storage_writer=writer)

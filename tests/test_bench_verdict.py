@@ -84,3 +84,33 @@ def test_kv_judges_each_peer_at_each_size(monkeypatch: pytest.MonkeyPatch) -> No
         "put+get >= 10 x redis, 2 MiB blocks": MET,
     }
     assert _verdict.exit_code(kv.goals(res)) == 1
+
+
+def test_checkpoint_judges_first_save_against_peers_best(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.delitem(sys.modules, "checkpoint", raising=False)
+    ckpt = importlib.import_module("checkpoint")
+
+    def fig(first: float, best: float) -> dict[str, float]:
+        return {"first_s": first, "best_s": best, "median_s": best}
+
+    res = {"values_ok": True, "figures": {
+        "tdb_host": fig(0.5, 0.2), "fs_shm": fig(0.9, 0.6),       # 0.6 / 0.5: met
+        "tdb_disk": fig(2.0, 0.8), "fs_disk": fig(1.9, 1.5),      # 1.5 / 2.0: missed
+        "gather_commit": fig(1.2, 0.9),                           # 0.9 / 0.5 < 2: missed
+        "slice_dim0": fig(0.2, 0.11), "bound_slice": fig(0.1, 0.1)}}  # 1.1 x: met
+    got = {v.goal: v.state for v in ckpt.goals(res)}
+    assert got == {
+        "DCP save, host tier >= 1 x FileSystemWriter into /dev/shm": MET,
+        "DCP save, disk tier (fsync) >= 1 x FileSystemWriter with fsync": MISSED,
+        "DCP save, host tier >= 2 x gather to rank 0 + commit": MISSED,
+        "contiguous slice read <= 1.2 x memcpy of the slice": MET,
+    }
+    # a peer that did not run, and values read back wrong, fail the run
+    del res["figures"]["fs_shm"]
+    res["values_ok"] = False
+    vs = ckpt.goals(res)
+    assert vs[0].state == NOT_MEASURED and "fs_shm" in vs[0].detail
+    assert vs[-1].goal == "every value read back is the one saved" and vs[-1].state == MISSED
+    assert _verdict.exit_code(vs) == 1
