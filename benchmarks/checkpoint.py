@@ -43,11 +43,12 @@ snapshot each repeat:
 
 beside ``memcpy`` of the slice's bytes (both ranks at once).
 
-Goals (``_verdict``; the script exits 1 unless every goal is met): each tensordb save
->= 1 x its FileSystemWriter peer (judged on tensordb's *first* save, into the fresh
-store, against the peer's best); the host-tier save >= 2 x gather + commit (first save
-against its best); the dim-0 slice read <= 1.2 x memcpy of the slice (best of repeats).
-The strided read is reported, with no goal.
+Goals (``_verdict``; the script exits 1 unless every goal is met), each judged twice:
+on the first save (tensordb's into the fresh store, the peer's first, each the first of
+its kind in the process) and on the steady state (each one's best of the repeats): each
+tensordb save >= 1 x its FileSystemWriter peer; the host-tier save >= 2 x gather +
+commit; and the dim-0 slice read <= 1.2 x memcpy of the slice (best of repeats). The
+strided read is reported, with no goal.
 
 Run:  .venv/bin/python benchmarks/checkpoint.py [--size 1G] [--reps 3] [--tmp-dir DIR]
       [--json]
@@ -167,7 +168,8 @@ class RankJob:
         import numpy as np
 
         src = np.ones(nbytes, np.uint8)
-        dst = np.zeros(nbytes, np.uint8)
+        dst = np.empty(nbytes, np.uint8)
+        dst.fill(0)  # touched: np.zeros would leave its pages to fault in the first copy
         for _ in range(self.reps):
             self.timed(key, lambda: np.copyto(dst, src))
 
@@ -336,21 +338,27 @@ def goals(res: dict[str, Any]) -> list[Verdict]:
     not run is not measured."""
     f = res.get("figures", {})
 
-    def speedup(ours: str, peer: str, factor: float, goal: str) -> Verdict:
-        if ours not in f or peer not in f:
-            return _verdict.not_measured(goal, f"{peer if ours in f else ours} did not run")
-        x = f[peer]["best_s"] / f[ours]["first_s"]
-        return _verdict.judge(goal, x >= factor,
-                              f"{x:.2f} x: first save {f[ours]['first_s'] * 1e3:.0f} ms, "
-                              f"peer's best {f[peer]['best_s'] * 1e3:.0f} ms")
+    def speedup(ours: str, peer: str, factor: float, goal: str) -> list[Verdict]:
+        out = []
+        for when, key, what in (("first save, fresh store", "first_s", "first"),
+                                ("steady, best of repeats", "best_s", "best")):
+            g = f"{goal}, {when}"
+            if ours not in f or peer not in f:
+                out.append(_verdict.not_measured(g, f"{peer if ours in f else ours} did not run"))
+                continue
+            x = f[peer][key] / f[ours][key]
+            out.append(_verdict.judge(g, x >= factor,
+                                      f"{x:.2f} x: {f[ours][key] * 1e3:.0f} ms against "
+                                      f"{f[peer][key] * 1e3:.0f} ms, each one's {what}"))
+        return out
 
     out = [
-        speedup("tdb_host", "fs_shm", GOAL_FS,
-                f"DCP save, host tier >= {GOAL_FS:g} x FileSystemWriter into /dev/shm"),
-        speedup("tdb_disk", "fs_disk", GOAL_FS,
-                f"DCP save, disk tier (fsync) >= {GOAL_FS:g} x FileSystemWriter with fsync"),
-        speedup("tdb_host", "gather_commit", GOAL_GATHER,
-                f"DCP save, host tier >= {GOAL_GATHER:g} x gather to rank 0 + commit"),
+        *speedup("tdb_host", "fs_shm", GOAL_FS,
+                 f"DCP save, host tier >= {GOAL_FS:g} x FileSystemWriter into /dev/shm"),
+        *speedup("tdb_disk", "fs_disk", GOAL_FS,
+                 f"DCP save, disk tier (fsync) >= {GOAL_FS:g} x FileSystemWriter with fsync"),
+        *speedup("tdb_host", "gather_commit", GOAL_GATHER,
+                 f"DCP save, host tier >= {GOAL_GATHER:g} x gather to rank 0 + commit"),
     ]
     goal = f"contiguous slice read <= {GOAL_SLICE:g} x memcpy of the slice"
     if "slice_dim0" in f and "bound_slice" in f:
