@@ -104,7 +104,6 @@ class TensorDBWriter(StorageWriter):
         self.timeout = float(timeout)
         self.result: tensordb.Commit | None = None
         self._save_id = uuid.uuid4().hex
-        self._rank = 0
         self._last_group: str | None = None
 
     # -- DCP's StorageWriter -------------------------------------------------------------
@@ -124,7 +123,6 @@ class TensorDBWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.collection, save_id=self._save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives") is False:
             raise InvalidInput("TensorDBWriter commits one version through a group of all "
                                "ranks: dcp.save(..., use_collectives=False) is not supported",
