@@ -31,17 +31,22 @@ new directory and the previous one is removed. Bounds in the same run: ``memcpy`
 each rank's shard bytes (both ranks at once, one thread each, into pre-touched memory),
 and for the disk rows ``write + fsync`` of each rank's bytes into one file each.
 
-Reads, by both ranks at once from the host-tier version the DCP save wrote (each
-tensor stored as two dim-0 shards), into buffers the engine owns (pre-touched), a fresh
-snapshot each repeat:
+Reads, by both ranks at once, into buffers the engine owns (pre-touched), a fresh
+snapshot each repeat; the slices from the host-tier version the DCP save wrote (each
+tensor stored as two dim-0 shards):
 
 * ``slice, dim 0``: ``dst.copy_(snap.slice(name, rank=r, world_size=2, dim=0))``:
   each rank's contiguous half (here exactly one stored shard);
 * ``slice, dim 1``: the same with ``dim=1``: strided columns across both shards;
-* ``whole tensors``: ``dst.copy_(snap[name])``, the full tensor (what an engine with
-  another layout reads to cut its slice), twice the bytes;
+* ``whole tensors``: ``dst.copy_(snap[name])`` from the version the gather + commit
+  wrote (each tensor stored whole, so ``snap[name]`` is a view): the full tensor, twice
+  the bytes, which is what an engine with another layout read to cut its slice;
 
-beside ``memcpy`` of the slice's bytes (both ranks at once).
+beside ``memcpy`` of the slice's bytes (both ranks at once), and, to show where the
+time goes, the same memcpy out of a shared-memory file mapped beforehand (the store's
+4 KiB pages; plain memcpy's buffers may get huge pages) and the dim-0 slice read again
+in a snapshot whose segments are mapped already (a fresh snapshot maps each segment,
+``MAP_POPULATE`` of its resident pages, on first use).
 
 Goals (``_verdict``; the script exits 1 unless every goal is met), each judged twice:
 on the first save (tensordb's into the fresh store, the peer's first, each the first of
@@ -50,7 +55,7 @@ tensordb save >= 1 x its FileSystemWriter peer; the host-tier save >= 2 x gather
 commit; and the dim-0 slice read <= 1.2 x memcpy of the slice (best of repeats). The
 strided read is reported, with no goal.
 
-Run:  .venv/bin/python benchmarks/checkpoint.py [--size 1G] [--reps 3] [--tmp-dir DIR]
+Run:  .venv/bin/python benchmarks/checkpoint.py [--size 1G] [--reps 4] [--tmp-dir DIR]
       [--json]
 """
 
@@ -91,9 +96,11 @@ LABELS = {
     "tdb_disk": "tensordb disk tier (fsync): dcp.save, TensorDBWriter",
     "fs_disk": "FileSystemWriter into a local directory (fsync)",
     "bound_slice": "bound: memcpy of each rank's slice (2 ranks at once)",
+    "bound_slice_shm": "  the same out of a mapped shared-memory file (4 KiB pages)",
     "slice_dim0": "snap.slice(rank, world_size=2, dim=0) + copy, contiguous",
+    "slice_dim0_mapped": "  the same again in that snapshot (its segments mapped)",
     "slice_dim1": "snap.slice(rank, world_size=2, dim=1) + copy, strided",
-    "whole": "whole tensors: snap[name] + copy (2 x the bytes)",
+    "whole": "whole tensors (of the gathered version): snap[name] + copy, 2 x the bytes",
 }
 
 
@@ -133,6 +140,9 @@ class RankJob:
         import tensordb
 
         self.rank, self.reps, self.root = rank, reps, Path(run)
+        # one core per rank, as torchrun sets it (OMP_NUM_THREADS=1) for several ranks a
+        # host: the bounds run on one thread a rank too
+        torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{self.root / 'pg'}", rank=rank,
                                 world_size=WORLD, timeout=timedelta(seconds=600))
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -172,6 +182,18 @@ class RankJob:
         dst.fill(0)  # touched: np.zeros would leave its pages to fault in the first copy
         for _ in range(self.reps):
             self.timed(key, lambda: np.copyto(dst, src))
+
+    def shm_bound(self, nbytes: int) -> None:
+        """memcpy of ``nbytes`` out of a shared-memory file mapped (and faulted in)
+        beforehand, 4 KiB pages as the store's: what reading the store's memory costs
+        once its mapping is in place (no goal: the goal's bound is plain memcpy)."""
+        import numpy as np
+
+        dst = np.empty(nbytes, np.uint8)
+        dst.fill(0)
+        with _common.shm_scratch(nbytes) as src:
+            for _ in range(self.reps):
+                self.timed("bound_slice_shm", lambda: np.copyto(dst, src))
 
     def fsync_bound(self) -> None:
         import numpy as np
@@ -247,7 +269,7 @@ class RankJob:
                 shutil.rmtree(shm_dir, ignore_errors=True)
 
     def reads(self) -> bool:
-        """The read rows; whether every value read is the last host-tier save's."""
+        """The read rows; whether every value read is the one its version holds."""
         import torch
         import torch.distributed as dist
 
@@ -260,20 +282,31 @@ class RankJob:
                 "whole": [torch.zeros((r, c), dtype=torch.bfloat16) for r, c in shapes]}
         self.slice_bytes = sum(t.nbytes for t in bufs["slice_dim0"])
         self.bounds("bound_slice", self.slice_bytes)
+        self.shm_bound(self.slice_bytes)
 
         def read(kind: str) -> None:
-            with self.db.snapshot("ckpt-host") as snap:
+            with self.db.snapshot("gathered" if kind == "whole" else "ckpt-host") as snap:
                 for n, dst in zip(names, bufs[kind], strict=True):
                     if kind == "whole":
                         dst.copy_(snap[n])
                     else:
                         dst.copy_(snap.slice(n, rank=self.rank, world_size=WORLD,
                                              dim=0 if kind == "slice_dim0" else 1))
+        def copy_again(snap: Any) -> None:
+            for n, dst in zip(names, bufs["slice_dim0"], strict=True):
+                dst.copy_(snap.slice(n, rank=self.rank, world_size=WORLD, dim=0))
+
         for _ in range(self.reps):
             for kind in READS:
                 self.timed(kind, lambda kind=kind: read(kind))
-        k = self.k - (len(SAVES) - 1)  # the last host-tier save came 4 saves before the end
-        ok = all(bool((b[i] == value(k, i)).all()) for b in bufs.values() for i in range(len(names)))
+            with self.db.snapshot("ckpt-host") as snap:  # the same, its segments mapped
+                copy_again(snap)
+                self.timed("slice_dim0_mapped", lambda snap=snap: copy_again(snap))
+        # the last saves: the host tier's came 4 before the end, the gathered one last
+        k = {"slice_dim0": self.k - (len(SAVES) - 1), "slice_dim1": self.k - (len(SAVES) - 1),
+             "whole": self.k}
+        ok = all(bool((b[i] == value(k[kind], i)).all())
+                 for kind, b in bufs.items() for i in range(len(names)))
         bad = torch.tensor([int(not ok)])
         dist.all_reduce(bad)
         return int(bad) == 0
@@ -397,8 +430,9 @@ def print_report(res: dict[str, Any]) -> None:
     for key in ("bound_fsync", "tdb_disk", "fs_disk"):
         row(key, None if key.startswith("bound") else "bound_fsync", n)
     sb = res["slice_bytes"] * 2
-    for key in ("bound_slice", "slice_dim0", "slice_dim1", "whole"):
-        row(key, None if key.startswith("bound") else "bound_slice", sb)
+    for key in ("bound_slice", "bound_slice_shm", "slice_dim0", "slice_dim0_mapped",
+                "slice_dim1", "whole"):
+        row(key, None if key == "bound_slice" else "bound_slice", sb)
     con.print(t)
     con.print(f"(the save rows' GB/s count the whole model; the read rows' the bytes both "
               f"ranks' slices hold, {sb / MiB:,.0f} MiB, also for whole tensors, which copy "
@@ -414,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1G", help="model size (1G)")
-    p.add_argument("--reps", type=int, default=3, help="repeats of each figure (3)")
+    p.add_argument("--reps", type=int, default=4, help="repeats of each figure (4)")
     p.add_argument("--tmp-dir", default=None,
                    help="where the store and the FileSystemWriter's local directory go")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
