@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(
 
 if dist.is_available():
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import LoadPlan
 
     from engine_bindings.dcp import TensorDBReader, TensorDBWriter
@@ -149,3 +151,43 @@ def test_bad_inputs_are_typed_and_change_nothing(sqlite_db: tensordb.Database) -
         reader.prepare_global_plan([LoadPlan([], storage_data=1), LoadPlan([], storage_data=2)])
     reader.close()
     assert db.collections() == ["m"] and [c.version for c in db.history("m")] == [1]
+
+
+def _failure(exc: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException."""
+    assert isinstance(exc, CheckpointException), exc
+    return next(iter(exc.failures.values()))[0]
+
+
+@single_process
+def test_a_failing_save_publishes_nothing(sqlite_db: tensordb.Database) -> None:
+    db = sqlite_db
+    db.commit("m", {"w": torch.ones(2)})
+
+    class Failing(DefaultSavePlanner):
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            if write_item.index.fqn == "b":
+                raise RuntimeError("the trainer lost its tensor")
+            return super().resolve_data(write_item)
+
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"a": torch.zeros(3), "b": torch.zeros(3)},
+                 storage_writer=TensorDBWriter(db, "m"), planner=Failing())
+    assert "lost its tensor" in str(_failure(info.value))
+    with db.snapshot("m") as snap:
+        assert snap.version == 1 and list(snap) == ["w"]
+
+
+@single_process
+def test_dcp_plan_caching_is_refused(sqlite_db: tensordb.Database) -> None:
+    """A cached plan carries the group id of the save it was made for."""
+    db = sqlite_db
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    dcp.save({"a": torch.zeros(3)}, storage_writer=TensorDBWriter(db, "cached"),
+             planner=planner)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"a": torch.ones(3)}, storage_writer=TensorDBWriter(db, "cached"),
+                 planner=planner)
+    err = _failure(info.value)
+    assert isinstance(err, InvalidInput) and "plan caching" in str(err)
+    assert [c.version for c in db.history("cached")] == [1]

@@ -45,6 +45,9 @@ from ._layout import BYTES_PREFIX, FORMAT, FORMAT_KEY, PLANNER_KEY, WORLD_KEY, e
 __all__ = ["TensorDBWriter"]
 
 DEFAULT_TIMEOUT = 600.0
+#: the group ids this process's ranks have written under (DCP's plan caching would
+#: hand a rank an old one again)
+_GROUPS_USED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,6 @@ class TensorDBWriter(StorageWriter):
         self.timeout = float(timeout)
         self.result: tensordb.Commit | None = None
         self._save_id = uuid.uuid4().hex
-        self._last_group: str | None = None
 
     # -- DCP's StorageWriter -------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -151,13 +153,13 @@ class TensorDBWriter(StorageWriter):
         if not isinstance(sd, _RankPlan):
             raise InvalidInput("the save plan was not prepared by TensorDBWriter's "
                                "prepare_global_plan", collection=self.collection)
-        if sd.group == self._last_group:
-            # DCP's plan caching hands a rank its previous final plan: the group id of a
-            # save that has already committed
-            raise InvalidInput("this save reuses the previous save's plan (DCP plan caching, "
+        if sd.group in _GROUPS_USED:
+            # DCP's plan caching hands a rank its previous final plan, with the group id
+            # of a save that has already run
+            raise InvalidInput("this save reuses an earlier save's plan (DCP plan caching, "
                                "enable_plan_caching=True): not supported by TensorDBWriter",
                                collection=self.collection)
-        self._last_group = sd.group
+        _GROUPS_USED.add(sd.group)
         metadata = {FORMAT_KEY: FORMAT, WORLD_KEY: str(sd.world_size)}
         if sd.planner_data is not None:
             metadata[PLANNER_KEY] = sd.planner_data
