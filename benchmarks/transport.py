@@ -84,7 +84,7 @@ GB = 1e9
 MiB = 1 << 20
 GOAL_VS_TCP = 0.9
 GOAL_PLAIN_VS_TCP = 0.5
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"  # 16 characters at least: a node refuses a weak one
 PG_SERVER = os.environ.get("TENSORDB_BENCH_PG", "postgres@127.0.0.1:5432")
 
 

@@ -13,6 +13,7 @@ from .client import (
     GcReport,
     KVCache,
     KVNodeSummary,
+    Shard,
     Snapshot,
     Transaction,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "GcReport",
     "KVCache",
     "KVNodeSummary",
+    "Shard",
     "Snapshot",
     "Transaction",
     "connect",

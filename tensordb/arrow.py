@@ -144,11 +144,13 @@ def _chunk_per_value(datas: Sequence[pa.Buffer], sizes: np.ndarray) -> pa.Chunke
 
 
 def tensors_table(rows: Sequence[TensorRow], view_of: ViewOf, *, collection: str,
-                  version: int) -> pa.Table:
+                  version: int, whole_of: Callable[[TensorRow], pa.Buffer] | None = None
+                  ) -> pa.Table:
     """The layout above for ``rows``; ``view_of`` gives a segment's view on this node
     (called once per segment). Zero-copy on the host: each ``data`` value is a slice of
     one Arrow buffer over the segment's mapping. A device view's rows are copied to the
-    host one by one, never its whole segment."""
+    host one by one, never its whole segment. ``whole_of`` gives the bytes of a sharded
+    row (no segment of its own, some bytes), assembled from its shards."""
     _check_rows(rows)
     sizes = np.fromiter((r.nbytes for r in rows), np.int64, count=len(rows))
     empty = pa.py_buffer(b"")
@@ -157,6 +159,13 @@ def tensors_table(rows: Sequence[TensorRow], view_of: ViewOf, *, collection: str
     datas = []
     for r in rows:
         if r.segment_id is None or r.nbytes == 0:
+            if r.nbytes:  # sharded
+                if whole_of is None:
+                    raise InvalidInput(f"{collection}/{r.name} is sharded and this reader "
+                                       f"cannot assemble it", collection=collection,
+                                       tensor=r.name)
+                datas.append(whole_of(r))
+                continue
             datas.append(empty)
             continue
         buf = buffers.get(r.segment_id)

@@ -428,7 +428,12 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Address to bind; anything but loopback "
                                       "needs a token.")] = "127.0.0.1",
     token: Annotated[str | None, typer.Option(
-        help="Token every request must carry (default: $TENSORDB_TOKEN).",
+        help="Token every request must carry, 16 characters or more (default: "
+        "$TENSORDB_TOKEN). Every local user can read a command line: prefer "
+        "--token-file.", show_default=False)] = None,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", metavar="PATH", help="Read the token from this file (its text, "
+        "without the final newline; default: $TENSORDB_TOKEN_FILE).",
         show_default=False)] = None,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve Prometheus metrics on this HTTP port (0: any free port).",
@@ -459,8 +464,9 @@ def serve_command(
     db = connect(catalog or w.catalog, home=w.home, node=node or w.node,
                  data_dir=data_dir or w.data_dir, **extra)
     try:
-        running = start_node(db, host=host, port=port, token=token, metrics_port=metrics_port,
-                             advertise=advertise, heartbeat=heartbeat, data_port=data_port)
+        running = start_node(db, host=host, port=port, token=token, token_file=token_file,
+                             metrics_port=metrics_port, advertise=advertise,
+                             heartbeat=heartbeat, data_port=data_port)
         running.wait(on_ready=lambda n: print(ready_line(n), flush=True))
     finally:
         db.close()

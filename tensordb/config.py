@@ -8,8 +8,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage_engine import shm_root
+from tensordb.errors import InvalidInput
 
-__all__ = ["Config"]
+__all__ = ["Config", "TOKEN_FILE_ENV", "env_token", "read_token_file"]
+
+#: a file holding the cluster's token (read instead of $TENSORDB_TOKEN when that is unset):
+#: a token in a file does not show in /proc/PID/cmdline or the environment of the process
+TOKEN_FILE_ENV = "TENSORDB_TOKEN_FILE"
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in the file at ``path``: its text without the surrounding whitespace
+    (a final newline). InvalidInput when it cannot be read or is empty."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise InvalidInput(f"cannot read the token file {os.fspath(path)!r}: {reason}") \
+            from None
+    token = text.strip()
+    if not token:
+        raise InvalidInput(f"the token file {os.fspath(path)!r} is empty")
+    return token
+
+
+def env_token() -> str | None:
+    """The token the environment gives: $TENSORDB_TOKEN, else the file
+    $TENSORDB_TOKEN_FILE names, else None (an empty variable counts as unset)."""
+    token = os.environ.get("TENSORDB_TOKEN")
+    if token:
+        return token
+    path = os.environ.get(TOKEN_FILE_ENV)
+    return read_token_file(path) if path else None
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -39,7 +69,8 @@ class Config:
     gpu_device    the CUDA ordinal this process writes GPU-tier segments to (None: the
                   GPU tier is only read, opened when a row points at it)
     gpu_capacity  bytes the GPU tier may hold on this host (None: what the device has)
-    token         the cluster's token, sent to other nodes ($TENSORDB_TOKEN)
+    token         the cluster's token, sent to other nodes ($TENSORDB_TOKEN, else the
+                  file $TENSORDB_TOKEN_FILE names)
     node_timeout  seconds a dead or silent node may take to fail a request
                   ($TENSORDB_NODE_TIMEOUT, else 5)
     """
@@ -81,7 +112,8 @@ class Config:
             "default_tier": os.environ.get("TENSORDB_DEFAULT_TIER", "host"),
             "gpu_device": _env_int("TENSORDB_GPU_DEVICE", None),
             "gpu_capacity": _env_int("TENSORDB_GPU_CAPACITY", None),
-            "token": os.environ.get("TENSORDB_TOKEN") or None,
+            # a token given wins: a broken $TENSORDB_TOKEN_FILE must not fail it
+            "token": overrides["token"] if "token" in overrides else env_token(),
             "node_timeout": float(os.environ.get("TENSORDB_NODE_TIMEOUT") or 5.0),
         }
         kw.update(overrides)

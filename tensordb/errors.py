@@ -11,6 +11,7 @@ __all__ = [
     "NotFound",
     "InvalidInput",
     "CommitConflict",
+    "GroupAborted",
     "StoreFull",
     "CorruptData",
     "QueryError",
@@ -55,6 +56,19 @@ class CommitConflict(TensorDBError):
         self.names = names
         self.base = base
         self.head = head
+
+
+class GroupAborted(CommitConflict):
+    """A group transaction ended without publishing: a rank aborted or died, its deadline
+    passed, its parts did not fit together, or its commit conflicted. ``group`` names it,
+    ``reason`` says why."""
+
+    def __init__(self, message: str, *, collection: str, group: str, reason: str,
+                 base: int = 0, head: int = 0, names: list[str] | None = None) -> None:
+        super().__init__(message, collection=collection, names=names or [], base=base,
+                         head=head)
+        self.group = group
+        self.reason = reason
 
 
 class StoreFull(TensorDBError):

@@ -18,7 +18,7 @@ from typer.testing import CliRunner, Result
 
 import tensordb
 from tensordb import cli
-from tensordb.catalog import HEAD_REVISION
+from tensordb.catalog import HEAD_REVISION, NodeDirectory
 from tensordb.config import Config
 
 # rich must not think it writes to a terminal, nor wrap the tables it prints
@@ -330,3 +330,25 @@ def test_import_export_roundtrip(home: Path, tmp_path: Path) -> None:
     assert out.read_bytes() == src.read_bytes()
     r = invoke(home, "import", "m2", str(tmp_path / "missing.safetensors"))
     assert r.exit_code == 2 and "error:" in r.output
+
+
+def test_serve_refuses_a_weak_empty_or_doubled_token(home: Path, tmp_path: Path) -> None:
+    """The token's checks run before the node listens or registers: exit 2, one line
+    naming the problem, never the token, and no node in the catalog."""
+    empty = tmp_path / "empty-token"
+    empty.write_text("\n")
+    strong = tmp_path / "token"
+    strong.write_text("a-strong-enough-token\n")
+    cases = {("--token", "weak-token"): "too weak",
+             ("--token", " " * 20): "no whitespace at either end",
+             ("--token-file", str(empty)): "is empty",
+             ("--token-file", str(tmp_path / "absent")): "cannot read the token file",
+             ("--token", "a-strong-enough-token", "--token-file", str(strong)): "not both"}
+    for args, says in cases.items():
+        result = invoke(home, "serve", "--port", "0", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert says in result.output and "Traceback" not in result.output, args
+        assert "weak-token" not in result.output  # the token is never echoed
+        assert "a-strong-enough-token" not in result.output
+    with tensordb.connect(home=home) as db:
+        assert NodeDirectory(db.catalog.engine).nodes() == {}

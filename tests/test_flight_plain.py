@@ -219,9 +219,15 @@ def test_the_existing_tickets_still_answer(store, server) -> None:  # type: igno
         table = client.do_get(_ticket({"kind": "segment", "id": seg, "offset": 0, "length": 8}),
                               _options()).read_all()
         assert table.schema.names == ["data"] and len(table.column(0)[0].as_py()) == 8
-        kv = client.do_get(_ticket({"kind": "kv", "namespace": "none", "block_tokens": 16,
+        db.kv("held", block_tokens=16, capacity_bytes=1 << 20, slab_bytes=64 << 10).close()
+        kv = client.do_get(_ticket({"kind": "kv", "namespace": "held", "block_tokens": 16,
                                     "keys": []}), _options()).read_all()
         assert kv.num_rows == 0
+        # a namespace this node never opened: NotFound, and a read makes none
+        with pytest.raises(fl.FlightServerError, match="NotFound: node 'n1' holds no KV"):
+            client.do_get(_ticket({"kind": "kv", "namespace": "none", "block_tokens": 16,
+                                   "keys": []}), _options()).read_all()
+        assert NodeDirectory(db.catalog.engine).kv_nodes("none") == []
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])

@@ -70,7 +70,7 @@ def test_a_0006_store_gains_segment_sources(store_home: Path, catalog_url: str |
     db = open_store(store_home, catalog_url)
     try:
         with db.catalog.engine.connect() as conn:
-            assert current_revision(conn) == HEAD_REVISION == "0008"
+            assert current_revision(conn) == HEAD_REVISION == "0009"
         assert "segment_sources" in inspect(db.catalog.engine).get_table_names()
         db.import_safetensors("m", src, in_place=True)
         assert torch.equal(db.get("m", "w", verify=True), torch.arange(4.0))

@@ -308,6 +308,23 @@ HOSTILE: dict[str, tuple[Callable[[], bytes], type[TensorDBError], str | None]] 
     "reserved-metadata-key": (lambda: _st_file({"__metadata__": {LAYOUT_KEY: "x"},
                                                 "a": _entry("U8", [1], 0, 1)}, bytes(1)),
                               InvalidInput, None),
+    # an empty tensor whose other dimension does not fit int64: it needs 0 bytes, but
+    # torch cannot hold its shape (it was committed, and every read raised TypeError)
+    "dim-past-int64": (lambda: _st_file({"a": _entry("F32", [0, 2**70], 0, 0)}, b""),
+                       InvalidInput, "a"),
+    "dim-at-2**63": (lambda: _st_file({"a": _entry("U8", [2**63, 0], 0, 0)}, b""),
+                     InvalidInput, "a"),
+    "element-count-overflows": (lambda: _st_file({"a": _entry("U8", [0, 2**32, 2**32], 0, 0)},
+                                                 b""), InvalidInput, "a"),
+    # what a header may put in the catalog is bounded
+    "metadata-too-large": (lambda: _st_file({"__metadata__": {"k": "x" * (1 << 20)},
+                                             "a": _entry("U8", [1], 0, 1)}, bytes(1)),
+                           InvalidInput, None),
+    "too-many-tensors": (lambda: _st_file({f"t{i}": _entry("U8", [0], 0, 0)
+                                           for i in range(100_001)}, b""), InvalidInput, None),
+    "header-over-the-store-cap": (lambda: _st_file(
+        None, bytes(1), raw_header=b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+        + b" " * (16 << 20)), InvalidInput, None),
 }
 
 

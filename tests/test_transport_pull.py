@@ -50,6 +50,9 @@ class FaultyTransport(LocalTransport):
         self.reads: list[tuple[str, int, int]] = []
         #: flip the first byte of the KV block of this key on its way out
         self.damage_kv: bytes | None = None
+        #: rewrite a KV answer on its way out (a hostile peer)
+        self.tamper_kv: Callable[[list[transport.KVBlock]], list[transport.KVBlock]] | None \
+            = None
 
     def read_segment(self, node: str, address: str, segment_id: str, offset: int, length: int,
                      sink: Callable[[memoryview], None]) -> None:
@@ -81,7 +84,7 @@ class FaultyTransport(LocalTransport):
                 data = data.copy()
                 data[0] ^= 0xFF
             out.append((key, dtype, shape, data, digest))
-        return out
+        return self.tamper_kv(out) if self.tamper_kv is not None else out
 
 
 @pytest.fixture
@@ -163,6 +166,62 @@ def test_a_kv_block_failing_its_checksum_is_never_kept(pair) -> None:  # type: i
     assert all(torch.equal(g, b) for g, b in zip(got, blocks, strict=True))
 
 
+def test_a_kv_answer_is_trusted_with_nothing(pair) -> None:  # type: ignore[no-untyped-def]
+    """A peer that plants a block under a key never asked for (a poisoned prefix hit
+    later), sends one twice, names a dtype torch lacks, a shape its bytes do not fill,
+    or bytes that fail their checksum: CorruptData naming the node, nothing kept."""
+    from storage_engine import checksum
+
+    w, r, fake = pair
+    kv_w = w.kv("ns", block_tokens=4, capacity_bytes=1 << 20, slab_bytes=64 << 10)
+    keys = kv_w.keys(list(range(12)))
+    blocks = [torch.full((2, 4), float(i), dtype=torch.float16) for i in range(3)]
+    assert kv_w.put(keys[:2], blocks[:2]) == 2
+    kv_r = r.kv("ns", block_tokens=4)
+    planted = np.frombuffer(torch.full((2, 4), 9.0, dtype=torch.float16).numpy().tobytes(),
+                            np.uint8)
+
+    def plant(out: list[transport.KVBlock]) -> list[transport.KVBlock]:
+        return [*out, (keys[2], "float16", (2, 4), planted, checksum(planted))]
+
+    def twice(out: list[transport.KVBlock]) -> list[transport.KVBlock]:
+        return [*out, out[0]]
+
+    def retype(dtype: str) -> Callable[[list[transport.KVBlock]], list[transport.KVBlock]]:
+        return lambda out: [(k, dtype, s_, d, c) for k, _, s_, d, c in out]
+
+    def reshape(out: list[transport.KVBlock]) -> list[transport.KVBlock]:
+        return [(k, dt, (3, 4), d, c) for k, dt, _, d, c in out]
+
+    def huge(out: list[transport.KVBlock]) -> list[transport.KVBlock]:
+        return [(k, dt, (0, 2**62, 2**62), d[:0], checksum(d[:0])) for k, dt, _, d, _ in out]
+
+    def flip(out: list[transport.KVBlock]) -> list[transport.KVBlock]:
+        k, dt, s_, d, c = out[0]
+        d = d.copy()
+        d[0] ^= 1
+        return [(k, dt, s_, d, c), *out[1:]]
+
+    cases = {"planted": (plant, "never asked for"), "twice": (twice, "never asked for"),
+             "no-dtype": (retype("float99"), "no torch dtype"),
+             "attr": (retype("load"), "no torch dtype"),
+             "dunder": (retype("__class__"), "no torch dtype"),
+             "reshape": (reshape, "bytes, not the"), "overflow": (huge, "overflows int64"),
+             "checksum": (flip, "fails its checksum")}
+    for case, (tamper, says) in cases.items():
+        fake.tamper_kv = tamper
+        with pytest.raises(CorruptData, match=says) as info:
+            r.pull_kv("ns", keys[:2], block_tokens=4, nodes=["w"])
+        assert info.value.node == "w" and info.value.collection == "ns", case
+        assert kv_r.contains(keys) == [False, False, False], case  # nothing of it kept
+    fake.tamper_kv = None
+    assert r.pull_kv("ns", keys[:2], block_tokens=4, nodes=["w"]) == 2
+    assert all(torch.equal(g, b) for g, b in zip(kv_r.get(keys[:2]), blocks[:2], strict=True))
+    # a node that never opened the namespace is a miss, not an error, and opens nothing
+    assert r.pull_kv("other", keys[:2], block_tokens=4, nodes=["w"]) == 0
+    assert NodeDirectory(w.catalog.engine).kv_nodes("other") == ["r"]
+
+
 def test_cut_stream_resumes_at_the_next_holder(pair, tmp_path: Path  # type: ignore[no-untyped-def]
                                                ) -> None:
     w, r, fake = pair
@@ -241,7 +300,7 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput):
         transport.require_token_for("0.0.0.0", None)
     transport.require_token_for("127.0.0.1", None)
-    transport.require_token_for("0.0.0.0", "t")
+    transport.require_token_for("0.0.0.0", "t")  # its strength is checked at start
     db = open_store(tmp_path / "s")
     try:
         with pytest.raises(InvalidInput):

@@ -19,7 +19,15 @@ this package only when a read or a replication needs another node.
 
 from __future__ import annotations
 
-from ._auth import TOKEN_ENV, is_loopback, require_token_for, resolve_token
+from ._auth import (
+    MIN_TOKEN_LENGTH,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    check_token,
+    is_loopback,
+    require_token_for,
+    resolve_token,
+)
 from ._base import (
     DEFAULT_TIMEOUT,
     ERROR_KINDS,
@@ -52,6 +60,7 @@ __all__ = [
     "ERROR_KINDS",
     "THROTTLE_ENV",
     "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
     "CascadeReport",
     "ExtentHasher",
     "FlightTransport",
@@ -59,6 +68,7 @@ __all__ = [
     "KVBlocks",
     "LocalTransport",
     "MAX_BATCH_BYTES",
+    "MIN_TOKEN_LENGTH",
     "NodeMetrics",
     "NodeRegistration",
     "NodeServer",
@@ -68,6 +78,7 @@ __all__ = [
     "Transport",
     "VersionReads",
     "cascade",
+    "check_token",
     "error_from_payload",
     "error_payload",
     "is_loopback",

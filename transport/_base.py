@@ -19,6 +19,7 @@ nearest known base, and a kind nobody knows as ``TensorDBError``.
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -77,8 +78,11 @@ class NodeStore(Protocol):
     def tier(self, name: str) -> se.Tier:
         """This node's tier ``name`` ('host', 'disk', 'gpu'); InvalidInput if it has none."""
 
-    def kv(self, namespace: str, block_tokens: int = ...) -> KVBlocks:
-        """The KV blocks of ``namespace`` on this node; the caller closes the handle."""
+    def kv(self, namespace: str, block_tokens: int = ..., *, create: bool = ...
+           ) -> KVBlocks:
+        """The KV blocks of ``namespace`` on this node; the caller closes the handle.
+        ``create=False`` (what a node asks): NotFound, and nothing made (no catalog
+        row, directory or descriptor), when this node never opened the namespace."""
 
     def stats(self) -> dict[str, int]:
         """Counts of the store (``leases`` among them), for the metrics endpoint."""
@@ -162,15 +166,34 @@ def _plain(v: object) -> bool:
         isinstance(v, (list, tuple)) and all(isinstance(x, _SCALARS) for x in v))
 
 
+#: where a database driver's error text quotes the statement, its parameters or a link:
+#: a message crossing the wire ends before the first of them
+_SQL_TAILS = re.compile(r"\s*(\[SQL: |\[parameters: |\(Background on this error at: )")
+#: the longest message that crosses the wire (a longer one is cut, saying so)
+MAX_MESSAGE = 2000
+
+
+def terse(message: str) -> str:
+    """``message`` as it may leave the node: without the SQL text, parameters and
+    links a database error quotes, and at most MAX_MESSAGE characters."""
+    m = _SQL_TAILS.search(message)
+    if m is not None:
+        message = message[: m.start()] + " (details in the node's log)"
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + "... (cut)"
+    return message
+
+
 def error_payload(exc: TensorDBError) -> dict[str, Any]:
     """The JSON object an error crosses the wire as: ``kinds`` (its class, then the
-    classes above it up to TensorDBError), ``message`` and ``attrs`` (its public
-    attributes whose values are plain JSON: text, numbers, lists of them)."""
+    classes above it up to TensorDBError), ``message`` (``terse``: never SQL text) and
+    ``attrs`` (its public attributes whose values are plain JSON: text, numbers, lists
+    of them)."""
     kinds = [c.__name__ for c in type(exc).__mro__
              if isinstance(c, type) and issubclass(c, TensorDBError)]
     attrs = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(exc).items()
              if k != "message" and not k.startswith("_") and _plain(v)}
-    return {"kinds": kinds, "message": str(exc.message), "attrs": attrs}
+    return {"kinds": kinds, "message": terse(str(exc.message)), "attrs": attrs}
 
 
 def error_from_payload(payload: object, node: str) -> TensorDBError | None:

@@ -27,11 +27,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from tensordb.errors import InvalidInput, NodeUnavailable, TensorDBError
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, TensorDBError
 
 from ._auth import auth_headers, unauthorized
 from ._base import DEFAULT_TIMEOUT, KVBlock, Transport, error_from_payload, error_from_text
-from ._dataplane import fetch_into
+from ._dataplane import MIN_RATE_ENV, fetch_into, min_transfer_rate
 
 __all__ = ["FlightTransport", "SEGMENT_SCHEMA", "KV_SCHEMA", "CHANNEL_OPTIONS", "chunk_batch",
            "kv_blocks", "raise_remote"]
@@ -65,27 +65,55 @@ def raise_remote(exc: BaseException, node: str, address: str) -> None:
     raise NodeUnavailable(f"node {node!r} at {address} failed: {reason}", node=node) from exc
 
 
-def kv_blocks(table: pa.Table) -> list[KVBlock]:
-    """The blocks of a ``KV_SCHEMA`` table (their bytes viewed, not copied)."""
+_MAX_DIM = 2**63 - 1
+
+
+def _kv_shape(text: object, node: str) -> tuple[int, ...]:
+    """A block's shape as it travels ("2,3,4"; "" for a scalar): CorruptData unless
+    every dimension is a plain decimal that fits int64."""
+    if not isinstance(text, str) or len(text) > 1024:
+        raise CorruptData(f"node {node!r} sent a KV block whose shape is not a short "
+                          f"text", node=node)
+    dims = text.split(",") if text else []
+    if not all(d.isascii() and d.isdigit() and int(d) <= _MAX_DIM for d in dims):
+        raise CorruptData(f"node {node!r} sent a KV block with shape {text[:80]!r}: not "
+                          f"comma-separated integers below 2**63", node=node)
+    return tuple(int(d) for d in dims)
+
+
+def kv_blocks(table: pa.Table, node: str = "") -> list[KVBlock]:
+    """The blocks of a ``KV_SCHEMA`` table (their bytes viewed, not copied). A table of
+    another layout, a null cell or a shape that is no list of integers is CorruptData
+    naming ``node`` (what a hostile or broken peer sends must not raise anything else);
+    what the dtype, shape and bytes mean together is the receiver's to check."""
+    if not table.schema.equals(KV_SCHEMA):
+        raise CorruptData(f"node {node!r} answered a KV request with columns "
+                          f"{table.schema.names[:8]}, not {KV_SCHEMA.names}", node=node)
     out: list[KVBlock] = []
     for batch in table.to_batches():
+        if any(batch.column(i).null_count for i in range(5)):
+            raise CorruptData(f"node {node!r} sent a KV block with a null field", node=node)
         keys_c, dtypes, shapes, datas, sums = (batch.column(i) for i in range(5))
         for i in range(batch.num_rows):
-            shape = tuple(int(d) for d in shapes[i].as_py().split(",") if d)
+            shape = _kv_shape(shapes[i].as_py(), node)
             out.append((keys_c[i].as_py(), dtypes[i].as_py(), shape,
                         np.frombuffer(datas[i].as_buffer(), np.uint8), sums[i].as_py()))
     return out
 
 
 class _Watchdog:
-    """Cancels a stream when no chunk arrives for ``timeout`` seconds: a stalled peer
-    must not hang its reader (a dead one resets the connection, a stopped one does not)."""
+    """Cancels a stream when no chunk arrives for ``timeout`` seconds, or when it is
+    still running at ``deadline`` (monotonic): a stalled or dripping peer must not hang
+    its reader (a dead one resets the connection, a stopped one does not)."""
 
-    def __init__(self, reader: fl.FlightStreamReader, timeout: float) -> None:
+    def __init__(self, reader: fl.FlightStreamReader, timeout: float,
+                 deadline: float = float("inf")) -> None:
         self._reader = reader
         self._timeout = timeout
+        self._deadline = deadline
         self.last = time.monotonic()
         self.fired = False
+        self.overdue = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="tensordb-transfer-watchdog")
@@ -93,7 +121,9 @@ class _Watchdog:
 
     def _run(self) -> None:
         while not self._done.wait(min(0.5, self._timeout / 4)):
-            if time.monotonic() - self.last > self._timeout:
+            now = time.monotonic()
+            if now - self.last > self._timeout or now > self._deadline:
+                self.overdue = now > self._deadline
                 self.fired = True
                 self._reader.cancel()
                 return
@@ -108,11 +138,18 @@ class FlightTransport(Transport):
     process is enough: it keeps a client per address, shared by its threads."""
 
     def __init__(self, token: str | None = None, timeout: float = DEFAULT_TIMEOUT, *,
-                 data_plane: bool = True) -> None:
+                 data_plane: bool = True, min_rate: float | None = None) -> None:
         if not timeout or timeout <= 0:
             raise InvalidInput(f"the node timeout must be a positive number of seconds, "
                                f"not {timeout!r}")
+        if min_rate is not None and not (isinstance(min_rate, (int, float))
+                                         and min_rate > 0):
+            raise InvalidInput(f"min_rate must be a positive number of bytes per second, "
+                               f"not {min_rate!r}")
         self.timeout = float(timeout)
+        #: the slowest average rate a segment transfer may keep (bytes/s): one of n bytes
+        #: fails once it has taken timeout + n / min_rate seconds
+        self.min_rate = float(min_rate) if min_rate is not None else min_transfer_rate()
         self._token = token
         self.data_plane = data_plane  # False: segment bytes through Flight only
         self._headers = auth_headers(token)
@@ -152,7 +189,8 @@ class FlightTransport(Transport):
             reader = self._client(address).do_get(ticket, self._options(None))
         except Exception as exc:  # noqa: BLE001
             raise_remote(exc, node, address)
-        dog = _Watchdog(reader, self.timeout)
+        allowed = self.timeout + length / self.min_rate
+        dog = _Watchdog(reader, self.timeout, time.monotonic() + allowed)
         try:
             while True:
                 try:
@@ -168,6 +206,12 @@ class FlightTransport(Transport):
         except TensorDBError:
             raise
         except Exception as exc:  # noqa: BLE001
+            if dog.fired and dog.overdue:
+                raise NodeUnavailable(f"node {node!r} at {address} sent {got} of {length} "
+                                      f"bytes of segment {segment_id} in {allowed:.3g} s, "
+                                      f"the most a transfer that size may take "
+                                      f"(${MIN_RATE_ENV}: {self.min_rate:.3g} bytes/s)",
+                                      node=node) from exc
             if dog.fired:
                 raise NodeUnavailable(f"node {node!r} at {address} stalled for more than "
                                       f"{self.timeout:g} s sending segment {segment_id}",
@@ -197,7 +241,7 @@ class FlightTransport(Transport):
             raise typed
 
         fetch_into(node, host, port, self._token, segment_id, offset, dst, on_bytes,
-                   self.timeout, raise_error)
+                   self.timeout, raise_error, min_rate=self.min_rate)
 
     def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
                      source: str | None, streams: int | None = None) -> dict[str, Any]:
@@ -216,7 +260,7 @@ class FlightTransport(Transport):
             table = self._client(address).do_get(ticket, self._options(self.timeout * 4)).read_all()
         except Exception as exc:  # noqa: BLE001
             raise_remote(exc, node, address)
-        return kv_blocks(table)
+        return kv_blocks(table, node)
 
     def close(self) -> None:
         with self._lock:

@@ -13,7 +13,8 @@ process. Requests:
   segment range as record batches of one ``large_binary`` chunk each, sent straight
   from the segment's mapping (no copy in this process);
 - ``do_get`` ticket ``{"kind": "kv", "namespace", "block_tokens", "keys": [hex]}``: the
-  blocks of those keys this node holds, with dtype, shape and checksum;
+  blocks of those keys this node holds, with dtype, shape and checksum (NotFound for a
+  namespace this node never opened: a read creates nothing);
 - ``do_get`` ticket with no ``kind``, ``{"collection", "version" | "tag"}`` (neither:
   the head): a version in the ``to_arrow`` layout, for any Flight client
   (``_version_reads``); ``list_flights`` and ``get_flight_info`` list and describe the
@@ -49,8 +50,8 @@ import storage_engine as se
 from tensordb.catalog import NodeDirectory
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, TensorDBError
 
-from ._auth import TokenMiddlewareFactory, require_token_for
-from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text
+from ._auth import TokenMiddlewareFactory, check_token, require_token_for
+from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text, terse
 from ._dataplane import DataPlaneServer
 from ._flight_client import KV_SCHEMA, SEGMENT_SCHEMA, FlightTransport, chunk_batch
 from ._metrics import NodeMetrics
@@ -164,7 +165,7 @@ class NodeService:
         if not isinstance(sid, str) or not isinstance(offset, int) or offset < 0 \
                 or not isinstance(length, int) or length < 0:
             raise InvalidInput(f"a segment ticket needs id (text), offset and length "
-                               f"(integers >= 0), not {req!r}")
+                               f"(integers >= 0), not {repr(req)[:200]}")
         tier = self.directory.local_tier(sid, self.node)
         if tier is None:
             raise NotFound(f"node {self.node!r} holds no segment {sid}", node=self.node)
@@ -203,7 +204,7 @@ class NodeService:
                 or not (source is None or isinstance(source, str)) \
                 or not (streams is None or (isinstance(streams, int) and 1 <= streams <= 64)):
             raise InvalidInput(f"pull needs segments (a list of ids), source (a node name "
-                               f"or null) and optionally streams (1-64), not {body!r}")
+                               f"or null) and optionally streams (1-64), not {repr(body)[:200]}")
         t0 = time.perf_counter()
         tiers = {s: pull_segment(self.directory, self.transport, self.node, self.tiers, s,
                                  prefer=source, on_pulled=self.metrics.pulled,
@@ -221,8 +222,9 @@ class NodeService:
         with self._kv_lock:
             cache = self._kv.get((namespace, block_tokens))
             if cache is None:
-                cache = self._kv[(namespace, block_tokens)] = self.db.kv(namespace,
-                                                                         block_tokens)
+                # a read makes nothing: a namespace this node never opened is NotFound
+                cache = self._kv[(namespace, block_tokens)] = self.db.kv(
+                    namespace, block_tokens, create=False)
             return cache
 
     def kv_table(self, req: dict[str, Any]) -> pa.Table:
@@ -232,7 +234,7 @@ class NodeService:
         if not isinstance(namespace, str) or not isinstance(block_tokens, int) \
                 or not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise InvalidInput(f"a kv ticket needs namespace, block_tokens and keys (hex), "
-                               f"not {req!r}")
+                               f"not {repr(req)[:200]}")
         try:
             raw = [bytes.fromhex(k) for k in keys]
         except ValueError as exc:
@@ -265,7 +267,8 @@ class NodeService:
 def _flight_error(exc: TensorDBError) -> fl.FlightServerError:
     """The Flight error of ``exc``: its class and message first, for a plain client to
     read, then its payload, for ``FlightTransport`` to raise it as itself."""
-    return fl.FlightServerError(f"{type(exc).__name__}: {exc.message}\n{error_text(exc)}")
+    return fl.FlightServerError(f"{type(exc).__name__}: {terse(exc.message)}\n"
+                                f"{error_text(exc)}")
 
 
 class NodeServer(fl.FlightServerBase):
@@ -278,6 +281,8 @@ class NodeServer(fl.FlightServerBase):
                  timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
                  data_plane: bool = True, data_port: int = 0) -> None:
         require_token_for(host, token)
+        if token is not None:
+            check_token(token)
         middleware = {"auth": TokenMiddlewareFactory(token)} if token else None
         super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
         self.host = host
@@ -291,8 +296,8 @@ class NodeServer(fl.FlightServerBase):
             lambda req: self.service.checked("segment",
                                              lambda: self.service.segment_range(req)),
             lambda status: self.metrics.request("segment", status),
-            chunk=self.service.chunk_bytes, throttle=self.service.throttle) \
-            if data_plane else None
+            chunk=self.service.chunk_bytes, throttle=self.service.throttle,
+            node=self.service.node) if data_plane else None
         self.service.data_port = self.data_plane.port if self.data_plane else None
 
     def _answer(self, kind: str, work: Callable[[], _T]) -> _T:
@@ -307,18 +312,35 @@ class NodeServer(fl.FlightServerBase):
         except TensorDBError as exc:
             raise _flight_error(exc) from None
         if "kind" not in req:  # a version, asked by any Flight client
-            return self._answer("version", lambda: self.service.versions.stream(req))
+            return self._answer("version", lambda: self.service.versions.stream(
+                req, lambda batches: self._guarded("version", batches)))
         kind = str(req.get("kind"))
 
         def run() -> fl.FlightDataStream:
             if kind == "segment":
                 chunks = self.service.segment_stream(req)
-                return fl.GeneratorStream(SEGMENT_SCHEMA, (chunk_batch(c) for c in chunks))
+                return fl.GeneratorStream(SEGMENT_SCHEMA, self._guarded(
+                    kind, (chunk_batch(c) for c in chunks)))
             if kind == "kv":
                 return fl.RecordBatchStream(self.service.kv_table(req))
             raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv; no kind: a version)")
 
         return self._answer(kind, run)
+
+    def _guarded(self, kind: str, batches: Iterator[pa.RecordBatch]
+                 ) -> Iterator[pa.RecordBatch]:
+        """``batches``, with a failure while they stream turned into a Flight error as
+        ``_answer`` makes it: raised from the generator as anything else, it would
+        reach the client with its Python traceback (the paths of this host's code)."""
+        try:
+            yield from batches
+        except TensorDBError as exc:
+            raise _flight_error(exc) from None
+        except Exception as exc:  # noqa: BLE001 - logged here, named by type there
+            _log.exception("node %s failed while streaming a %s", self.node, kind)
+            raise _flight_error(NodeUnavailable(
+                f"node {self.node!r} failed while streaming a {kind} "
+                f"({type(exc).__name__})", node=self.node)) from None
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[fl.Result]:
         kind = action.type

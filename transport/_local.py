@@ -96,7 +96,7 @@ class LocalTransport(Transport):
                 keys: Sequence[bytes]) -> list[KVBlock]:
         req = {"kind": "kv", "namespace": namespace, "block_tokens": block_tokens,
                "keys": [k.hex() for k in keys]}
-        return kv_blocks(self._call(node, address, "kv", lambda s: s.kv_table(req)))
+        return kv_blocks(self._call(node, address, "kv", lambda s: s.kv_table(req)), node)
 
     def close(self) -> None:
         """Close the services this transport added (they stop answering). Idempotent."""

@@ -4,20 +4,29 @@ Counters (bytes in and out per tier, requests per kind and outcome) and a histog
 transfer latency are updated by the server as it works; the store's gauges (extents
 and bytes per tier, leases) are read from the tiers and the catalog at scrape time.
 All of it lives in the serving process (``tensordb serve``); the endpoint answers on a
-daemon thread of its own.
+daemon thread of its own. Bound off loopback on a node with a token, a scrape must
+carry it (``authorization: Bearer <token>``, as Prometheus' ``authorization`` setting
+sends it): the gauges name the node's tiers and sizes. On loopback it answers anyone
+on the host.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 import storage_engine as se
+
+from ._auth import bearer_ok, is_loopback
 
 __all__ = ["NodeMetrics"]
 
@@ -88,9 +97,18 @@ class NodeMetrics:
     def request(self, kind: str, outcome: str) -> None:
         self.requests.labels(self.node, kind, outcome).inc()
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve /metrics over HTTP on a daemon thread; returns the bound port."""
-        server, _thread = start_http_server(port, host, self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", token: str | None = None) -> int:
+        """Serve /metrics over HTTP on a daemon thread; returns the bound port. Off
+        loopback, with a ``token``, a scrape without it is answered 401."""
+        app = make_wsgi_app(self.registry)
+        if token and not is_loopback(host):
+            app = _bearer_only(app, f"Bearer {token}".encode())
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server_class: type[ThreadingWSGIServer] = type(
+            "_MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        server: ThreadingWSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, daemon=True,
+                         name="tensordb-metrics").start()
         self._http = server
         return int(server.server_address[1])
 
@@ -99,3 +117,27 @@ class NodeMetrics:
             server, self._http = self._http, None
             server.shutdown()
             server.server_close()
+
+
+def _bearer_only(app: Callable[..., Iterable[bytes]], expected: bytes
+                 ) -> Callable[..., Iterable[bytes]]:
+    """``app`` behind the node's bearer token (exactly one authorization header)."""
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]
+                ) -> Iterable[bytes]:
+        # WSGI folds repeated headers into one value joined by ", ": two never match
+        got = environ.get("HTTP_AUTHORIZATION")
+        if got is not None and bearer_ok([got.encode("latin-1")], expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [b"this node requires its token (authorization: Bearer ...)\n"]
+
+    return guarded
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass

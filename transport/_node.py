@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import socket
@@ -152,12 +153,15 @@ def _advertised(host: str, port: int, advertise: str | None) -> str:
 def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
                token: str | None = None, metrics_port: int | None = None,
                advertise: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
-               timeout: float | None = None, data_port: int = 0) -> RunningNode:
-    """Serve ``db``'s node: listen (refusing a non-loopback host without a token),
-    register in the catalog with a heartbeat, and serve metrics on ``metrics_port``
-    (None: no endpoint; 0: any free port). Segment bytes go out on a data plane at
-    ``data_port`` (0: any free port), on the same host. Returns once all of it is up."""
-    token = resolve_token(token)
+               timeout: float | None = None, data_port: int = 0,
+               token_file: str | os.PathLike[str] | None = None) -> RunningNode:
+    """Serve ``db``'s node: listen (refusing a non-loopback host without a token, and a
+    weak token anywhere), register in the catalog with a heartbeat, and serve metrics
+    on ``metrics_port`` (None: no endpoint; 0: any free port; off loopback it needs the
+    token). Segment bytes go out on a data plane at ``data_port`` (0: any free port),
+    on the same host. The token: ``token``, else the file ``token_file``, else the
+    environment's (``resolve_token``). Returns once all of it is up."""
+    token = resolve_token(token, token_file)
     tiers = {n: db.tier(n) for n in ("host", "disk")}
     metrics = NodeMetrics(db.config.node, tiers, lambda: db.stats()["leases"])
     server = NodeServer(db, host, port, token=token, metrics=metrics,
@@ -169,7 +173,8 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
         db.config.host_capacity, interval=heartbeat)
     try:
         registration.start()
-        bound = metrics.serve(metrics_port, host) if metrics_port is not None else None
+        bound = metrics.serve(metrics_port, host, token) if metrics_port is not None \
+            else None
     except BaseException:
         registration.stop()
         server.close()

@@ -23,12 +23,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
 import storage_engine as se
-from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, tensors_table
-from tensordb.catalog import NodeDirectory, TensorRow
+from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, numpy_dtype, tensors_table
+from tensordb.catalog import NodeDirectory, TensorRow, box_copies
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
 from ._base import NodeStore
@@ -83,30 +84,62 @@ class VersionReads:
         self.pull = pull
 
     # -- do_get -----------------------------------------------------------------------
-    def stream(self, req: dict[str, Any]) -> fl.GeneratorStream:
+    def stream(self, req: dict[str, Any],
+               guard: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+               | None = None) -> fl.GeneratorStream:
         """The version a ticket names as a stream of one batch per tensor, under a lease
         released when the stream ends, fails or is dropped. Errors about the ticket (and
-        a tensor too large for one batch) are raised here, before any batch is sent."""
+        a tensor too large for one batch) are raised here, before any batch is sent;
+        ``guard`` wraps the batches (to turn a failure while they stream into a Flight
+        error of the server's making)."""
         collection, version, tag = version_ticket(req)
-        lease, _, v, rows = self.db.catalog.open_snapshot(
+        lease, info, v, rows = self.db.catalog.open_snapshot(
             collection, version, tag, se.current_holder(), self.db.config.lease_ttl)
         try:
-            table = self.table(list(rows.values()), collection, v)
+            table = self.table(list(rows.values()), collection, v, info.id)
         except BaseException:
             self._release(lease)
             raise
         batches = _leased(table, lambda: self._release(lease))
-        return fl.GeneratorStream(table.schema, batches)
+        return fl.GeneratorStream(table.schema, guard(batches) if guard else batches)
 
-    def table(self, rows: list[TensorRow], collection: str, version: int) -> pa.Table:
-        """The ``to_arrow`` layout of ``rows``, over this node's mappings."""
+    def table(self, rows: list[TensorRow], collection: str, version: int,
+              cid: int | None = None) -> pa.Table:
+        """The ``to_arrow`` layout of ``rows``, over this node's mappings (``cid``: the
+        collection's id, to find the shards of sharded rows)."""
         big = next((r for r in rows if r.nbytes > MAX_BATCH_BYTES), None)
         if big is not None:
             raise InvalidInput(f"tensor {big.name!r} has {big.nbytes} bytes: more than one "
                                f"Flight record batch carries ({MAX_BATCH_BYTES}); read it "
                                f"with a tensordb client", collection=collection,
                                version=version, tensor=big.name)
-        return tensors_table(rows, self._segment, collection=collection, version=version)
+        sharded = [r for r in rows if r.segment_id is None and r.nbytes]
+        shards = self.db.catalog.shards(cid, sharded) if sharded and cid is not None else {}
+
+        def whole(row: TensorRow) -> pa.Buffer:
+            """A sharded row assembled from its shards' bytes on this node."""
+            dt, k = numpy_dtype(row.dtype)
+            item = dt.itemsize * k
+            got = shards.get(row.name)
+            if not got:
+                raise NotFound(f"the shards of {collection}/{row.name} are gone",
+                               collection=collection, tensor=row.name)
+            out = np.empty((*row.shape, item), np.uint8)
+            for i, src, dst in box_copies([(s.offsets, s.shape) for s in got],
+                                          (0,) * len(row.shape), row.shape):
+                sh = got[i]
+                assert sh.segment_id is not None
+                view = self._segment(sh.segment_id, sh.tier or "host")
+                data = np.frombuffer(view.host_bytes(sh.offset, sh.nbytes), np.uint8)
+                if se.checksum(data) != sh.checksum:
+                    raise CorruptData(f"{collection}/{row.name}: a shard's bytes fail their "
+                                      f"checksum; not served", collection=collection,
+                                      tensor=row.name)
+                out[dst] = data.reshape(*sh.shape, item)[src]
+            return pa.py_buffer(out)
+
+        return tensors_table(rows, self._segment, collection=collection, version=version,
+                             whole_of=whole)
 
     def _segment(self, segment_id: str, tier: str) -> se.SegmentView:
         """A segment's view on this node (pulled here first when another node holds

@@ -46,7 +46,8 @@ __all__ = ["RaisingStore", "Served", "TransportTests", "sample_error"]
 _SAMPLES: dict[str, Any] = {
     "collection": "llama", "tensor": "embed.weight", "version": 3, "node": "elsewhere",
     "names": ["embed.weight", "lm_head.weight"], "base": 2, "head": 4,
-    "line": 2, "column": 7, "expected": ["FROM", "WHERE"],
+    "line": 2, "column": 7, "expected": ["FROM", "WHERE"], "group": "step-100",
+    "reason": "rank 1 died before committing its part",
 }
 _BASE_ATTRS = ("collection", "tensor", "version", "node")  # what TensorDBError takes
 
@@ -84,10 +85,11 @@ class RaisingStore:
             raise self.error
         return self.inner.tier(name)
 
-    def kv(self, namespace: str, block_tokens: int = 256) -> KVBlocks:
+    def kv(self, namespace: str, block_tokens: int = 256, *, create: bool = True
+           ) -> KVBlocks:
         if self.error is not None:
             raise self.error
-        return self.inner.kv(namespace, block_tokens)
+        return self.inner.kv(namespace, block_tokens, create=create)
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()
@@ -106,7 +108,7 @@ class TransportTests:
     """The suite; see the module docstring for the hooks a subclass provides."""
 
     #: the token the served node requires (None: a node without one; the token tests skip)
-    token: str | None = "contract-token"
+    token: str | None = "contract-test-token"
     #: bytes of the segment the reads fetch: several chunks of any sensible chunk size
     segment_bytes: int = 300_007
 

@@ -8,7 +8,24 @@ cluster's nodes and segment replicas; ``schema`` (public) the tables. The functi
 from __future__ import annotations
 
 from ._catalog import Catalog
-from ._common import CollectionInfo, Commit, GcPlan, NewSegment, NewTensor, TensorRow
+from ._common import (
+    CollectionInfo,
+    Commit,
+    GcPlan,
+    NewSegment,
+    NewShard,
+    NewTensor,
+    ShardRow,
+    TensorRow,
+)
+from ._groups import (
+    GroupPart,
+    GroupState,
+    PartShard,
+    box_copies,
+    check_tiling,
+    combined_checksum,
+)
 from ._manifests import PACK_MIN_ROWS, Manifest
 from ._nodes import Beat, NodeDirectory, NodeInfo, SegmentInfo
 from ._sql import (
@@ -30,12 +47,20 @@ __all__ = [
     "CollectionInfo",
     "Commit",
     "GcPlan",
+    "GroupPart",
+    "GroupState",
     "NewSegment",
+    "NewShard",
     "NewTensor",
+    "PartShard",
+    "ShardRow",
     "NodeDirectory",
     "NodeInfo",
     "SegmentInfo",
     "TensorRow",
+    "box_copies",
+    "check_tiling",
+    "combined_checksum",
     "current_revision",
     "ensure_schema",
     "make_engine",

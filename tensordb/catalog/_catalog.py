@@ -17,8 +17,18 @@ from sqlalchemy import Connection, Engine, select
 
 import storage_engine as se
 
-from ._common import CollectionInfo, Commit, GcPlan, NewSegment, NewTensor, TensorRow
+from ._common import (
+    CollectionInfo,
+    Commit,
+    GcPlan,
+    NewSegment,
+    NewShard,
+    NewTensor,
+    ShardRow,
+    TensorRow,
+)
 from ._gc import GarbageCollector
+from ._groups import GroupPart, Groups, GroupState
 from ._leases import Leases, Opened
 from ._manifests import Manifests
 from ._segments import Segments
@@ -47,7 +57,8 @@ class Catalog:
         self._versions = Versions(engine, node, self.manifests)
         self._leases = Leases(engine, self.lease_engine, node, self._versions)
         self._segments = Segments(engine, node)
-        self._gc = GarbageCollector(engine, node)
+        self._groups = Groups(engine, node, self._versions)
+        self._gc = GarbageCollector(engine, node, self._groups)
 
     @property
     def retry_seconds(self) -> float:
@@ -56,7 +67,8 @@ class Catalog:
 
     @retry_seconds.setter
     def retry_seconds(self, seconds: float) -> None:
-        for part in (self._versions, self._leases, self._segments):  # gc does not retry
+        for part in (self._versions, self._leases, self._segments, self._groups):
+            # gc does not retry
             part.retry_seconds = seconds
 
     # -- collections, versions, commits, tags: Versions ---------------------------------
@@ -93,14 +105,41 @@ class Catalog:
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
                message: str | None, meta: dict[str, str] | None = None, *,
-               durable: bool = True, more_segments: Sequence[NewSegment] = ()) -> Commit:
+               durable: bool = True, more_segments: Sequence[NewSegment] = (),
+               shards: Sequence[NewShard] = ()) -> Commit:
         """Publish a new version in one SQL transaction (``Versions.commit``). The packed
         manifest of a large version is queued: ``start_background`` runs it (the next
-        commit does, if the caller never does)."""
+        commit does, if the caller never does). ``shards``: those of the sharded rows
+        of ``puts`` (a row with no segment and some bytes)."""
         if self.manifests is not None:
             self.manifests.start()
         return self._versions.commit(name, base, puts, unchanged, deletes, segment, message,
-                                     meta, durable=durable, more_segments=more_segments)
+                                     meta, durable=durable, more_segments=more_segments,
+                                     shards=shards)
+
+    def shards(self, cid: int, rows: Sequence[TensorRow]) -> dict[str, list[ShardRow]]:
+        """The shards of sharded rows, by name."""
+        return self._versions.shards(cid, rows)
+
+    # -- group commits: Groups ----------------------------------------------------------
+    def join_group(self, name: str, group: str, rank: int, world_size: int, holder: str,
+                   timeout: float) -> int:
+        """Enter ``rank`` into a group transaction; the head the group builds on."""
+        return self._groups.join(name, group, rank, world_size, holder, timeout)
+
+    def commit_part(self, name: str, group: str, rank: int, part: GroupPart,
+                    segment: tuple[str, str, int] | None, *, durable: bool = True
+                    ) -> Commit | None:
+        """A rank's part; the Commit when it completed the group (``Groups.commit_part``)."""
+        if self.manifests is not None:
+            self.manifests.start()
+        return self._groups.commit_part(name, group, rank, part, segment, durable=durable)
+
+    def group_state(self, name: str, group: str) -> GroupState | None:
+        return self._groups.state(name, group)
+
+    def abort_group(self, name: str, group: str, reason: str) -> None:
+        self._groups.abort(name, group, reason)
 
     def start_background(self) -> None:
         """Start the work a commit queued (packing its manifest), once the caller has

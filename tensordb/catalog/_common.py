@@ -30,6 +30,8 @@ __all__ = [
     "TensorRow",
     "NewTensor",
     "NewSegment",
+    "NewShard",
+    "ShardRow",
     "GcPlan",
     "collection_info",
     "gc_lock",
@@ -105,6 +107,36 @@ class NewTensor(NamedTuple):
     checksum: str
     segment_id: str | None
     offset: int
+
+
+class NewShard(NamedTuple):
+    """A shard of a sharded row a commit adds (the row is a ``NewTensor`` with no
+    segment and the whole tensor's size): the box ``offsets`` + ``shape`` of the global
+    shape, its bytes contiguous at ``offset`` of ``segment_id``."""
+
+    name: str
+    idx: int
+    rank: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    segment_id: str | None
+    offset: int
+
+
+class ShardRow(NamedTuple):
+    """Where one shard of a sharded row lives, and which rank wrote it."""
+
+    name: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str
+    segment_id: str | None
+    offset: int
+    tier: str | None
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,19 @@ from storage_engine import holder_alive
 
 from ..errors import NotFound
 from ._common import GcPlan, collection_info, gc_lock, now_utc
+from ._groups import Groups
 from ._sql import write_conn
-from .schema import collections, commits, leases, pins, segments, tags, tensors
+from .schema import (
+    collections,
+    commits,
+    group_parts,
+    leases,
+    pins,
+    segments,
+    tags,
+    tensor_shards,
+    tensors,
+)
 
 __all__ = ["GarbageCollector"]
 
@@ -69,6 +80,10 @@ def _collect(conn: Connection, cid: int, head: int, keep: int | None,
         conn.execute(delete(tensors).where(
             t.collection_id == bindparam("c"), t.name == bindparam("n"),
             t.first_version == bindparam("f")), dead)
+        s = tensor_shards.c  # a sharded row's shards go with it
+        conn.execute(delete(tensor_shards).where(
+            s.collection_id == bindparam("c"), s.name == bindparam("n"),
+            s.first_version == bindparam("f")), dead)
     return dropped_versions, len(dead)
 
 
@@ -76,9 +91,10 @@ class GarbageCollector:
     """Catalog gc and explicit version drops, over the catalog's SQL engine; ``node``
     is the node whose unused segments gc removes."""
 
-    def __init__(self, engine: Engine, node: str) -> None:
+    def __init__(self, engine: Engine, node: str, groups: Groups) -> None:
         self.engine = engine
         self.node = node
+        self._groups = groups
 
     def gc(self) -> GcPlan:
         """Drop what no version, tag, lease or retention rule needs, in one transaction.
@@ -95,6 +111,7 @@ class GarbageCollector:
                 select(tags.c.collection_id, tags.c.version))}
             spared |= {(r[0], r[1]) for r in conn.execute(
                 select(pins.c.collection_id, pins.c.version))}
+            self._groups.reap(conn)  # ended groups' parts: their segments are garbage now
             dropped_versions = dropped_rows = 0
             for cid, head, keep in conn.execute(select(
                     collections.c.id, collections.c.head, collections.c.retain_last)).all():
@@ -103,7 +120,9 @@ class GarbageCollector:
                 dropped_rows += nr
             unused = select(segments.c.id, segments.c.tier, segments.c.nbytes).where(
                 segments.c.node == self.node,
-                ~exists().where(tensors.c.segment_id == segments.c.id))
+                ~exists().where(tensors.c.segment_id == segments.c.id),
+                ~exists().where(tensor_shards.c.segment_id == segments.c.id),
+                ~exists().where(group_parts.c.segment_id == segments.c.id))
             dead_segments = [(r[0], r[1], r[2]) for r in conn.execute(unused)]
             if dead_segments:
                 conn.execute(delete(segments).where(

@@ -21,8 +21,9 @@ from sqlalchemy.exc import IntegrityError
 
 from ..errors import NotFound
 from ._common import now_utc
+from ._segments import shards_of_rows
 from ._sql import write_conn
-from .schema import kv_namespaces, nodes, segment_replicas, segments, tensors
+from .schema import kv_namespaces, nodes, segment_replicas, segments, tensor_shards, tensors
 
 __all__ = ["Beat", "NodeDirectory", "NodeInfo", "SegmentInfo", "DEFAULT_LAPSE"]
 
@@ -323,11 +324,14 @@ class NodeDirectory:
     def version_segments(self, collection_id: int, version: int) -> list[tuple[str, int]]:
         """(segment id, nbytes) of every segment a version's tensors live in, on any node."""
         t = tensors.c
-        q = (select(segments.c.id, segments.c.nbytes).distinct()
-             .select_from(tensors.join(segments, segments.c.id == t.segment_id))
-             .where(t.collection_id == collection_id, t.first_version <= version,
-                    or_(t.end_version.is_(None), t.end_version > version))
-             .order_by(segments.c.id))
+        live = (t.collection_id == collection_id, t.first_version <= version,
+                or_(t.end_version.is_(None), t.end_version > version))
+        q = (select(segments.c.id, segments.c.nbytes)
+             .select_from(tensors.join(segments, segments.c.id == t.segment_id)).where(*live)
+             .union(select(segments.c.id, segments.c.nbytes)
+                    .select_from(shards_of_rows().join(
+                        segments, segments.c.id == tensor_shards.c.segment_id)).where(*live))
+             .order_by("id"))
         with self.engine.connect() as conn:
             return [(r[0], r[1]) for r in conn.execute(q)]
 

@@ -9,16 +9,33 @@ tensor row refers to any more. Replicas of a segment on other nodes are
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, delete, func, or_, select, text, update
+from sqlalchemy import Engine, Join, and_, delete, func, or_, select, text, update
 
 import storage_engine as se
 
 from ._common import TensorRow, parse_shape, source_of
 from ._retry import RETRY_SECONDS, retrying
 from ._sql import write_conn
-from .schema import collections, leases, pins, segment_sources, segments, tensors
+from .schema import (
+    collections,
+    leases,
+    pins,
+    segment_sources,
+    segments,
+    tensor_shards,
+    tensors,
+)
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "shards_of_rows"]
+
+
+def shards_of_rows() -> Join:
+    """``tensor_shards`` joined to the row each shard belongs to (``tensors``): a
+    version's segments are those of its rows and of its sharded rows' shards."""
+    t, s = tensors.c, tensor_shards.c
+    return tensor_shards.join(tensors, and_(t.collection_id == s.collection_id,
+                                            t.name == s.name,
+                                            t.first_version == s.first_version))
 
 #: a reader's look-up of a file committed in place, as text: a fresh process's first use
 #: of a Core construct pays its compilation (milliseconds), text() microseconds
@@ -42,11 +59,14 @@ class Segments:
     def version_segments(self, cid: int, version: int) -> list[tuple[str, str, int]]:
         """(segment id, tier, nbytes) of the segments one version's tensors live in."""
         t = tensors.c
-        q = (select(segments.c.id, segments.c.tier, segments.c.nbytes).distinct()
-             .select_from(tensors.join(segments, segments.c.id == t.segment_id))
-             .where(t.collection_id == cid, t.first_version <= version,
-                    or_(t.end_version.is_(None), t.end_version > version),
-                    segments.c.node == self.node))
+        live = (t.collection_id == cid, t.first_version <= version,
+                or_(t.end_version.is_(None), t.end_version > version),
+                segments.c.node == self.node)
+        rows = (select(segments.c.id, segments.c.tier, segments.c.nbytes)
+                .select_from(tensors.join(segments, segments.c.id == t.segment_id)).where(*live))
+        q = rows.union(select(segments.c.id, segments.c.tier, segments.c.nbytes)
+                       .select_from(shards_of_rows().join(
+                           segments, segments.c.id == tensor_shards.c.segment_id)).where(*live))
         with self.engine.connect() as conn:
             return [(r[0], r[1], r[2]) for r in conn.execute(q)]
 
@@ -59,8 +79,14 @@ class Segments:
              .where(pins.c.tier == tier, t.segment_id.is_not(None),
                     t.first_version <= pins.c.version,
                     or_(t.end_version.is_(None), t.end_version > pins.c.version)))
+        q2 = (select(tensor_shards.c.segment_id)
+              .select_from(shards_of_rows().join(
+                  pins, pins.c.collection_id == t.collection_id))
+              .where(pins.c.tier == tier, tensor_shards.c.segment_id.is_not(None),
+                     t.first_version <= pins.c.version,
+                     or_(t.end_version.is_(None), t.end_version > pins.c.version)))
         with self.engine.connect() as conn:
-            return set(conn.execute(q).scalars())
+            return set(conn.execute(q).scalars()) | set(conn.execute(q2).scalars())
 
     def move_segment(self, segment_id: str, src: str, dst: str) -> bool:
         """Record that a segment now lives in ``dst``; False if it was not in ``src``. A
@@ -109,9 +135,22 @@ class Segments:
                           .join(segments, segments.c.id == t.segment_id))
              .where(segments.c.node == self.node)
              .order_by(t.segment_id, t.offset))
+        sh = tensor_shards.c
+        q2 = (select(collections.c.name, t.name, t.dtype, sh.offsets, sh.shape, sh.nbytes,
+                     sh.checksum, sh.segment_id, sh.offset, segments.c.tier, t.first_version)
+              .select_from(shards_of_rows().join(
+                  collections, collections.c.id == t.collection_id)
+                  .join(segments, segments.c.id == sh.segment_id))
+              .where(segments.c.node == self.node))
         with self.engine.connect() as conn:
-            return [(r[0], r[9], TensorRow(r[1], r[2], parse_shape(r[3]), r[4], r[5], r[6], r[7],
-                                           r[8], r[9])) for r in conn.execute(q)]
+            out = [(r[0], r[9], TensorRow(r[1], r[2], parse_shape(r[3]), r[4], r[5], r[6], r[7],
+                                          r[8], r[9])) for r in conn.execute(q)]
+            # a shard of a sharded row: checked as a row of its own, named by its box
+            out += [(r[0], r[10], TensorRow(f"{r[1]} (shard at {list(parse_shape(r[3]))})",
+                                            r[2], parse_shape(r[4]), r[5], r[6], r[7], r[8],
+                                            r[9], r[10])) for r in conn.execute(q2)]
+        out.sort(key=lambda x: (x[2].segment_id or "", x[2].offset))
+        return out
 
     @retrying
     def stats(self) -> dict[str, int]:

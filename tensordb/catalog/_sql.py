@@ -29,7 +29,7 @@ __all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write
            "notify_after_commit"]
 
 _log = logging.getLogger("tensordb.catalog")
-_KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008")
+_KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009")
 _PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
 
 

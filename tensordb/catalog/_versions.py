@@ -14,7 +14,7 @@ import re
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     Connection,
@@ -34,11 +34,14 @@ from ._common import (
     CollectionInfo,
     Commit,
     NewSegment,
+    NewShard,
     NewTensor,
+    ShardRow,
     TensorRow,
     collection_info,
     names_in,
     now_utc,
+    parse_shape,
     shape_text,
     source_row,
     tensor_rows,
@@ -46,9 +49,9 @@ from ._common import (
 from ._manifests import Manifests
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import notify_after_commit, write_conn
-from .schema import UTCDateTime, collections, commits, leases, tags, tensors
+from .schema import UTCDateTime, collections, commits, leases, tags, tensor_shards, tensors
 
-__all__ = ["Versions", "DBAPI_HEAD_ROWS"]
+__all__ = ["Versions", "Published", "DBAPI_HEAD_ROWS"]
 
 _log = logging.getLogger("tensordb.catalog")
 
@@ -221,6 +224,35 @@ def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTen
     conn.exec_driver_sql(_INSERT_ROWS, [
         (cid, p.name, version, p.dtype, shape_text(p.shape), p.nbytes, p.checksum,
          p.segment_id, p.offset) for p in puts])
+
+
+def _insert_shards(conn: Connection, cid: int, version: int,
+                   shards: Sequence[NewShard]) -> None:
+    """The shards of a commit's sharded rows: one executemany."""
+    conn.execute(tensor_shards.insert(), [
+        {"collection_id": cid, "name": s.name, "first_version": version, "idx": s.idx,
+         "rank": s.rank, "offsets": shape_text(s.offsets), "shape": shape_text(s.shape),
+         "nbytes": s.nbytes, "checksum": s.checksum, "segment_id": s.segment_id,
+         "offset": s.offset} for s in shards])
+
+
+_SQL_SHARDS = select(
+    tensor_shards.c.name, tensor_shards.c.offsets, tensor_shards.c.shape,
+    tensor_shards.c.nbytes, tensor_shards.c.checksum, tensor_shards.c.segment_id,
+    tensor_shards.c.offset, tensor_shards.c.rank, tensor_shards.c.first_version,
+    tensor_shards.c.idx).order_by(tensor_shards.c.name, tensor_shards.c.first_version,
+                                  tensor_shards.c.idx)
+
+
+class Published(NamedTuple):
+    """A commit's statements run (``Versions.publish_in``), not yet committed."""
+
+    result: Commit
+    txn_id: str
+    prev_txn: str | None
+    head: int
+    replace: list[str]
+    puts: Sequence[NewTensor]
 
 
 def _check_conflict(conn: Connection, info: CollectionInfo, base: int,
@@ -409,7 +441,8 @@ class Versions:
     def commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: Iterable[str],
                deletes: Iterable[str], segment: tuple[str, str, int] | None,
                message: str | None, meta: dict[str, str] | None = None, *,
-               durable: bool = True, more_segments: Sequence[NewSegment] = ()) -> Commit:
+               durable: bool = True, more_segments: Sequence[NewSegment] = (),
+               shards: Sequence[NewShard] = ()) -> Commit:
         """Publish a new version in one SQL transaction.
 
         ``base`` is the head the transaction started from; if the head moved since, the
@@ -436,7 +469,7 @@ class Versions:
                 if landed is not None:
                     return landed
             return self._commit(name, base, puts, unchanged, deletes, segment, message,
-                                meta, txn_id, durable, more_segments)
+                                meta, txn_id, durable, more_segments, shards)
 
         return retry_call(self.retry_seconds, once)
 
@@ -448,70 +481,114 @@ class Versions:
     def _commit(self, name: str, base: int, puts: Sequence[NewTensor], unchanged: list[str],
                 deletes: list[str], segment: tuple[str, str, int] | None,
                 message: str | None, meta: dict[str, str] | None, txn_id: str,
-                durable: bool, more_segments: Sequence[NewSegment]) -> Commit:
+                durable: bool, more_segments: Sequence[NewSegment],
+                shards: Sequence[NewShard] = ()) -> Commit:
         """One attempt of ``commit``: close the replaced rows, insert the new ones and the
         segment, add the commit row and move the head, all in one SQL transaction."""
+        with write_conn(self.engine, durable=durable) as conn:
+            done = self.publish_in(conn, name, base, puts, unchanged, deletes, segment,
+                                   message, meta, txn_id, more_segments, shards)
+        return self.after_publish(done)
+
+    def publish_in(self, conn: Connection, name: str, base: int, puts: Sequence[NewTensor],
+                   unchanged: list[str], deletes: list[str],
+                   segment: tuple[str, str, int] | None, message: str | None,
+                   meta: dict[str, str] | None, txn_id: str,
+                   more_segments: Sequence[NewSegment] = (),
+                   shards: Sequence[NewShard] = ()) -> Published:
+        """The statements of a commit, in the caller's write transaction ``conn`` (a
+        group commit runs them in the transaction of its last part); ``shards``: the
+        shards of the sharded rows of ``puts``. ``after_publish`` runs once it has
+        committed."""
         created = now_utc()
         pg = self.engine.dialect.name == "postgresql"
-        with write_conn(self.engine, durable=durable) as conn:
+        locked = _lock_head(conn, name)
+        if locked is None:
+            conn.execute(_SQL_NEW_COLLECTION, {"name": name, "created": created})
             locked = _lock_head(conn, name)
-            if locked is None:
-                conn.execute(_SQL_NEW_COLLECTION, {"name": name, "created": created})
-                locked = _lock_head(conn, name)
-                assert locked is not None
-            info, n_prev, b_prev, prev_txn = locked
-            head = info.head
-            if head != base:
-                _check_conflict(conn, info, base,
-                                {p.name for p in puts} | set(unchanged) | set(deletes))
-            version = head + 1
-            replace = [p.name for p in puts] + deletes
-            # a collection's first version replaces nothing: no statement to find that out
-            removed_n, removed_bytes = (_close_rows(conn, info, version, replace, deletes)
-                                        if replace and head else (0, 0))
-            if deletes and not head:
-                raise NotFound(f"cannot delete {deletes[0]!r}: collection {name!r} has no "
-                               f"such tensor", collection=name, tensor=deletes[0])
-            segs = [(sid, self.node, tier, snb) for sid, tier, snb in ([segment] if segment
-                                                                        else [])]
-            segs += [(seg.id, self.node, seg.tier, seg.nbytes) for seg in more_segments]
-            written_bytes = sum(p.nbytes for p in puts)
-            result = Commit(
-                collection=name, version=version, created_at=created, message=message,
-                tensors=n_prev - removed_n + len(puts),
-                nbytes=b_prev - removed_bytes + written_bytes, parent=head or None,
-                written=len(puts), written_nbytes=written_bytes, metadata=meta)
-            row = {"parent": result.parent, "message": message, "n_tensors": result.tensors,
-                   "nbytes": result.nbytes, "n_written": result.written,
-                   "written_nbytes": written_bytes,
-                   "meta": json.dumps(meta) if meta else None, "txn_id": txn_id}
-            copied = pg and len(puts) > _PG_COPY_OVER and _copyable(puts)
-            if copied:
-                _copy_rows(conn, info.id, version, puts)
-            if pg:
-                _pg_publish(conn, info.id, version, [] if copied else puts, segs, row, created)
-            else:
-                for sid, node, tier, snb in segs:
-                    conn.execute(_SQL_SEGMENT, {"id": sid, "node": node, "tier": tier,
-                                                "nbytes": snb, "created": created})
-                if puts:
-                    _insert_rows(conn, info.id, version, puts)
-                conn.execute(_SQL_COMMIT, {"cid": info.id, "v": version, "created": created,
-                                           **row})
-                conn.execute(_SQL_MOVE_HEAD, {"cid": info.id, "v": version})
-            for seg in more_segments:
-                if seg.source is not None:
-                    conn.execute(_SQL_SOURCE, {"segment_id": seg.id, "created": created,
-                                               **source_row(seg.source)})
-            # watchers hear of it once it has committed (not inside: see the helper)
-            notify_after_commit(conn, "tensordb_commit", f"{name}\n{version}")
+            assert locked is not None
+        info, n_prev, b_prev, prev_txn = locked
+        head = info.head
+        if head != base:
+            _check_conflict(conn, info, base,
+                            {p.name for p in puts} | set(unchanged) | set(deletes))
+        version = head + 1
+        replace = [p.name for p in puts] + deletes
+        # a collection's first version replaces nothing: no statement to find that out
+        removed_n, removed_bytes = (_close_rows(conn, info, version, replace, deletes)
+                                    if replace and head else (0, 0))
+        if deletes and not head:
+            raise NotFound(f"cannot delete {deletes[0]!r}: collection {name!r} has no "
+                           f"such tensor", collection=name, tensor=deletes[0])
+        segs = [(sid, self.node, tier, snb) for sid, tier, snb in ([segment] if segment
+                                                                    else [])]
+        segs += [(seg.id, self.node, seg.tier, seg.nbytes) for seg in more_segments]
+        written_bytes = sum(p.nbytes for p in puts)
+        result = Commit(
+            collection=name, version=version, created_at=created, message=message,
+            tensors=n_prev - removed_n + len(puts),
+            nbytes=b_prev - removed_bytes + written_bytes, parent=head or None,
+            written=len(puts), written_nbytes=written_bytes, metadata=meta)
+        row = {"parent": result.parent, "message": message, "n_tensors": result.tensors,
+               "nbytes": result.nbytes, "n_written": result.written,
+               "written_nbytes": written_bytes,
+               "meta": json.dumps(meta) if meta else None, "txn_id": txn_id}
+        copied = pg and len(puts) > _PG_COPY_OVER and _copyable(puts)
+        if copied:
+            _copy_rows(conn, info.id, version, puts)
+        if pg:
+            _pg_publish(conn, info.id, version, [] if copied else puts, segs, row, created)
+        else:
+            for sid, node, tier, snb in segs:
+                conn.execute(_SQL_SEGMENT, {"id": sid, "node": node, "tier": tier,
+                                            "nbytes": snb, "created": created})
+            if puts:
+                _insert_rows(conn, info.id, version, puts)
+            conn.execute(_SQL_COMMIT, {"cid": info.id, "v": version, "created": created,
+                                       **row})
+            conn.execute(_SQL_MOVE_HEAD, {"cid": info.id, "v": version})
+        if shards:
+            _insert_shards(conn, info.id, version, shards)
+        for seg in more_segments:
+            if seg.source is not None:
+                conn.execute(_SQL_SOURCE, {"segment_id": seg.id, "created": created,
+                                           **source_row(seg.source)})
+        # watchers hear of it once it has committed (not inside: see the helper)
+        notify_after_commit(conn, "tensordb_commit", f"{name}\n{version}")
+        return Published(result, txn_id, prev_txn, head, replace, puts)
+
+    def after_publish(self, done: Published) -> Commit:
+        """What follows a commit's SQL transaction: statistics, the packed manifest."""
+        result, puts = done.result, done.puts
         if len(puts) >= _ANALYZE_OVER and self.engine.dialect.name == "postgresql":
             _refresh_statistics(self.engine, len(puts))
-        if self.manifests is not None and (prev_txn is not None or not head):
+        if self.manifests is not None and (done.prev_txn is not None or not done.head):
             # packed off the commit's path: the commit costs what it changed
-            self.manifests.derive_later(txn_id, prev_txn, version, replace, puts,
-                                        result.tensors)
+            self.manifests.derive_later(done.txn_id, done.prev_txn, result.version,
+                                        done.replace, puts, result.tensors)
         return result
+
+    @retrying
+    def shards(self, cid: int, rows: Sequence[TensorRow]) -> dict[str, list[ShardRow]]:
+        """The shards of sharded ``rows`` (those with no segment and some bytes), by
+        name, in the order they were stored."""
+        want = {r.name: r.first_version for r in rows}
+        if not want:
+            return {}
+        out: dict[str, list[ShardRow]] = {}
+        with self.engine.connect() as conn:
+            raw = conn.execute(_SQL_SHARDS.where(
+                tensor_shards.c.collection_id == cid,
+                names_in(conn, tensor_shards.c.name, list(want)))).all()
+            seg_ids = list({r[5] for r in raw if r[5] is not None})
+            tiers: dict[str, str] = (dict(conn.execute(_SQL_TIERS, {"ids": seg_ids}).all())
+                                     if seg_ids else {})
+        for name, offsets, shape, nbytes, csum, sid, off, rank, first, _ in raw:
+            if want.get(name) == first:
+                out.setdefault(name, []).append(ShardRow(
+                    name, parse_shape(offsets), parse_shape(shape), nbytes, csum, sid, off,
+                    tiers.get(sid) if sid else None, rank))
+        return out
 
     @retrying
     def history(self, name: str, *, after: int | None = None,

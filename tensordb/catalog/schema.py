@@ -42,12 +42,15 @@ __all__ = [
     "kv_namespaces",
     "segment_replicas",
     "segment_sources",
+    "tensor_shards",
+    "commit_groups",
+    "group_parts",
     "UTCDateTime",
     "HEAD_REVISION",
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0008"
+HEAD_REVISION = "0009"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -265,4 +268,65 @@ segment_sources = Table(
     Column("inode", BigInteger, nullable=False),
     Column("dev", BigInteger, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+)
+
+# -- revision 0009 ------------------------------------------------------------------------
+
+#: the shards of a sharded tensor row (its ``segment_id`` NULL, its ``nbytes`` the whole
+#: tensor's): each shard is a box of the global shape (``offsets``, ``shape``, as text
+#: like the row's shape) whose bytes lie at ``offset`` of ``segment_id``, contiguous, with
+#: their own checksum; ``rank``: the rank of the group that wrote it. The shards of a row
+#: tile its global shape exactly (checked when the group publishes)
+tensor_shards = Table(
+    "tensor_shards",
+    metadata,
+    Column("collection_id", Integer, ForeignKey("collections.id", ondelete="CASCADE"),
+           primary_key=True),
+    Column("name", String(1024), primary_key=True),
+    Column("first_version", Integer, primary_key=True),
+    Column("idx", Integer, primary_key=True),
+    Column("rank", Integer, nullable=False),
+    Column("offsets", Text, nullable=False),
+    Column("shape", Text, nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("checksum", String(32), nullable=False),
+    Column("segment_id", String(32), nullable=True),  # NULL for a shard of no bytes
+    Column("offset", BigInteger, nullable=False),
+    Index("ix_tensor_shards_segment", "segment_id"),
+)
+
+#: group transactions: the ranks of a job each commit a part; the version appears when
+#: the last part lands. ``state``: 'open', 'published' (``version`` set) or 'aborted'
+#: (``reason`` says why). Keyed by collection name: a group may create its collection
+commit_groups = Table(
+    "commit_groups",
+    metadata,
+    Column("collection", String(255), primary_key=True),
+    Column("name", String(255), primary_key=True),
+    Column("world_size", Integer, nullable=False),
+    Column("base", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("version", Integer, nullable=True),
+    Column("reason", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("deadline", UTCDateTime, nullable=False),
+)
+
+#: one row per rank of a group: 'joined' when its transaction began (``holder`` names the
+#: process, so a dead rank aborts the group), 'ready' when its part is written: its bytes
+#: in ``segment_id`` (registered in ``segments``, kept by this row until the group ends)
+#: and ``part`` (JSON: the rank's shards, whole tensors, deletes and metadata)
+group_parts = Table(
+    "group_parts",
+    metadata,
+    Column("collection", String(255), primary_key=True),
+    Column("group_name", String(255), primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("holder", String(255), nullable=False),
+    Column("node", String(255), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("segment_id", String(32), nullable=True),
+    Column("part", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Index("ix_group_parts_segment", "segment_id"),
 )

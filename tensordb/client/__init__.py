@@ -14,7 +14,7 @@ from ._maintenance import Corruption, GcReport
 from ._placement import EvictReport
 from ._safetensors import export_safetensors, import_safetensors
 from ._safetensors_format import INDEX_NAME, LAYOUT_KEY, MAX_HEADER_SIZE, SAFETENSORS_DTYPES
-from ._snapshot import Snapshot
+from ._snapshot import Shard, Snapshot
 from ._transaction import Transaction
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "GcReport",
     "KVCache",
     "KVNodeSummary",
+    "Shard",
     "Snapshot",
     "Transaction",
     "export_safetensors",

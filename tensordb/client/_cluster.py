@@ -180,8 +180,11 @@ class Cluster:
                 break
             if node not in live:
                 continue
-            names = self._fetch_kv(cache, node, live[node].address or "", namespace,
-                                   block_tokens, missing)
+            try:
+                names = self._fetch_kv(cache, node, live[node].address or "", namespace,
+                                       block_tokens, missing)
+            except NotFound:  # the node never opened the namespace: a miss
+                continue
             got += len(names)
             arrived = set(names)
             missing = [k for k in missing if k not in arrived]
@@ -190,16 +193,42 @@ class Cluster:
     def _fetch_kv(self, cache: KVCache, node: str, address: str, namespace: str,
                   block_tokens: int, keys: list[bytes]) -> list[bytes]:
         """Read ``keys`` from ``node``, verify each block and put it in ``cache``; the keys
-        that arrived."""
+        that arrived.
+
+        The peer is trusted with nothing: a block under a key that was not asked for
+        (or twice), a dtype that is no torch dtype, a shape whose size is not the
+        block's bytes, or bytes that fail their checksum make the whole answer
+        CorruptData, and none of it is kept."""
         blocks = self.transport().read_kv(node, address, namespace, block_tokens, keys)
-        tensors, names = [], []
+        asked = set(keys)
+        tensors: list[torch.Tensor] = []
+        names: list[bytes] = []
         for key, dtype, shape, data, digest_ in blocks:
+            def bad(why: str, key: object = key) -> CorruptData:
+                shown = key.hex()[:64] if isinstance(key, bytes) else repr(key)[:64]
+                return CorruptData(f"KV block {shown} of {namespace!r} from node {node!r} "
+                                   f"{why}; nothing of the answer kept",
+                                   collection=namespace, node=node)
+
+            if not isinstance(key, bytes) or key not in asked:
+                raise bad("was never asked for")
+            asked.discard(key)  # a second block under one key is not asked for either
+            torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) \
+                and dtype.isidentifier() and not dtype.startswith("_") else None
+            if not isinstance(torch_dtype, torch.dtype):
+                raise bad(f"has dtype {str(dtype)[:40]!r}, which is no torch dtype")
+            numel = span = 1
+            for d in shape:
+                numel *= d
+                span *= max(d, 1)
+            if span > 2**63 - 1:
+                raise bad(f"has shape {list(shape)[:8]}, whose size overflows int64")
+            if numel * torch_dtype.itemsize != data.nbytes:
+                raise bad(f"has {data.nbytes} bytes, not the {numel * torch_dtype.itemsize} "
+                          f"its {str(dtype)} shape {list(shape)[:8]} needs")
             if se.checksum(data) != digest_:
-                raise CorruptData(f"KV block {key.hex()} of {namespace!r} from node "
-                                  f"{node!r} fails its checksum; not kept",
-                                  collection=namespace, node=node)
-            tensors.append(torch.from_numpy(data.copy()).view(getattr(torch, dtype))
-                           .reshape(shape))
+                raise bad("fails its checksum")
+            tensors.append(torch.from_numpy(data.copy()).view(torch_dtype).reshape(shape))
             names.append(key)
         if names:
             cache.put(names, tensors)

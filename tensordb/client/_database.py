@@ -39,7 +39,7 @@ from ._placement import EvictReport, Placement, Tiers, check_tier_config, device
 from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
 from ._snapshot import Snapshot, tensors_arrow
-from ._transaction import Transaction
+from ._transaction import GROUP_TIMEOUT, Transaction, group_spec
 from ._write import InPlaceFile, Writer
 
 if TYPE_CHECKING:
@@ -137,12 +137,22 @@ class Database:
 
     # -- writing -----------------------------------------------------------------------
     def transaction(self, collection: str, *, message: str | None = None,
-                    tier: str | None = None, metadata: Mapping[str, str] | None = None
+                    tier: str | None = None, metadata: Mapping[str, str] | None = None,
+                    group: str | None = None, rank: int | None = None,
+                    world_size: int | None = None, timeout: float = GROUP_TIMEOUT
                     ) -> Transaction:
-        """A transaction on one collection: nothing is visible before its block ends."""
+        """A transaction on one collection: nothing is visible before its block ends.
+
+        ``group``, ``rank``, ``world_size``: this process's part of a group transaction
+        (the ranks of a distributed job each put their shards): the version appears,
+        atomically, when every rank has committed its part, and the block of each rank
+        waits for that (its ``result`` is the version's Commit). A rank that raises in
+        its block, or dies, or ``timeout`` seconds passing before the last part, aborts
+        the group (GroupAborted on the other ranks): nothing is published."""
         self._check_open()
+        spec = group_spec(collection, group, rank, world_size, timeout)
         return Transaction(self._writer, collection, message=message, tier=tier,
-                           metadata=metadata, check_open=self._check_open)
+                           metadata=metadata, check_open=self._check_open, group=spec)
 
     def commit(self, collection: str, tensors: Mapping[str, Any], *, message: str | None = None,
                tier: str | None = None, metadata: Mapping[str, str] | None = None) -> Commit:
@@ -367,7 +377,8 @@ class Database:
         spill to disk. ``opts``: ``capacity_bytes``, ``eviction``, ``slab_bytes``, ``spill``, ``disk_capacity``,
         ``gpu_capacity`` (a GPU tier of that many bytes on ``Config.gpu_device``, for
         ``get(..., device="cuda")``: copies of hot blocks shared by the host's processes
-        through CUDA IPC; also $TENSORDB_KV_GPU_CAPACITY)."""
+        through CUDA IPC; also $TENSORDB_KV_GPU_CAPACITY), ``create`` (False: open only a
+        namespace this node has opened before, NotFound otherwise, creating nothing)."""
         self._check_open()
         cache = KVCache(self, namespace, block_tokens, **opts)
         self._kv_caches.append(cache)

@@ -58,11 +58,11 @@ class KVCache:
                  capacity_bytes: int | None = None, eviction: str | None = None,
                  slab_bytes: int = 64 << 20, spill: bool = True,
                  disk_capacity: int | None = None, gpu_capacity: int | None = None,
-                 policy: str | None = None) -> None:
+                 policy: str | None = None, create: bool = True) -> None:
         ns = KVNamespace(db, namespace, block_tokens, capacity_bytes=capacity_bytes,
                          eviction=eviction, slab_bytes=slab_bytes, spill=spill,
                          disk_capacity=disk_capacity, gpu_capacity=gpu_capacity,
-                         policy=policy)
+                         policy=policy, create=create)
         self._ns = ns
         self._chain = KeyChain(namespace, block_tokens)
         # the public attributes, copied from the namespace: plain reads on every call

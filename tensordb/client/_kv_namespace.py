@@ -28,7 +28,7 @@ from sqlalchemy.exc import IntegrityError
 from storage_engine import BlockStore, GpuError, GpuTier, KVCorrupt, KVStats, bloom_may_hold
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
-from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
 
 from ._inputs import check_name
 
@@ -99,8 +99,11 @@ class KVNamespace:
     def __init__(self, db: Database, name: str, block_tokens: int, *,
                  capacity_bytes: int | None, eviction: str | None, slab_bytes: int,
                  spill: bool, disk_capacity: int | None, gpu_capacity: int | None,
-                 policy: str | None) -> None:
+                 policy: str | None, create: bool = True) -> None:
         check_name("collection", name)
+        if not isinstance(create, bool):
+            raise InvalidInput(f"create must be True or False, not {create!r}",
+                               collection=name)
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
                 or not 0 < block_tokens <= _MAX_BLOCK_TOKENS:
             raise InvalidInput(f"block_tokens must be a positive int below 2**31 (the "
@@ -136,20 +139,24 @@ class KVNamespace:
                 raise InvalidInput(f"a KV GPU tier (gpu_capacity) needs a CUDA device: "
                                    f"{reason}", collection=name)
             gpu_device = db.config.gpu_device or 0
-        self._register()
+        self._register(create)
         self.store = _open_store(self.shm_dir, capacity_bytes=capacity, slab_bytes=slab_bytes,
                                  eviction=eviction,
                                  disk_root=self.disk_dir if spill else None,
                                  disk_capacity=disk_capacity, gpu_device=gpu_device,
                                  gpu_capacity=gpu_capacity)
 
-    def _register(self) -> None:
+    def _register(self, create: bool) -> None:
         """Record the namespace on this node, or check its block size against the row
-        another process (or an earlier run) recorded."""
+        another process (or an earlier run) recorded. ``create=False``: NotFound when
+        there is no row, and nothing recorded."""
         t = kv_namespaces
         where = (t.c.name == self.name) & (t.c.node == self.node)
         with self.db.catalog.engine.connect() as conn:
             row = conn.execute(select(t.c.block_tokens).where(where)).first()
+        if row is None and not create:
+            raise NotFound(f"node {self.node!r} holds no KV namespace {self.name!r}",
+                           collection=self.name, node=self.node)
         if row is not None:
             if row[0] != self.block_tokens:
                 raise InvalidInput(

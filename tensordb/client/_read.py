@@ -8,14 +8,14 @@ tier meanwhile is followed there; one this node never wrote comes from ``Cluster
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
 import torch
 
 import storage_engine as se
-from tensordb.catalog import Catalog, TensorRow
+from tensordb.catalog import Catalog, ShardRow, TensorRow, box_copies
 from tensordb.errors import CorruptData, NodeUnavailable, NotFound
 
 from ._cluster import Cluster
@@ -94,18 +94,60 @@ class Reader:
             # pulled now (cluster mode)
             return self._cluster.map_replica(segment_id, collection, tensor)
 
+    def shards(self, collection: str, rows: Sequence[TensorRow]) -> dict[str, list[ShardRow]]:
+        """The shards of sharded rows (no segment, some bytes) of ``collection``."""
+        info = self.catalog.info(collection)
+        if info is None:
+            raise NotFound(f"no collection {collection!r}", collection=collection)
+        return self.catalog.shards(info.id, rows)
+
+    def shard_view(self, collection: str, row: TensorRow, shard: ShardRow, *, verify: bool,
+                   maps: dict[str, se.SegmentView]) -> torch.Tensor:
+        """One shard of a sharded row, zero-copy (a row of its own, as ``materialize``
+        makes it)."""
+        pseudo = TensorRow(row.name, row.dtype, shard.shape, shard.nbytes, shard.checksum,
+                           shard.segment_id, shard.offset, shard.tier, row.first_version)
+        return self.materialize(collection, [pseudo], verify=verify, maps=maps)[row.name]
+
+    def region(self, collection: str, row: TensorRow, shards: Sequence[ShardRow],
+               offsets: Sequence[int], shape: Sequence[int], *, verify: bool,
+               maps: dict[str, se.SegmentView]) -> torch.Tensor:
+        """The box ``offsets`` + ``shape`` of a sharded row: a zero-copy view when one
+        shard holds it all, else a new tensor filled from the shards that meet it (only
+        their bytes in the box are read)."""
+        for sh in shards:
+            if all(so <= o and o + n <= so + sn for so, sn, o, n
+                   in zip(sh.offsets, sh.shape, offsets, shape, strict=True)):
+                view = self.shard_view(collection, row, sh, verify=verify, maps=maps)
+                return view[tuple(slice(o - so, o - so + n) for so, o, n
+                                  in zip(sh.offsets, offsets, shape, strict=True))]
+        out = torch.empty(tuple(shape), dtype=torch_dtype(row.dtype))
+        for i, src, dst in box_copies([(sh.offsets, sh.shape) for sh in shards], offsets,
+                                      shape):
+            view = self.shard_view(collection, row, shards[i], verify=verify, maps=maps)
+            out[dst].copy_(view[src])
+        return out
+
     def materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
-                    maps: dict[str, se.SegmentView] | None = None) -> dict[str, torch.Tensor]:
+                    maps: dict[str, se.SegmentView] | None = None,
+                    shards: Mapping[str, list[ShardRow]] | None = None
+                    ) -> dict[str, torch.Tensor]:
         """Zero-copy tensors over the segments' copy-on-write mappings (``maps``: the
-        mappings already made for this snapshot)."""
+        mappings already made for this snapshot). A sharded row is assembled into a new
+        tensor from its shards (``shards``: those known already, by name)."""
         out: dict[str, torch.Tensor] = {}
         if maps is None:
             maps = {}
+        sharded: list[TensorRow] = []
         bases: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
         # a fresh process's state_dict of a whole model runs this per tensor: fields are
         # unpacked once, not read through the row's attributes (a fifth of its time)
-        for name, dtype, shape, nbytes, csum, segment_id, offset, tier, _ in rows:
+        for name, dtype, shape, nbytes, csum, segment_id, offset, tier, first in rows:
             if segment_id is None:
+                if nbytes:  # a sharded row: assembled below
+                    sharded.append(TensorRow(name, dtype, shape, nbytes, csum, segment_id,
+                                             offset, tier, first))
+                    continue
                 out[name] = torch.empty(shape, dtype=torch_dtype(dtype))
                 continue
             found = bases.get((segment_id, dtype))
@@ -141,7 +183,23 @@ class Reader:
                 found = bases[(segment_id, dtype)] = (base, size)
             base, size = found
             out[name] = base.as_strided(shape, _strides(shape), offset // size)
+        if sharded:
+            self._assemble(collection, sharded, shards or {}, verify, maps, out)
         return out
+
+    def _assemble(self, collection: str, rows: Sequence[TensorRow],
+                  known: Mapping[str, list[ShardRow]], verify: bool,
+                  maps: dict[str, se.SegmentView], out: dict[str, torch.Tensor]) -> None:
+        """Sharded ``rows`` assembled into ``out`` (``known``: shards already looked up)."""
+        lack = [r for r in rows if r.name not in known]
+        found = {**known, **self.shards(collection, lack)} if lack else known
+        for r in rows:
+            parts = found.get(r.name)
+            if not parts:
+                raise CorruptData(f"{collection}/{r.name}: the catalog lost the shards of "
+                                  f"this sharded tensor", collection=collection, tensor=r.name)
+            out[r.name] = self.region(collection, r, parts, (0,) * len(r.shape), r.shape,
+                                      verify=verify, maps=maps)
 
     def read_into(self, collection: str, pairs: list[tuple[TensorRow, np.ndarray]], *,
                   verify: bool) -> list[TensorRow]:
@@ -152,6 +210,8 @@ class Reader:
         left: list[TensorRow] = []
         for row, out in pairs:
             if row.segment_id is None or row.nbytes == 0:
+                if row.nbytes:  # sharded: assembled from a mapping by the caller
+                    left.append(row)
                 continue
             by_segment.setdefault((row.segment_id, row.tier or "host"), []).append((row, out))
         for (segment_id, tier), group in by_segment.items():

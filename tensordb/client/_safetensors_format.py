@@ -26,6 +26,9 @@ __all__ = [
     "LAYOUT_FORMAT",
     "LAYOUT_KEY",
     "MAX_HEADER_SIZE",
+    "MAX_METADATA_BYTES",
+    "MAX_STORED_HEADER",
+    "MAX_TENSORS_PER_FILE",
     "SAFETENSORS_DTYPES",
     "SINGLE_NAME",
     "ST_BY_TORCH",
@@ -42,6 +45,16 @@ __all__ = [
 
 #: the cap safetensors puts on the JSON header
 MAX_HEADER_SIZE = 100_000_000
+#: what one file's header may put in the catalog (it keeps the tensor names, the
+#: metadata and, for a header safetensors' rules would not reproduce, the header
+#: itself): a header of at most this many bytes (a real one of 100,000 tensors is
+#: about 12 MB), at most this many tensors, ``__metadata__`` of at most this many bytes
+#: of keys and values; larger is InvalidInput at import, nothing committed
+MAX_STORED_HEADER = 16 << 20
+MAX_TENSORS_PER_FILE = 100_000
+MAX_METADATA_BYTES = 1 << 20
+#: a dimension, and a shape's element count, must fit int64 (torch's sizes)
+_MAX_INT64 = 2**63 - 1
 #: the reserved commit-metadata key holding the file layout (a JSON string)
 LAYOUT_KEY = "tensordb.safetensors"
 #: the index file of a sharded Hugging Face checkpoint
@@ -168,6 +181,13 @@ def _parse_entry(path: Path, name: str, info: object) -> Entry:
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise CorruptData(f"{path}: tensor {name!r} has shape {shape!r}, not a list of "
                           f"non-negative integers", tensor=name)
+    span = 1
+    for d in shape:
+        span *= max(d, 1)
+    if any(d > _MAX_INT64 for d in shape) or span > _MAX_INT64:
+        shown = [d if d <= _MAX_INT64 else f"2**{d.bit_length() - 1}+" for d in shape[:8]]
+        raise InvalidInput(f"{path}: tensor {name!r} has shape {shown}: a dimension, and "
+                           f"the element count, must fit int64 (below 2**63)", tensor=name)
     if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(o) for o in offs)):
         raise CorruptData(f"{path}: tensor {name!r} has data_offsets {offs!r}, not two "
                           f"non-negative integers", tensor=name)
@@ -223,6 +243,15 @@ def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, str] | None, list[E
     if metadata is not None and LAYOUT_KEY in metadata:
         raise InvalidInput(f"{path}: __metadata__ uses the key {LAYOUT_KEY!r}, which tensordb "
                            f"reserves")
+    if metadata is not None:
+        size = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
+                   for k, v in metadata.items())
+        if size > MAX_METADATA_BYTES:
+            raise InvalidInput(f"{path}: __metadata__ holds {size:,} bytes of keys and values; "
+                               f"the store keeps at most {MAX_METADATA_BYTES:,}")
+    if len(doc) > MAX_TENSORS_PER_FILE:
+        raise InvalidInput(f"{path}: the header lists {len(doc):,} tensors; the store takes "
+                           f"at most {MAX_TENSORS_PER_FILE:,} per file")
     entries = sorted((_parse_entry(path, k, v) for k, v in doc.items()),
                      key=lambda e: (e.begin, e.end))
     return metadata, entries
@@ -233,6 +262,10 @@ def read_header(fd: int, path: Path) -> Header:
     duplicate keys, which it would silently merge). Reads only the header."""
     size = os.fstat(fd).st_size
     raw = _read_raw_header(fd, path, size)
+    if len(raw) > MAX_STORED_HEADER:
+        raise InvalidInput(f"{path}: a header of {len(raw):,} bytes; the store takes at most "
+                           f"{MAX_STORED_HEADER:,} (what a header puts in the catalog is "
+                           f"bounded)")
     metadata, entries = _parse_header(path, raw)
     _check_extents(path, entries, size - 8 - len(raw))
     return Header(path, 8 + len(raw), metadata, tuple(entries), raw)

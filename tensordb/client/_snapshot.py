@@ -2,21 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import pyarrow as pa
 import torch
 
 import storage_engine as se
 from tensordb.arrow import LAYOUT, arrow_tensor, tensors_table
-from tensordb.catalog import Commit, Manifest, TensorRow
+from tensordb.catalog import Commit, Manifest, ShardRow, TensorRow
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._inputs import torch_dtype
 from ._read import Reader, check_bytes
 
-__all__ = ["Snapshot", "StateDict", "tensors_arrow"]
+__all__ = ["Shard", "Snapshot", "StateDict", "tensors_arrow"]
+
+
+class Shard(NamedTuple):
+    """A stored box of a tensor: ``offsets`` and ``shape`` within the global shape, and
+    the rank of the group that wrote it (None for a tensor stored whole)."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    rank: int | None
+
+
+def _is_sharded(row: TensorRow) -> bool:
+    """A sharded row has no segment of its own, and some bytes (in its shards)."""
+    return row.segment_id is None and row.nbytes > 0
+
+
+def _int_list(what: str, value: object, n: int, where: str, collection: str) -> tuple[int, ...]:
+    try:
+        out: tuple[object, ...] | None = tuple(cast(Iterable[object], value))
+    except TypeError:
+        out = None
+    if out is None or len(out) != n or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in out):
+        raise InvalidInput(f"{where}: {what} must be {n} integers (the tensor has {n} "
+                           f"dimensions), not {value!r}", collection=collection)
+    return cast(tuple[int, ...], out)
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -51,6 +77,7 @@ class Snapshot:
         self._rows: Manifest = rows
         self._cache: dict[str, torch.Tensor] = {}
         self._maps: dict[str, se.SegmentView] = {}
+        self._shard_rows: dict[str, list[ShardRow]] = {}
         self._closed = False
 
     def __enter__(self) -> Snapshot:
@@ -102,8 +129,60 @@ class Snapshot:
                                f"tensor {name!r}", collection=self.collection, tensor=name,
                                version=self.version)
             t = self._cache[name] = self._place(self._reader.materialize(
-                self.collection, [row], verify=self._verify, maps=self._maps)[name])
+                self.collection, [row], verify=self._verify, maps=self._maps,
+                shards=self._shard_rows)[name])
         return t
+
+    def _shards_of(self, row: TensorRow) -> list[ShardRow]:
+        got = self._shard_rows.get(row.name)
+        if got is None:
+            got = self._shard_rows[row.name] = self._reader.shards(
+                self.collection, [row]).get(row.name, [])
+        return got
+
+    def shards(self, name: str) -> list[Shard]:
+        """How the tensor is stored: its shards' boxes (offsets and shape in the global
+        shape) and the ranks that wrote them; a tensor stored whole is one box covering
+        it. Maps nothing."""
+        self._check()
+        row = self._row(name)
+        if not _is_sharded(row):
+            return [Shard((0,) * len(row.shape), row.shape, None)]
+        return [Shard(s.offsets, s.shape, s.rank) for s in self._shards_of(row)]
+
+    def slice(self, name: str, *, offsets: Sequence[int] | None = None,
+              shape: Sequence[int] | None = None, rank: int | None = None,
+              world_size: int | None = None, dim: int = 0) -> torch.Tensor:
+        """A box of the tensor, reading only that box's bytes: ``offsets`` and ``shape``,
+        or rank ``rank`` of ``world_size`` parts along ``dim`` (as torch.chunk splits
+        it). A zero-copy view when the tensor is stored whole or one shard holds the box
+        (strided where the box is); else a new tensor filled from the shards that meet
+        it."""
+        self._check()
+        row = self._row(name)
+        where = f"{self.collection}/{name}"
+        nd = len(row.shape)
+        if rank is not None or world_size is not None:
+            if offsets is not None or shape is not None:
+                raise InvalidInput(f"{where}: give offsets and shape, or rank and world_size, "
+                                   f"not both", collection=self.collection, tensor=name)
+            off, shp = _rank_box(row.shape, rank, world_size, dim, where, self.collection)
+        else:
+            if offsets is None or shape is None:
+                raise InvalidInput(f"{where}: slice needs offsets and shape (or rank and "
+                                   f"world_size)", collection=self.collection, tensor=name)
+            off = _int_list("offsets", offsets, nd, where, self.collection)
+            shp = _int_list("shape", shape, nd, where, self.collection)
+        for d in range(nd):
+            if off[d] < 0 or shp[d] < 0 or off[d] + shp[d] > row.shape[d]:
+                raise InvalidInput(f"{where}: the box at offsets {list(off)} with shape "
+                                   f"{list(shp)} lies outside its shape {list(row.shape)}",
+                                   collection=self.collection, tensor=name)
+        if not _is_sharded(row):
+            return self[name][tuple(slice(o, o + n) for o, n in zip(off, shp, strict=True))]
+        t = self._reader.region(self.collection, row, self._shards_of(row), off, shp,
+                                verify=self._verify, maps=self._maps)
+        return self._place(t)
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor on the snapshot's device: itself when it is there (zero-copy)."""
@@ -140,7 +219,7 @@ class Snapshot:
             if not missing:
                 return
             got = self._reader.materialize(self.collection, missing, verify=self._verify,
-                                           maps=maps)
+                                           maps=maps, shards=self._shard_rows)
             if self.device is None:
                 cache.update(got)
             else:
@@ -200,7 +279,13 @@ class Snapshot:
         rows = self._select(names)
         views = self._views(rows)
         return tensors_table(rows, lambda segment_id, _tier: views[segment_id],
-                             collection=self.collection, version=self.version)
+                             collection=self.collection, version=self.version,
+                             whole_of=self._whole_bytes)
+
+    def _whole_bytes(self, row: TensorRow) -> pa.Buffer:
+        """A sharded row's bytes, assembled (on the host)."""
+        t = self[row.name].cpu()
+        return pa.py_buffer(t.reshape(-1).view(torch.uint8).numpy())
 
     def arrow(self, name: str) -> pa.Tensor:
         """One tensor as a ``pyarrow.Tensor`` over its stored bytes, no copy on the host.
@@ -209,6 +294,8 @@ class Snapshot:
         a trailing dimension of 16 uint8); ``info()`` or ``to_arrow`` name the dtype."""
         self._check()
         row = self._row(name)
+        if _is_sharded(row):
+            return arrow_tensor(row, self._whole_bytes(row))
         if row.segment_id is None or row.nbytes == 0:
             return arrow_tensor(row, pa.py_buffer(b""))
         data = pa.py_buffer(self._view(row).host_bytes(row.offset, row.nbytes))
@@ -281,6 +368,31 @@ class Snapshot:
         holds the same bytes in two versions exactly when its extent is the same (a
         tensor of no bytes has no segment). Maps nothing."""
         return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}
+
+
+def _rank_box(shape: tuple[int, ...], rank: object, world_size: object, dim: object,
+              where: str, collection: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of part ``rank`` of ``world_size`` along ``dim`` (torch.chunk's split:
+    parts of ceil(size / world_size), the last smaller, late ranks possibly empty)."""
+    for what, v in (("rank", rank), ("world_size", world_size), ("dim", dim)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise InvalidInput(f"{where}: {what} must be an int, not {v!r}",
+                               collection=collection)
+    assert isinstance(rank, int) and isinstance(world_size, int) and isinstance(dim, int)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidInput(f"{where}: rank {rank} is out of range for world_size {world_size}",
+                           collection=collection)
+    nd = len(shape)
+    if not -nd <= dim < nd:
+        raise InvalidInput(f"{where}: dim {dim} is out of range for a {nd}-d tensor",
+                           collection=collection)
+    dim %= nd
+    step = -(-shape[dim] // world_size)
+    start = min(rank * step, shape[dim])
+    length = max(0, min(step, shape[dim] - start))
+    off = tuple(start if d == dim else 0 for d in range(nd))
+    shp = tuple(length if d == dim else shape[d] for d in range(nd))
+    return off, shp
 
 
 class StateDict(Mapping[str, torch.Tensor]):

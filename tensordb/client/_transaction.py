@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import numpy as np
 import torch
@@ -19,7 +19,8 @@ from ._inputs import DTYPES, check_name, dtype_name, numpy_to_torch, torch_dtype
 if TYPE_CHECKING:
     from ._write import Writer
 
-__all__ = ["Hasher", "Transaction", "RawPut", "as_tensor", "source", "digest"]
+__all__ = ["Hasher", "Transaction", "RawPut", "ShardPut", "GroupSpec", "GROUP_TIMEOUT",
+           "group_spec", "as_tensor", "source", "digest"]
 
 
 class Hasher(Protocol):
@@ -77,6 +78,72 @@ class RawPut:
     fill: Callable[[np.ndarray], str | None]
 
 
+@dataclass(frozen=True, slots=True)
+class ShardPut:
+    """A box of a tensor: ``tensor`` holds the part at ``offsets`` of ``global_shape``."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """The group transaction a rank takes part in."""
+
+    name: str
+    rank: int
+    world_size: int
+    timeout: float
+
+
+#: seconds a group transaction waits for its last part before it aborts
+GROUP_TIMEOUT = 600.0
+
+
+def group_spec(collection: str, group: object, rank: object, world_size: object,
+               timeout: object) -> GroupSpec | None:
+    """The group arguments of ``Database.transaction`` checked, or None for none."""
+    if group is None:
+        if rank is not None or world_size is not None:
+            raise InvalidInput("rank and world_size need a group name (group=...)",
+                               collection=collection)
+        return None
+    if not isinstance(group, str) or not group or len(group) > 255 or not group.isprintable():
+        raise InvalidInput(f"group must be a printable name of 1-255 characters, not {group!r}",
+                           collection=collection)
+    for what, v in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise InvalidInput(f"a group transaction needs {what} as an int, not {v!r}",
+                               collection=collection)
+    assert isinstance(rank, int) and isinstance(world_size, int)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidInput(f"rank {rank} is out of range for world_size {world_size}",
+                           collection=collection)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+            or not 0 < timeout <= 7 * 86400:
+        raise InvalidInput(f"timeout must be a number of seconds in (0, 604800], not "
+                           f"{timeout!r}", collection=collection)
+    return GroupSpec(group, rank, world_size, float(timeout))
+
+
+def _dims(what: str, value: object, name: str, collection: str) -> tuple[int, ...]:
+    """A shape-like argument as a tuple of non-negative ints, or InvalidInput."""
+    try:
+        items = tuple(cast(Iterable[object], value))
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                   for d in items):
+            raise TypeError
+        dims = tuple(int(cast(int, d)) for d in items)
+    except TypeError:
+        raise InvalidInput(f"{what} of {name!r} must be a sequence of integers, not {value!r}",
+                           collection=collection, tensor=name) from None
+    if any(d < 0 or d >= 2**63 for d in dims):
+        raise InvalidInput(f"{what} of {name!r} must be integers in 0 .. 2**63-1: {list(dims)}",
+                           collection=collection, tensor=name)
+    return dims
+
+
 def source(t: torch.Tensor | RawPut) -> se.Source:
     if isinstance(t, RawPut):
         return t.fill
@@ -121,8 +188,9 @@ class Transaction:
 
     def __init__(self, writer: Writer, collection: str, *, message: str | None,
                  tier: str | None, metadata: Mapping[str, str] | None,
-                 check_open: Callable[[], None]) -> None:
+                 check_open: Callable[[], None], group: GroupSpec | None = None) -> None:
         self._writer = writer
+        self._group = group
         self._check_open = check_open
         self.collection = check_name("collection", collection)
         if message is not None:
@@ -144,13 +212,16 @@ class Transaction:
         self.message = message
         self._puts: dict[str, torch.Tensor | RawPut] = {}
         self._deletes: set[str] = set()
+        self._shards: dict[str, list[ShardPut]] = {}
         self._base: int | None = None
         self._done = False
         self.result: Commit | None = None
 
     def __enter__(self) -> Transaction:
         self._check_open()
-        self._base = self._writer.head(self.collection)
+        g = self._group
+        self._base = (self._writer.head(self.collection) if g is None else
+                      self._writer.join_group(self.collection, g))
         return self
 
     def _check(self) -> None:
@@ -169,6 +240,44 @@ class Transaction:
             exc.collection = self.collection
             raise
         self._puts[name] = t
+        self._deletes.discard(name)
+        self._shards.pop(name, None)
+
+    def put_shard(self, name: str, tensor: torch.Tensor | np.ndarray, *,
+                  global_shape: Iterable[int], offsets: Iterable[int]) -> None:
+        """Put one shard of tensor ``name``: ``tensor`` is the box of the global tensor
+        (of ``global_shape``) that starts at ``offsets``. The shards of a name, from this
+        transaction or (in a group transaction) from every rank's, must tile the global
+        shape exactly (no overlap, no gap) when the version is published; a reader sees
+        one tensor. Stored as given: each shard's bytes stay one extent."""
+        self._check()
+        check_name("tensor", name, collection=self.collection)
+        try:
+            t = as_tensor(tensor, name)
+        except InvalidInput as exc:
+            exc.collection = self.collection
+            raise
+        gshape = _dims("global_shape", global_shape, name, self.collection)
+        offs = _dims("offsets", offsets, name, self.collection)
+        if len(offs) != len(gshape) or t.dim() != len(gshape):
+            raise InvalidInput(
+                f"shard of {name!r}: offsets {list(offs)}, a {t.dim()}-d tensor and a "
+                f"{len(gshape)}-d global_shape {list(gshape)} must have as many dimensions",
+                collection=self.collection, tensor=name)
+        for d, (o, n, g) in enumerate(zip(offs, t.shape, gshape, strict=True)):
+            if o + n > g:
+                raise InvalidInput(
+                    f"shard of {name!r} at offsets {list(offs)} with shape {list(t.shape)} "
+                    f"lies outside the global shape {list(gshape)} (dimension {d})",
+                    collection=self.collection, tensor=name)
+        mine = self._shards.setdefault(name, [])
+        if mine and (mine[0].global_shape != gshape or mine[0].tensor.dtype != t.dtype):
+            raise InvalidInput(
+                f"shards of {name!r} disagree: {mine[0].tensor.dtype} "
+                f"{list(mine[0].global_shape)} and {t.dtype} {list(gshape)}",
+                collection=self.collection, tensor=name)
+        mine.append(ShardPut(t, gshape, offs))
+        self._puts.pop(name, None)
         self._deletes.discard(name)
 
     def put_raw(self, name: str, dtype: torch.dtype | str, shape: Iterable[int],
@@ -203,6 +312,7 @@ class Transaction:
             numel *= d
         self._puts[name] = RawPut(dt, dims, numel * dt.itemsize, fill)
         self._deletes.discard(name)
+        self._shards.pop(name, None)
 
     @staticmethod
     def hasher() -> Hasher:
@@ -230,20 +340,37 @@ class Transaction:
             self._puts.update(staged)
             if self._deletes:
                 self._deletes.difference_update(staged)
+            if self._shards:
+                for name in staged:
+                    self._shards.pop(name, None)
 
     def delete(self, name: str) -> None:
         self._check()
         check_name("tensor", name, collection=self.collection)
         self._puts.pop(name, None)
+        self._shards.pop(name, None)
         self._deletes.add(name)
 
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 *rest: object) -> None:
         self._done = True
+        g = self._group
         if exc_type is not None:
+            if g is not None and self._base is not None:
+                # the other ranks must not wait for a part that will never come
+                self._writer.abort_group(self.collection, g,
+                                         f"rank {g.rank} raised {exc_type.__name__}: {exc}")
             return None
         self._check_open()
         assert self._base is not None
-        self.result = self._writer.publish(self.collection, self._base, self._puts,
-                                           self._deletes, self.message, self._tier, self._meta)
+        if g is not None:
+            self.result = self._writer.publish_part(
+                self.collection, g, self._puts, self._shards, self._deletes, self.message,
+                self._tier, self._meta)
+        else:
+            self.result = self._writer.publish(self.collection, self._base, self._puts,
+                                               self._deletes, self.message, self._tier,
+                                               self._meta, self._shards)
         self._puts = {}
+        self._shards = {}
         return None

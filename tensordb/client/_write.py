@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,13 +19,24 @@ from typing import Any
 import torch
 
 import storage_engine as se
-from tensordb.catalog import Catalog, Commit, NewSegment, NewTensor, TensorRow
-from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
+from tensordb.catalog import (
+    Catalog,
+    Commit,
+    GroupPart,
+    NewSegment,
+    NewShard,
+    NewTensor,
+    PartShard,
+    TensorRow,
+    check_tiling,
+    combined_checksum,
+)
+from tensordb.errors import CorruptData, GroupAborted, InvalidInput, NotFound, StoreFull
 
 from ._inputs import dtype_name
 from ._notify import Notifier
 from ._placement import Tiers
-from ._transaction import RawPut, digest, source
+from ._transaction import GroupSpec, RawPut, ShardPut, digest, source
 
 __all__ = ["InPlaceFile", "Writer"]
 
@@ -61,6 +73,34 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
         for i, s in zip(other, got, strict=True):
             sums[i] = s
     return {n: s for (n, _), s in zip(stored, sums, strict=True)}
+
+
+def _shard_key(name: str, i: int) -> str:
+    """The key of shard ``i`` of ``name`` among a segment's stored items (no tensor name
+    holds a NUL)."""
+    return f"{name}\x00{i}"
+
+
+def _whole_shards(collection: str, puts: Mapping[str, torch.Tensor | RawPut],
+                  shards: Mapping[str, list[ShardPut]]
+                  ) -> tuple[Mapping[str, torch.Tensor | RawPut], dict[str, list[ShardPut]]]:
+    """A transaction's shards checked (each name's tile its global shape) and split: a
+    name of one shard that covers it is an ordinary put; the others stay sharded."""
+    if not shards:
+        return puts, {}
+    out = dict(puts)
+    sharded: dict[str, list[ShardPut]] = {}
+    for name, parts in shards.items():
+        why = check_tiling(name, parts[0].global_shape,
+                           [(0, p.offsets, tuple(p.tensor.shape)) for p in parts])
+        if why is not None:
+            raise InvalidInput(why, collection=collection, tensor=name)
+        full = [p for p in parts if tuple(p.tensor.shape) == p.global_shape]
+        if full:  # tiled, so the only shard with elements: an ordinary row
+            out[name] = full[0].tensor
+            continue
+        sharded[name] = parts
+    return out, sharded
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,31 +149,31 @@ class Writer:
 
     def publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
                 deletes: set[str], message: str | None, tier_name: str,
-                meta: dict[str, str] | None) -> Commit:
+                meta: dict[str, str] | None,
+                shards: Mapping[str, list[ShardPut]] | None = None) -> Commit:
         with se.gc_paused():  # a row object per tensor: see gc_paused
-            result = self._publish(collection, base, puts, deletes, message, tier_name, meta)
+            result = self._publish(collection, base, puts, deletes, message, tier_name, meta,
+                                   shards or {})
         self._notifier.publish(collection, result.version)
         self.catalog.start_background()  # after the commit's last step, not beside it
         return result
 
     def _publish(self, collection: str, base: int, puts: Mapping[str, torch.Tensor | RawPut],
                  deletes: set[str], message: str | None, tier_name: str,
-                 meta: dict[str, str] | None) -> Commit:
-        live = self._live(collection, list(puts), deletes)
+                 meta: dict[str, str] | None, shards: Mapping[str, list[ShardPut]]) -> Commit:
+        puts, sharded = _whole_shards(collection, puts, shards)
+        live = self._live(collection, [*puts, *sharded], deletes)
         unchanged = self._unchanged(puts, live) if live else []
         skip = set(unchanged)
         changed = [(n, t) for n, t in puts.items() if n not in skip]
-        stored = [(n, t) for n, t in changed if t.nbytes > 0]
+        stored: list[tuple[str, torch.Tensor | RawPut]] = [
+            (n, t) for n, t in changed if t.nbytes > 0]
+        stored += [(_shard_key(n, i), p.tensor) for n, parts in sharded.items()
+                   for i, p in enumerate(parts) if p.tensor.nbytes > 0]
         sizes = [t.nbytes for _, t in stored]
         offsets, total = se.pack(sizes)
         tier = self.tiers.tier(tier_name)
-        writer: se.SegmentWriter | None = None
-        if total:
-            try:
-                writer = tier.create(uuid.uuid4().hex, total)
-            except se.TierFull as exc:
-                raise StoreFull(f"cannot commit {total} bytes to {collection!r}: {exc}; run "
-                                f"gc, or commit to the disk tier", collection=collection) from exc
+        writer = self._create(collection, tier, total)
         try:
             checksums: dict[str, str] = {}
             if writer is not None:
@@ -145,10 +185,22 @@ class Writer:
                              checksums.get(n, _EMPTY_CHECKSUM),
                              sid if n in where else None, where.get(n, 0))
                    for n, t in changed]
+            new_shards: list[NewShard] = []
+            for n, parts in sharded.items():
+                mine = [NewShard(n, i, 0, p.offsets, tuple(p.tensor.shape), p.tensor.nbytes,
+                                 checksums[k], sid, where[k])
+                        for i, p in enumerate(parts)
+                        if (k := _shard_key(n, i)) in where]
+                mine.sort(key=lambda x: x.offsets)
+                mine = [x._replace(idx=i) for i, x in enumerate(mine)]
+                new.append(NewTensor(n, dtype_name(parts[0].tensor.dtype), parts[0].global_shape,
+                                     sum(x.nbytes for x in mine), combined_checksum(mine),
+                                     None, 0))
+                new_shards.extend(mine)
             result = self.catalog.commit(
                 collection, base, new, unchanged, deletes,
                 (writer.segment_id, tier.name, total) if writer else None, message, meta,
-                durable=writer is None or tier.persistent)
+                durable=writer is None or tier.persistent, shards=new_shards)
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -156,6 +208,109 @@ class Writer:
         if writer is not None:
             writer.release()
         return result
+
+    def _create(self, collection: str, tier: se.Tier, total: int) -> se.SegmentWriter | None:
+        """A new segment of ``total`` bytes in ``tier`` (None for none), or StoreFull."""
+        if not total:
+            return None
+        try:
+            return tier.create(uuid.uuid4().hex, total)
+        except se.TierFull as exc:
+            raise StoreFull(f"cannot commit {total} bytes to {collection!r}: {exc}; run "
+                            f"gc, or commit to the disk tier", collection=collection) from exc
+
+    # -- group commits ------------------------------------------------------------------
+    def join_group(self, collection: str, group: GroupSpec) -> int:
+        """Enter this process as ``group.rank``; the head the group builds on."""
+        return self.catalog.join_group(collection, group.name, group.rank, group.world_size,
+                                       se.current_holder(), group.timeout)
+
+    def abort_group(self, collection: str, group: GroupSpec, reason: str) -> None:
+        self.catalog.abort_group(collection, group.name, reason)
+
+    def publish_part(self, collection: str, group: GroupSpec,
+                     puts: Mapping[str, torch.Tensor | RawPut],
+                     shards: Mapping[str, list[ShardPut]], deletes: set[str],
+                     message: str | None, tier_name: str,
+                     meta: dict[str, str] | None) -> Commit:
+        """Write this rank's part into a segment of its own, commit the part, and wait
+        until the group publishes (the Commit) or aborts (GroupAborted)."""
+        items: list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                          torch.Tensor | RawPut]] = []
+        for n, t in puts.items():
+            items.append((n, dtype_name(t.dtype), tuple(t.shape), (0,) * len(t.shape),
+                          tuple(t.shape), t))
+        for n, parts in shards.items():
+            for p in parts:
+                items.append((n, dtype_name(p.tensor.dtype), p.global_shape, p.offsets,
+                              tuple(p.tensor.shape), p.tensor))
+        stored = [(str(i), it[5]) for i, it in enumerate(items) if it[5].nbytes > 0]
+        sizes = [t.nbytes for _, t in stored]
+        offsets, total = se.pack(sizes)
+        tier = self.tiers.tier(tier_name)
+        writer = self._create(collection, tier, total)
+        try:
+            checksums: dict[str, str] = {}
+            if writer is not None:
+                with se.gc_paused():
+                    checksums = _fill(writer, stored, offsets, sizes)
+                writer.finish()
+            where = dict(zip((k for k, _ in stored), offsets, strict=True))
+            part = GroupPart(
+                [PartShard(n, dt, g, o, shp, t.nbytes,
+                           checksums.get(str(i), _EMPTY_CHECKSUM), where.get(str(i), 0))
+                 for i, (n, dt, g, o, shp, t) in enumerate(items)],
+                sorted(deletes), meta, message)
+            result = self.catalog.commit_part(
+                collection, group.name, group.rank, part,
+                (writer.segment_id, tier.name, total) if writer else None,
+                durable=writer is None or tier.persistent)
+        except BaseException:
+            if writer is not None:
+                if self.catalog.segment_registered(writer.segment_id):
+                    writer.release()  # its part was recorded: gc reclaims it with the group
+                else:
+                    writer.abort()
+            raise
+        if writer is not None:
+            writer.release()
+        if result is not None:  # this rank completed the group
+            self._notifier.publish(collection, result.version)
+            self.catalog.start_background()
+            return result
+        return self._await_group(collection, group)
+
+    def _await_group(self, collection: str, group: GroupSpec) -> Commit:
+        """Wait for the group to end: the Commit once published; GroupAborted when it
+        aborts, a rank that joined on this host has died, or the deadline passes."""
+        pause = 0.002
+        while True:
+            st = self.catalog.group_state(collection, group.name)
+            if st is None:
+                raise GroupAborted(f"group {group.name!r} of {collection!r} is gone",
+                                   collection=collection, group=group.name, reason="gone")
+            if st.state == "published":
+                assert st.version is not None
+                return self.catalog.commit_info(collection, st.version)
+            if st.state == "aborted":
+                reason = st.reason or "aborted"
+                raise GroupAborted(f"group {group.name!r} of {collection!r} aborted: {reason}; "
+                                   f"nothing was published", collection=collection,
+                                   group=group.name, reason=reason, base=st.base)
+            why = None
+            if st.expired:
+                joined = sorted(r for r, _, _ in st.parts)
+                missing = [r for r in range(st.world_size) if r not in joined]
+                waiting = sorted(r for r, state, _ in st.parts if state != "ready")
+                why = (f"its deadline passed with ranks {missing + waiting} not committed")
+            for r, state, holder in st.parts:
+                if state != "ready" and se.holder_alive(holder) is False:
+                    why = f"rank {r} died before committing its part"
+            if why is not None:
+                self.catalog.abort_group(collection, group.name, why)
+                continue  # read the state again: another rank may have published first
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def publish_in_place(self, collection: str, base: int, files: Sequence[InPlaceFile],
                          deletes: set[str], message: str | None, meta: dict[str, str] | None,
