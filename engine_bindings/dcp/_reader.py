@@ -15,7 +15,8 @@ Which process runs what (DCP's order):
    versions (the head moved between them: pass ``version=``);
 4. every rank: ``read_data`` reads each read item's region with ``snap.slice`` (only
    the bytes of that region, zero-copy where one stored chunk holds it) and copies it
-   into the tensor the planner resolves; non-tensor entries go to ``planner.load_bytes``.
+   into the tensor the planner resolves; non-tensor entries go to ``planner.load_bytes``;
+   then it releases the snapshot.
 
 Any collection can be read this way, not only one a ``TensorDBWriter`` saved: a
 plain version's tensors are single-chunk entries.
