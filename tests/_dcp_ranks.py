@@ -5,8 +5,9 @@ The job, in phases (each a gloo process group of its own, initialised through a
 FileStore in RUN_DIR, with a short timeout):
 
 1. 4 ranks save version 1 with ``TensorDBWriter``: FSDP-style dim-0 DTensor shards
-   (one uneven, one with an empty shard), TP-style dim-1 shards, a replicated DTensor, a
-   plain tensor every rank holds, and non-tensor entries (a step counter, param groups,
+   (one uneven, one with an empty shard), TP-style dim-1 shards, a replicated DTensor,
+   DTensors on a 2 x 2 mesh (sharded on both dims; sharded on one mesh dim and
+   replicated on the other), a plain tensor every rank holds, and non-tensor entries (a step counter, param groups,
    a Python RNG state); rank 0 checks what the store holds; all 4 load it back resharded
    (dim 0 <-> dim 1);
 2. ranks 0-1 load version 1 into a 2-rank sharding, and save (and load) a checkpoint
@@ -46,9 +47,11 @@ SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "tiny": ((3, 5), torch.float32),     # 4 ranks: rows 1, 1, 1, 0 (an empty shard)
     "norm": ((8,), torch.float32),
     "new": ((6, 4), torch.float32),      # only in version 2
+    "grid": ((8, 6), torch.float32),     # 2-D mesh: FSDP on dim 0 and TP on dim 1
+    "half": ((8, 4), torch.float16),     # 2-D mesh: replicated on one mesh dim
 }
-V1 = ("embed", "proj", "odd", "tiny", "norm")
-V2 = ("embed", "proj", "tiny", "norm", "new")
+V1 = ("embed", "proj", "odd", "tiny", "norm", "grid", "half")
+V2 = ("embed", "proj", "tiny", "norm", "new", "grid", "half")
 
 
 def full(name: str, version: int) -> torch.Tensor:
@@ -66,15 +69,19 @@ def py_rng(version: int) -> Any:
     return random.Random(version).getstate()
 
 
-def make(version: int, layout: dict[str, Any], mesh: Any | None) -> dict[str, Any]:
-    """The state dict a job holds: ``layout[name]`` is a placement (DTensor over
-    ``mesh``), or None for a plain tensor."""
+def make(version: int, layout: dict[str, Any], mesh: Any | None,
+         mesh2d: Any | None = None) -> dict[str, Any]:
+    """The state dict a job holds: ``layout[name]`` is a placement (a DTensor over
+    ``mesh``), a list of two (over ``mesh2d``), or None for a plain tensor."""
     names = V1 if version == 1 else V2
     model: dict[str, Any] = {}
     for name in names:
         t = full(name, version)
         p = layout.get(name)
-        model[name] = t if p is None or mesh is None else distribute_tensor(t, mesh, [p])
+        if isinstance(p, list) and mesh2d is not None:
+            model[name] = distribute_tensor(t, mesh2d, p)
+        else:
+            model[name] = _place(t, p, mesh)
     state: dict[str, Any] = {
         "model": model,
         "optim": {"step": 100 * version,
@@ -88,6 +95,8 @@ def make(version: int, layout: dict[str, Any], mesh: Any | None) -> dict[str, An
 
 
 def _place(t: torch.Tensor, p: Any, mesh: Any | None) -> Any:
+    if isinstance(p, list):  # a 2-D layout in a job without the 2-D mesh: dim 0
+        p = Shard(0)
     return t if p is None or mesh is None else distribute_tensor(t, mesh, [p])
 
 
@@ -142,14 +151,16 @@ def group(run: Path, phase: str, rank: int, world: int) -> Any:
 def main(rank: int, home: Path, run: Path) -> None:
     db = tensordb.connect(home=home, data_dir=home / "data")
     fsdp = {"embed": Shard(0), "proj": Shard(1), "odd": Shard(0), "tiny": Shard(0),
-            "norm": Replicate(), "new": Shard(0)}
+            "norm": Replicate(), "new": Shard(0), "grid": [Shard(0), Shard(1)],
+            "half": [Replicate(), Shard(0)]}
     flipped = {"embed": Shard(1), "proj": Shard(0), "odd": Shard(1), "tiny": Shard(1),
-               "norm": Shard(0), "new": Shard(1)}
+               "norm": Shard(0), "new": Shard(1), "grid": Shard(1), "half": Replicate()}
 
     # 1. four ranks save version 1, and load it back resharded
     mesh = group(run, "p1", rank, 4)
+    mesh2d = init_device_mesh("cpu", (2, 2))
     writer = TensorDBWriter(db, COLLECTION, message="step 100")
-    dcp.save(make(1, fsdp, mesh), storage_writer=writer)
+    dcp.save(make(1, fsdp, mesh, mesh2d), storage_writer=writer)
     assert writer.result is not None and writer.result.version == 1, writer.result
     if rank == 0:
         with db.snapshot(COLLECTION) as snap:
@@ -166,6 +177,12 @@ def main(rank: int, home: Path, run: Path) -> None:
             assert torch.equal(snap["model.embed"], full("embed", 1))
             assert torch.equal(snap["model.proj"], full("proj", 1))
             assert torch.equal(snap["model.odd"], full("odd", 1))
+            # on the 2-D mesh: a 2 x 2 grid of chunks; replicated over one mesh dim,
+            # each of the 2 chunks written once
+            assert sorted((s.offsets, s.shape) for s in snap.shards("model.grid")) == [
+                ((r, c), (4, 3)) for r in (0, 4) for c in (0, 3)]
+            assert sorted(s.offsets for s in snap.shards("model.half")) == [(0, 0), (4, 0)]
+            assert torch.equal(snap["model.grid"], full("grid", 1))
             # a replicated DTensor and a plain tensor: one rank wrote each, whole
             assert len(snap.shards("model.norm")) == 1
             assert len(snap.shards("plain")) == 1
