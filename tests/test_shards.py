@@ -329,3 +329,77 @@ def test_a_corrupt_shard_is_never_served(sqlite_db: tensordb.Database) -> None:
     with pytest.raises(CorruptData):
         with db.snapshot("m", verify=True) as snap:
             snap["w"]
+
+
+class _Engine(torch.nn.Module):
+    """An engine rank's module: its part of ``w`` (split along dim 1) and all of bias."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        start, length = _bounds(W.shape[1], rank, world)
+        self.w = torch.nn.Parameter(torch.zeros(W.shape[0], length), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        self.cols = slice(start, start + length)
+
+
+@pytest.mark.parametrize("mode", ["copy", "swap"])
+def test_engine_ranks_follow_group_versions_reading_their_slices(
+        db: tensordb.Database, mode: str) -> None:
+    from engine_bindings import WeightUpdater, shard, shard_state_dict
+
+    _save(db, 2, 0, group="t1")  # the trainer splits rows; the engine splits columns
+    engines = [_Engine(r, 3) for r in range(3)]
+    ups = [WeightUpdater(db, "m", e, mode=mode, rank=r, world_size=3, plan={"w": 1})
+           for r, e in enumerate(engines)]
+    for e, up in zip(engines, ups, strict=True):
+        report = up.apply()
+        assert report.version == 1 and sorted(report.changed) == ["bias", "w"]
+        assert torch.equal(e.w, W[:, e.cols]) and torch.equal(e.bias, torch.ones(3))
+
+    def body(r: int) -> None:  # version 2 from the trainer: only w changes
+        with db.transaction("m", group="t2", rank=r, world_size=2) as tx:
+            tx.put_shard("w", (W * 2)[r * 6:(r + 1) * 6], global_shape=W.shape,
+                         offsets=(r * 6, 0))
+    _ranks(2, body)
+    for e, up in zip(engines, ups, strict=True):
+        report = up.apply()
+        assert report.version == 2 and report.changed == ["w"]
+        assert torch.equal(e.w, (W * 2)[:, e.cols])
+        up.close()
+    assert torch.equal(shard(db, "m", "w", rank=1, world_size=2, dim=1), (W * 2)[:, 5:])
+    sd = shard_state_dict(db, "m", rank=2, world_size=3, plan={"w": 0})
+    assert torch.equal(sd["w"], (W * 2)[8:]) and torch.equal(sd["bias"], torch.ones(3))
+    with pytest.raises(InvalidInput):
+        WeightUpdater(db, "m", engines[0], rank=3, world_size=3, plan={"w": 1})
+    with pytest.raises(InvalidInput):
+        WeightUpdater(db, "m", engines[0], rank=0, world_size=3, plan={"w": "1"})
+    with pytest.raises(InvalidInput, match="shape"):  # a module of the wrong width
+        WeightUpdater(db, "m", engines[0], rank=0, world_size=2, plan={"w": 1}).apply()
+
+
+def test_check_tiling_names_what_is_wrong() -> None:
+    """The tiling check alone, on boxes a hostile part could carry (put_shard refuses
+    most of them before they reach it)."""
+    from tensordb.catalog import check_tiling
+
+    g = (12, 10)
+    assert check_tiling("w", g, [(0, (0, 0), (6, 10)), (1, (6, 0), (6, 10))]) is None
+    assert check_tiling("w", g, [(0, (0, 0), (12, 10))]) is None
+    assert check_tiling("e", (0, 4), []) is None  # nothing to cover
+    assert check_tiling("w", g, [(0, (0, 0), (12, 10)), (1, (3, 0), (0, 10))]) is None
+    cases = {
+        "overlap": [(0, (0, 0), (6, 10)), (1, (5, 0), (6, 10))],  # the sizes add up
+        "a gap": [(0, (0, 0), (6, 10)), (1, (7, 0), (5, 10))],
+        "outside": [(0, (0, 0), (6, 10)), (1, (6, 0), (7, 10))],
+    }
+    for want, boxes in cases.items():
+        assert want in (check_tiling("w", g, boxes) or ""), want
+    for boxes in ([(0, (0,), (12, 10))], [(0, (0, 0), (12,))], [(0, (-1, 0), (12, 10))],
+                  [(0, (0, 0), (-12, 10))], [(0, (0, 1), (12, 10))]):
+        assert check_tiling("w", g, boxes) is not None, boxes
+    # boxes side by side in the second dimension that overlap only there
+    assert "overlap" in (check_tiling("w", g, [(0, (0, 0), (12, 6)), (1, (0, 5), (12, 5))])
+                         or "")
+    # three boxes where only the first and the last overlap
+    assert "overlap" in (check_tiling("w", (9,), [(0, (0,), (3,)), (1, (3,), (3,)),
+                                                   (2, (2,), (1,))]) or "")

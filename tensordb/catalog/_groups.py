@@ -31,7 +31,7 @@ import storage_engine as se
 
 from ..errors import GroupAborted, InvalidInput, TensorDBError
 from ._common import Commit, NewShard, NewTensor, collection_info, insert_ignore, now_utc
-from ._retry import RETRY_SECONDS, retrying
+from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
 from ._versions import Versions
 from .schema import commit_groups, group_parts, segments
@@ -269,7 +269,41 @@ class Groups:
         one SQL transaction; the Commit when it was the last part and the version is
         published, None while other parts are missing. GroupAborted when the group had
         ended, its deadline passed, or the parts do not fit together (the group then
-        ends aborted, and nothing is published)."""
+        ends aborted, and nothing is published).
+
+        A lost catalog connection is retried; a retry whose first attempt did land (the
+        part is ready with this segment) reports what it did instead of running again."""
+        attempts = 0
+
+        def once() -> Commit | None:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                landed = self._landed(collection, group, rank, segment)
+                if landed is not None:
+                    return landed[0]
+            return self._commit_part(collection, group, rank, part, segment, durable)
+
+        result: Commit | None = retry_call(self.retry_seconds, once)
+        return result
+
+    def _landed(self, collection: str, group: str, rank: int,
+                segment: tuple[str, str, int] | None) -> tuple[Commit | None] | None:
+        """(the Commit, or None while the group is open) when ``rank``'s part is already
+        recorded with ``segment``; None when it is not."""
+        with self.engine.connect() as conn:
+            p = group_parts.c
+            row = conn.execute(select(p.state, p.segment_id).where(
+                p.collection == collection, p.group_name == group, p.rank == rank)).first()
+            g = self._group(conn, collection, group, lock=False)
+        if row is None or row[0] != "ready" or row[1] != (segment[0] if segment else None):
+            return None
+        if g is not None and g[2] == "published":
+            return (self._versions.commit_info(collection, g[3]),)
+        return (None,)
+
+    def _commit_part(self, collection: str, group: str, rank: int, part: GroupPart,
+                     segment: tuple[str, str, int] | None, durable: bool) -> Commit | None:
         failure: TensorDBError | None = None
         published = None
         with write_conn(self.engine, durable=durable) as conn:

@@ -72,12 +72,14 @@ class Snapshot:
         self.device = device
         self.collection = collection
         self._verify = verify
-        self._lease, _, self.version, rows = self._catalog.open_snapshot(
+        self._lease, info, self.version, rows = self._catalog.open_snapshot(
             collection, version, tag, se.current_holder(), lease_ttl)
         self._rows: Manifest = rows
         self._cache: dict[str, torch.Tensor] = {}
         self._maps: dict[str, se.SegmentView] = {}
-        self._shard_rows: dict[str, list[ShardRow]] = {}
+        self._cid = info.id
+        #: the shards of this version's sharded rows, looked up once for all of them
+        self._shard_rows: dict[str, list[ShardRow]] | None = None
         self._closed = False
 
     def __enter__(self) -> Snapshot:
@@ -130,15 +132,19 @@ class Snapshot:
                                version=self.version)
             t = self._cache[name] = self._place(self._reader.materialize(
                 self.collection, [row], verify=self._verify, maps=self._maps,
-                shards=self._shard_rows)[name])
+                shards=self._all_shards() if _is_sharded(row) else None)[name])
         return t
 
+    def _all_shards(self) -> dict[str, list[ShardRow]]:
+        """The shards of every sharded row of the version (one catalog query, the first
+        time a sharded row is read)."""
+        if self._shard_rows is None:
+            sharded = [r for r in self._rows.values() if _is_sharded(r)]
+            self._shard_rows = self._catalog.shards(self._cid, sharded) if sharded else {}
+        return self._shard_rows
+
     def _shards_of(self, row: TensorRow) -> list[ShardRow]:
-        got = self._shard_rows.get(row.name)
-        if got is None:
-            got = self._shard_rows[row.name] = self._reader.shards(
-                self.collection, [row]).get(row.name, [])
-        return got
+        return self._all_shards().get(row.name, [])
 
     def shards(self, name: str) -> list[Shard]:
         """How the tensor is stored: its shards' boxes (offsets and shape in the global
@@ -202,7 +208,7 @@ class Snapshot:
             self._view(r)
         sd = StateDict(self, dict(self._maps))
         if self._verify:
-            self._materialize(None, sd._maps)
+            sd._all()
         return sd
 
     def _materialize(self, names: Sequence[str] | None, maps: dict[str, se.SegmentView]
@@ -212,14 +218,18 @@ class Snapshot:
         with se.gc_paused():  # an object or two per tensor: see gc_paused
             if names is not None:
                 missing: list[Any] = [rows[n] for n in names if n not in cache]
-            elif cache:
-                missing = [t for t in rows.tuples() if t[0] not in cache]
             else:
-                missing = rows.tuples()
+                # a walk over every name makes the rows mapped in place; a sharded row
+                # (no segment, some bytes) is assembled only when asked for by name, as
+                # a caller reading its slices never wants the whole of it
+                missing = [t for t in rows.tuples()
+                           if t[0] not in cache and (t[5] is not None or not t[3])]
             if not missing:
                 return
+            sharded = any(t[5] is None and t[3] for t in missing)
             got = self._reader.materialize(self.collection, missing, verify=self._verify,
-                                           maps=maps, shards=self._shard_rows)
+                                           maps=maps,
+                                           shards=self._all_shards() if sharded else None)
             if self.device is None:
                 cache.update(got)
             else:
@@ -431,13 +441,21 @@ class StateDict(Mapping[str, torch.Tensor]):
                            f"tensor {name!r}", collection=snap.collection, tensor=name,
                            version=snap.version)
         self._misses += 1
-        snap._materialize(None if self._misses > self._BULK_AFTER else [name], self._maps)
-        return snap._cache[name]
+        bulk = self._misses > self._BULK_AFTER
+        snap._materialize(None if bulk else [name], self._maps)
+        t = snap._cache.get(name)
+        if t is None:  # sharded: made by name only; a walk by name makes them all at once
+            snap._materialize([n for n in snap._rows if n not in snap._cache] if bulk
+                              else [name], self._maps)
+            t = snap._cache[name]
+        return t
 
     def _all(self) -> dict[str, torch.Tensor]:
         snap = self._snap
         snap._materialize(None, self._maps)
         cache = snap._cache
+        if len(cache) < len(snap._rows):  # the sharded rows, assembled
+            snap._materialize([n for n in snap._rows if n not in cache], self._maps)
         if len(cache) == len(snap._rows) and not self._misses:
             return dict(cache)  # made in one go, in the manifest's (name) order
         return {n: cache[n] for n in snap._rows}

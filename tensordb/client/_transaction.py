@@ -127,8 +127,16 @@ def group_spec(collection: str, group: object, rank: object, world_size: object,
     return GroupSpec(group, rank, world_size, float(timeout))
 
 
+_SHAPE_TYPES = (tuple, list, torch.Size)
+_INT_LIMIT = 2**63
+
+
 def _dims(what: str, value: object, name: str, collection: str) -> tuple[int, ...]:
     """A shape-like argument as a tuple of non-negative ints, or InvalidInput."""
+    if type(value) in _SHAPE_TYPES:  # the common case, in a few checks per dimension
+        plain: tuple[int, ...] = tuple(cast(Iterable[int], value))
+        if all(type(d) is int and 0 <= d < _INT_LIMIT for d in plain):
+            return plain
     try:
         items = tuple(cast(Iterable[object], value))
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
