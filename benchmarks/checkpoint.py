@@ -35,9 +35,11 @@ Reads, by both ranks at once, into buffers the engine owns (pre-touched), a fres
 snapshot each repeat; the slices from the host-tier version the DCP save wrote (each
 tensor stored as two dim-0 shards):
 
-* ``slice, dim 0``: ``dst.copy_(snap.slice(name, rank=r, world_size=2, dim=0))``:
-  each rank's contiguous half (here exactly one stored shard);
-* ``slice, dim 1``: the same with ``dim=1``: strided columns across both shards;
+* ``slice, dim 0``: ``snap.slice(name, rank=r, world_size=2, dim=0, out=dst)`` (what
+  the DCP reader does with the planner's tensors): each rank's contiguous half (here
+  exactly one stored shard), read into ``dst`` by the kernel, nothing mapped;
+* ``slice, dim 1``: the same with ``dim=1``: strided columns across both shards (copied
+  from the shards' views);
 * ``whole tensors``: ``dst.copy_(snap[name])`` from the version the gather + commit
   wrote (each tensor stored whole, so ``snap[name]`` is a view): the full tensor, twice
   the bytes, which is what an engine with another layout read to cut its slice;
@@ -45,8 +47,8 @@ tensor stored as two dim-0 shards):
 beside ``memcpy`` of the slice's bytes (both ranks at once), and, to show where the
 time goes, the same memcpy out of a shared-memory file mapped beforehand (the store's
 4 KiB pages; plain memcpy's buffers may get huge pages) and the dim-0 slice read again
-in a snapshot whose segments are mapped already (a fresh snapshot maps each segment,
-``MAP_POPULATE`` of its resident pages, on first use).
+in a snapshot whose segments are mapped already, as a view and a copy (a fresh
+snapshot maps each segment, ``MAP_POPULATE`` of its resident pages, on first use).
 
 Goals (``_verdict``; the script exits 1 unless every goal is met), each judged twice:
 on the first save (tensordb's into the fresh store, the peer's first, each the first of
@@ -97,9 +99,9 @@ LABELS = {
     "fs_disk": "FileSystemWriter into a local directory (fsync)",
     "bound_slice": "bound: memcpy of each rank's slice (2 ranks at once)",
     "bound_slice_shm": "  the same out of a mapped shared-memory file (4 KiB pages)",
-    "slice_dim0": "snap.slice(rank, world_size=2, dim=0) + copy, contiguous",
-    "slice_dim0_mapped": "  the same again in that snapshot (its segments mapped)",
-    "slice_dim1": "snap.slice(rank, world_size=2, dim=1) + copy, strided",
+    "slice_dim0": "snap.slice(rank, world_size=2, dim=0, out=dst), contiguous",
+    "slice_dim0_mapped": "  a view + copy in a snapshot whose segments are mapped",
+    "slice_dim1": "snap.slice(rank, world_size=2, dim=1, out=dst), strided",
     "whole": "whole tensors (of the gathered version): snap[name] + copy, 2 x the bytes",
 }
 
@@ -289,9 +291,10 @@ class RankJob:
                 for n, dst in zip(names, bufs[kind], strict=True):
                     if kind == "whole":
                         dst.copy_(snap[n])
-                    else:
-                        dst.copy_(snap.slice(n, rank=self.rank, world_size=WORLD,
-                                             dim=0 if kind == "slice_dim0" else 1))
+                    else:  # into the engine's buffer, as the DCP reader does
+                        snap.slice(n, rank=self.rank, world_size=WORLD,
+                                   dim=0 if kind == "slice_dim0" else 1, out=dst)
+
         def copy_again(snap: Any) -> None:
             for n, dst in zip(names, bufs["slice_dim0"], strict=True):
                 dst.copy_(snap.slice(n, rank=self.rank, world_size=WORLD, dim=0))

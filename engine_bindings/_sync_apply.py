@@ -40,11 +40,16 @@ class Slicing:
     def dim(self, name: str) -> int | None:
         return plan_dim(self.plan, name)
 
-    def shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of this rank's part of a tensor of ``shape``."""
+    def shape(self, name: str, shape: tuple[int, ...], collection: str = "") -> tuple[int, ...]:
+        """The shape of this rank's part of a tensor of ``shape``; InvalidInput when the
+        plan splits it along a dim it does not have."""
         d = self.dim(name)
-        if d is None or not shape:
+        if d is None:
             return shape
+        if not -len(shape) <= d < len(shape):
+            raise InvalidInput(f"{collection}/{name}: the plan splits it along dim {d}, and "
+                               f"it has shape {tuple(shape)}", collection=collection,
+                               tensor=name)
         d %= len(shape)
         length = shard_bounds(shape[d], self.rank, self.world_size)[1]
         return tuple(length if i == d else n for i, n in enumerate(shape))
@@ -85,7 +90,7 @@ def plan(snap: tensordb.Snapshot, targets: dict[str, torch.Tensor], *, collectio
     for n in names:
         dtype, shape, _ = info[n]
         if slicing is not None:
-            shape = slicing.shape(n, tuple(shape))
+            shape = slicing.shape(n, tuple(shape), collection)
         cur = targets[n]
         if tuple(cur.shape) != tuple(shape):
             raise InvalidInput(

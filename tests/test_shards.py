@@ -403,3 +403,110 @@ def test_check_tiling_names_what_is_wrong() -> None:
     # three boxes where only the first and the last overlap
     assert "overlap" in (check_tiling("w", (9,), [(0, (0,), (3,)), (1, (3,), (3,)),
                                                    (2, (2,), (1,))]) or "")
+
+
+def test_a_rank_failing_to_write_its_part_aborts_the_group_at_once(
+        db: tensordb.Database) -> None:
+    def body(r: int) -> float:
+        t0 = time.monotonic()
+        with db.transaction("m", group="fill", rank=r, world_size=2, timeout=60) as tx:
+            tx.put_shard("w", W[r * 6:(r + 1) * 6], global_shape=W.shape, offsets=(r * 6, 0))
+            if r == 1:
+                def fill(dst: Any) -> None:
+                    raise OSError("the source file went away")
+                tx.put_raw("x", torch.float32, (4,), fill)
+        return time.monotonic() - t0
+    got = _ranks(2, body)
+    assert isinstance(got[1], OSError)
+    assert isinstance(got[0], GroupAborted) and "rank 1 failed to commit its part" in \
+        got[0].reason
+    assert db.collections() == []
+    db.gc()
+    assert db.stats()["segments"] == 0
+
+
+def test_two_ranks_putting_one_scalar_is_an_overlap(db: tensordb.Database) -> None:
+    def body(r: int) -> None:
+        with db.transaction("m", group="scalar", rank=r, world_size=2, timeout=60) as tx:
+            tx.put("step", torch.tensor(r))
+    got = _ranks(2, body)
+    assert sorted(type(e).__name__ for e in got.values()) == ["GroupAborted", "InvalidInput"]
+    assert any("both put this 0-d tensor" in str(e) for e in got.values())
+    assert db.collections() == []
+
+
+def test_a_state_dict_outlives_its_snapshot_and_gc(db: tensordb.Database) -> None:
+    _save(db, 2, 1, group="sd")
+    with db.snapshot("m") as snap:
+        sd = snap.state_dict()
+    db.commit("m", {"w": W * 3})
+    db.drop_versions("m", keep_last=1)
+    db.gc()
+    assert torch.equal(sd["w"], W)  # its shards' mappings were taken with it
+
+
+def test_a_published_group_name_stays_taken_after_gc(db: tensordb.Database) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from sqlalchemy import update
+
+    from tensordb.catalog.schema import commit_groups
+
+    _save(db, 2, 0, group="kept")
+    with db.catalog.engine.begin() as conn:  # its deadline long past, as gc will see it
+        conn.execute(update(commit_groups).values(
+            deadline=datetime.now(timezone.utc) - timedelta(days=30)))
+    db.gc()
+    with pytest.raises(InvalidInput, match="already published"):
+        with db.transaction("m", group="kept", rank=0, world_size=2):
+            pass
+
+
+def test_many_tensor_parallel_shards(db: tensordb.Database) -> None:
+    big = torch.arange(4 * 512, dtype=torch.int16).reshape(4, 512)
+    with db.transaction("tp") as tx:
+        for c in range(512):
+            tx.put_shard("w", big[:, c:c + 1], global_shape=big.shape, offsets=(0, c))
+    with db.snapshot("tp") as snap:
+        assert len(snap.shards("w")) == 512 and torch.equal(snap["w"], big)
+        assert torch.equal(snap.slice("w", offsets=(1, 100), shape=(2, 300)), big[1:3, 100:400])
+
+
+def test_query_rows_of_sharded_tensors_as_arrow(db: tensordb.Database) -> None:
+    _save(db, 2, 0, group="q")
+    rows = db.query("SELECT collection, name, version FROM tensors WHERE collection = 'm' "
+                    "ORDER BY name")
+    table = db.tensors_arrow(rows)
+    data = dict(zip(table.column("name").to_pylist(), table.column("data").to_pylist(),
+                    strict=True))
+    assert data["w"] == W.numpy().tobytes() and len(data["bias"]) == 12
+
+
+def test_an_engine_plan_naming_a_missing_dim_touches_nothing(db: tensordb.Database) -> None:
+    from engine_bindings import WeightUpdater
+
+    _save(db, 2, 0, group="plan")
+    e = _Engine(0, 2)
+    up = WeightUpdater(db, "m", e, rank=0, world_size=2, plan={"w": 1, "bias": 1})
+    with pytest.raises(InvalidInput, match="dim 1"):
+        up.apply()
+    assert not e.w.any() and not e.bias.any()  # nothing was written
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_slice_into_a_buffer_of_ones_own(db: tensordb.Database, sharded: bool) -> None:
+    if sharded:
+        _save(db, 3, 0, group="into")
+    else:
+        db.commit("m", {"w": W})
+    with db.snapshot("m") as snap:
+        for off, shp in (((2, 0), (7, 10)), ((5, 0), (1, 10)), ((3, 4), (1, 3)),
+                         ((0, 2), (12, 5)), ((0, 0), (12, 10)), ((4, 9), (8, 1))):
+            out = torch.full(shp, -1.0)
+            got = snap.slice("w", offsets=off, shape=shp, out=out)
+            assert got is out
+            assert torch.equal(out, W[off[0]:off[0] + shp[0], off[1]:off[1] + shp[1]]), off
+        for bad in (torch.zeros(3, 10), torch.zeros(7, 10, dtype=torch.float64),
+                    torch.zeros(10, 7).t(), "buffer"):
+            with pytest.raises(InvalidInput, match="out must be"):
+                snap.slice("w", offsets=(2, 0), shape=(7, 10), out=bad)  # type: ignore[arg-type]

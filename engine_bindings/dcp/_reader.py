@@ -155,8 +155,16 @@ class TensorDBReader(StorageReader):
                     continue
                 base = req.storage_index.offset or torch.Size([0] * len(req.lengths))
                 offsets = tuple(b + s for b, s in zip(base, req.storage_offsets, strict=True))
-                src = snap.slice(fqn, offsets=offsets, shape=tuple(req.lengths))
                 dst = planner.resolve_tensor(req).detach()
+                if (dst.device.type == "cpu" and dst.is_contiguous()
+                        and dst.size() == req.lengths
+                        and str(dst.dtype).removeprefix("torch.") == snap.info()[fqn][0]):
+                    # straight into the planner's tensor: the region's runs of bytes by
+                    # kernel reads, nothing mapped here
+                    snap.slice(fqn, offsets=offsets, shape=tuple(req.lengths), out=dst)
+                    planner.commit_tensor(req, dst)
+                    continue
+                src = snap.slice(fqn, offsets=offsets, shape=tuple(req.lengths))
                 if dst.size() != src.size():
                     raise InvalidInput(
                         f"the planner's destination for {fqn!r} at {offsets} is "

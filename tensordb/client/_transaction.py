@@ -369,13 +369,20 @@ class Transaction:
                 self._writer.abort_group(self.collection, g,
                                          f"rank {g.rank} raised {exc_type.__name__}: {exc}")
             return None
-        self._check_open()
-        assert self._base is not None
         if g is not None:
+            try:
+                self._check_open()
+            except BaseException:
+                self._writer.abort_group(self.collection, g,
+                                         f"rank {g.rank}'s store was closed before its part")
+                raise
+            assert self._base is not None
             self.result = self._writer.publish_part(
                 self.collection, g, self._puts, self._shards, self._deletes, self.message,
                 self._tier, self._meta)
         else:
+            self._check_open()
+            assert self._base is not None
             self.result = self._writer.publish(self.collection, self._base, self._puts,
                                                self._deletes, self.message, self._tier,
                                                self._meta, self._shards)

@@ -263,14 +263,18 @@ class Writer:
                 sorted(deletes), meta, message)
             result = self.catalog.commit_part(
                 collection, group.name, group.rank, part,
-                (writer.segment_id, tier.name, total) if writer else None,
-                durable=writer is None or tier.persistent)
-        except BaseException:
+                (writer.segment_id, tier.name, total) if writer else None)
+        except BaseException as exc:
+            landed = writer is not None and self.catalog.segment_registered(writer.segment_id)
             if writer is not None:
-                if self.catalog.segment_registered(writer.segment_id):
+                if landed:
                     writer.release()  # its part was recorded: gc reclaims it with the group
                 else:
                     writer.abort()
+            if not landed and not isinstance(exc, GroupAborted):
+                # the other ranks must not wait out the deadline for this part
+                self.abort_group(collection, group, f"rank {group.rank} failed to commit its "
+                                 f"part: {type(exc).__name__}: {exc}")
             raise
         if writer is not None:
             writer.release()
