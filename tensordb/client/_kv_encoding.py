@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from tensordb.errors import InvalidInput
+from tensordb.errors import InvalidInput, StoreFull
 
 from ._inputs import dtype_name, torch_dtype
 
@@ -129,10 +129,13 @@ class EncodedBlocks:
     on_gpu: list[tuple[int, torch.Tensor]]
 
 
-def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str) -> EncodedBlocks:
+def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str,
+                  limit: int | None = None, node: str | None = None) -> EncodedBlocks:
     """The host bytes and records of ``blocks`` (GPU tensors copied down, strided ones
     made contiguous); InvalidInput, naming the block, for a non-tensor, an empty block
-    or a dtype the store cannot name."""
+    or a dtype the store cannot name; StoreFull for a block of more than ``limit``
+    bytes (the arena's capacity), before any copy (an expanded tensor of 10**9 elements
+    would otherwise be made contiguous, 4 GB, to be refused after)."""
     bufs, metas = [], []
     on_gpu: list[tuple[int, torch.Tensor]] = []
     # a batch's blocks share dtype and shape: their record is built once (the checks
@@ -143,6 +146,10 @@ def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str) -> EncodedBloc
             raise InvalidInput(f"block {i} must be a dense torch.Tensor, not "
                                f"{type(b).__name__}", collection=namespace)
         t = b.detach() if b.requires_grad else b
+        if limit is not None and t.numel() * t.element_size() > limit:
+            raise StoreFull(f"KV namespace {namespace!r}: block {i} holds "
+                            f"{t.numel() * t.element_size()} bytes, more than the arena's "
+                            f"{limit}", collection=namespace, node=node)
         if t.device.type != "cpu":
             if t.device.type == "cuda":
                 on_gpu.append((i, t.contiguous()))
