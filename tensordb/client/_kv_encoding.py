@@ -11,7 +11,7 @@ needs (see ``byte_view`` and the per-batch record cache of ``encode_blocks``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -85,6 +85,9 @@ class KeyChain:
         if isinstance(keys, (bytes, bytearray, str)):
             raise InvalidInput("keys must be a sequence of keys, not one key",
                                collection=self.namespace)
+        if not isinstance(keys, Iterable) or isinstance(keys, dict):
+            raise InvalidInput(f"keys must be a sequence of keys (bytes), not "
+                               f"{type(keys).__name__}", collection=self.namespace)
         out = []
         for k in keys:
             if type(k) is bytes and 0 < len(k) <= MAX_KEY:  # the usual case: no copy
