@@ -272,6 +272,35 @@ def test_a_kv_slab_cut_under_the_store_is_survived(tmp_path: Path) -> None:
         remove_store(db)
 
 
+@pytest.mark.parametrize("fault", ["cut in half", "emptied", "deleted", "flipped"])
+def test_a_damaged_kv_spill_file_is_corrupt_data(tmp_path: Path, fault: str) -> None:
+    """A block spilled to the disk tier whose file is cut, emptied, deleted or flipped:
+    CorruptData and the block dropped (a miss from then on); the rest is served."""
+    db = open_store(tmp_path / "s")
+    try:
+        kv = db.kv("ns", block_tokens=4, capacity_bytes=256 << 10, slab_bytes=64 << 10)
+        keys = kv.keys(list(range(4 * 64)))
+        for i in range(0, 64, 4):  # 1 MiB into a 256 KiB arena: the oldest spill
+            kv.put(keys[i : i + 4], [torch.full((4096,), float(j)) for j in range(i, i + 4)])
+        tier, path, offset, nbytes = kv.store.locate(keys[0])  # type: ignore[attr-defined]
+        assert tier == "disk"
+        if fault == "cut in half":
+            os.truncate(path, offset + nbytes // 2)
+        elif fault == "emptied":
+            os.truncate(path, 0)
+        elif fault == "deleted":
+            os.unlink(path)
+        else:
+            flip_byte(path, offset + nbytes // 3)
+        with pytest.raises(CorruptData) as info:
+            kv.get(keys[:1])
+        assert info.value.collection == "ns"
+        assert kv.match(keys) == 0 and kv.contains(keys[1:2]) == [True]
+        assert float(kv.get(keys[1:2])[0][0]) == 1.0
+    finally:
+        remove_store(db)
+
+
 @pytest.mark.parametrize("fault", ["truncated", "overwritten"])
 def test_a_damaged_kv_index_is_corrupt_data(tmp_path: Path, fault: str) -> None:
     db = open_store(tmp_path / "s")
@@ -304,7 +333,7 @@ def test_a_damaged_sqlite_catalog(tmp_path: Path, fault: str) -> None:
     db = open_store(tmp_path / "s")
     for i in range(20):
         db.commit("m", {"x": torch.randn(100)}, message=f"step {i}" * 20)
-    db.close()
+    remove_store(db)  # its shared memory too: a store that cannot open cannot remove it
     cat = tmp_path / "s" / "catalog.db"
     size = cat.stat().st_size
     if fault == "truncated":
