@@ -471,7 +471,6 @@ def private_pg() -> Iterator[PrivatePostgres]:
         pg.close()
 
 
-@pytest.mark.postgres
 def test_commits_resume_across_postgres_restarts(tmp_path: Path,
                                                  private_pg: PrivatePostgres) -> None:
     """A writer commits in a loop while its catalog server is restarted (fast shutdown:
