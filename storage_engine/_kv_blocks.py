@@ -110,6 +110,8 @@ class BlockTable:
         with self._index.env.begin() as rtxn:
             # the batch's chunks sit in a few slabs: look each slab up once
             info = {slab: self._arena.slab_info(rtxn, slab) for _, _, slab, _ in reserved}
+            for slab, (csize, nchunks, _) in info.items():
+                self._arena.restore(slab, csize * nchunks)  # a write past a cut: SIGBUS
             return [self._arena.chunk(rtxn, slab, chunk, sizes[i], info[slab])
                     for i, _, slab, chunk in reserved]
 

@@ -56,6 +56,17 @@ class KVStoreFull(StorageError):
         self.capacity = capacity
 
 
+class KVIndexDamaged(StorageError):
+    """The block store's index cannot be read: its file is not an LMDB environment any
+    more (truncated, overwritten) or its pages are corrupt. The blocks are a cache:
+    removing the store's directory starts it empty."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"the KV block index at {path} is damaged ({reason}); its blocks "
+                         f"are a cache: remove {path.rsplit('/', 1)[0]} to start it empty")
+        self.path = path
+
+
 class KVCorrupt(StorageError):
     """Blocks whose bytes no longer match their checksum; they were dropped."""
 
