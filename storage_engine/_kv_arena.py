@@ -131,13 +131,15 @@ class HostArena:
 
     def private_bytes(self, slab: int, offset: int, nbytes: int) -> np.ndarray:
         """A new private (copy-on-write) mapping of a leased chunk's bytes: a reader's
-        stray write changes its own pages only."""
+        stray write changes its own pages only. A chunk smaller than a page shares its
+        page with others: the mapping covers the whole pages, the view only the chunk."""
         self.restore(slab, offset + nbytes)
         fd = self._rfds.get(slab)
         if fd is None:
             fd = self._rfds[slab] = os.open(self.slab_path(slab), os.O_RDONLY | os.O_CLOEXEC)
-        return np.frombuffer(mmap.mmap(fd, nbytes, offset=offset, access=mmap.ACCESS_COPY),
-                             dtype=np.uint8)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, offset + nbytes - base, offset=base, access=mmap.ACCESS_COPY)
+        return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - base)
 
     def _forget_slab(self, slab: int) -> None:
         fd = self._rfds.pop(slab, None)
