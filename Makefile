@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test lint clean
+.PHONY: run test lint mutate clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(LINT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+
+# mutation testing of the modules that keep the promises (by hand, not in CI: about an
+# hour on 2 cores; tools/mutate.py --help for one module or a few mutants)
+mutate: $(STAMP)
+	$(BIN)/python tools/mutate.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tensordb

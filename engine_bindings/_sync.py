@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,7 @@ import torch
 import tensordb
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
-from ._sync_apply import Ident, SwapHold, copy_buckets, identities, plan, repoint
+from ._sync_apply import Ident, Slicing, SwapHold, copy_buckets, identities, plan, repoint
 
 __all__ = ["UpdateReport", "WeightUpdater"]
 
@@ -68,6 +68,27 @@ class UpdateReport:
     previous: int | None = None
 
 
+def _slicing(collection: str, rank: object, world_size: object,
+             plan: object) -> Slicing | None:
+    """The engine rank's slicing, checked (None: the module holds whole tensors)."""
+    if rank is None and world_size is None and plan is None:
+        return None
+    for what, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidInput(f"a sliced updater needs {what} as an int, not {v!r}",
+                               collection=collection)
+    assert isinstance(rank, int) and isinstance(world_size, int)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidInput(f"rank {rank} is out of range for world_size {world_size}",
+                           collection=collection)
+    if not isinstance(plan, Mapping) or not all(
+            isinstance(k, str) and (v is None or (isinstance(v, int) and not isinstance(v, bool)))
+            for k, v in plan.items()):
+        raise InvalidInput("plan must map tensor names or glob patterns to a dim or None",
+                           collection=collection)
+    return Slicing(rank, world_size, dict(plan))
+
+
 # -- the updater ------------------------------------------------------------------------
 class WeightUpdater:
     """Keeps ``module`` at the latest (or a chosen) version of ``collection``.
@@ -84,7 +105,9 @@ class WeightUpdater:
 
     def __init__(self, db: tensordb.Database, collection: str, module: torch.nn.Module, *,
                  bucket_bytes: int = 256 << 20, mode: str = "copy",
-                 current: int | None = None, strict: bool = True) -> None:
+                 current: int | None = None, strict: bool = True,
+                 rank: int | None = None, world_size: int | None = None,
+                 plan: Mapping[str, int | None] | None = None) -> None:
         if not isinstance(module, torch.nn.Module):
             raise InvalidInput(f"module must be a torch.nn.Module, not "
                                f"{type(module).__name__}", collection=collection)
@@ -95,6 +118,7 @@ class WeightUpdater:
                 or bucket_bytes <= 0:
             raise InvalidInput(f"bucket_bytes must be a positive int, not {bucket_bytes!r}",
                                collection=collection)
+        self.slicing = _slicing(collection, rank, world_size, plan)
         self.db = db
         self.collection = collection
         self.module = module
@@ -184,7 +208,7 @@ class WeightUpdater:
             return UpdateReport(snap.version, [], len(targets), 0,
                                 time.perf_counter() - t0, previous), False
         names = plan(snap, targets, collection=self.collection, strict=self.strict,
-                     swap=self.mode == "swap")
+                     swap=self.mode == "swap", slicing=self.slicing)
         idents = identities(snap)
         old = self._idents
         changed = [n for n in names
@@ -199,13 +223,13 @@ class WeightUpdater:
                 todo.append(n)
         if self.mode == "copy":
             try:
-                copied = copy_buckets(todo, targets, snap, self.bucket_bytes)
+                copied = copy_buckets(todo, targets, snap, self.bucket_bytes, self.slicing)
             except BaseException:
                 self.invalidate()  # part copied: the module holds no one version now
                 raise
         else:
             copied = 0
-            repoint(todo, targets, snap)
+            repoint(todo, targets, snap, self.slicing)
         self._idents = {n: idents[n] for n in names}
         self._current = snap.version
         keep = False

@@ -13,14 +13,52 @@ Uses the public tensordb API only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 import tensordb
 from tensordb.errors import InvalidInput
 
-__all__ = ["Ident", "SwapHold", "copy_buckets", "identities", "plan", "repoint"]
+from ._torch import plan_dim, shard_bounds
+
+__all__ = ["Ident", "Slicing", "SwapHold", "copy_buckets", "identities", "plan", "repoint"]
+
+
+@dataclass(frozen=True, slots=True)
+class Slicing:
+    """An engine rank's part of each tensor: rank ``rank`` of ``world_size`` along the
+    dim ``plan`` gives the name (torch.chunk's split), or the whole tensor (None). It
+    reads only its part's bytes (``Snapshot.slice``), however the version was stored."""
+
+    rank: int
+    world_size: int
+    plan: Mapping[str, int | None]
+
+    def dim(self, name: str) -> int | None:
+        return plan_dim(self.plan, name)
+
+    def shape(self, name: str, shape: tuple[int, ...], collection: str = "") -> tuple[int, ...]:
+        """The shape of this rank's part of a tensor of ``shape``; InvalidInput when the
+        plan splits it along a dim it does not have."""
+        d = self.dim(name)
+        if d is None:
+            return shape
+        if not -len(shape) <= d < len(shape):
+            raise InvalidInput(f"{collection}/{name}: the plan splits it along dim {d}, and "
+                               f"it has shape {tuple(shape)}", collection=collection,
+                               tensor=name)
+        d %= len(shape)
+        length = shard_bounds(shape[d], self.rank, self.world_size)[1]
+        return tuple(length if i == d else n for i, n in enumerate(shape))
+
+    def read(self, snap: tensordb.Snapshot, name: str) -> torch.Tensor:
+        d = self.dim(name)
+        if d is None:
+            return snap[name]
+        return snap.slice(name, rank=self.rank, world_size=self.world_size, dim=d)
 
 #: (segment, offset, checksum, dtype, shape) of a stored tensor; an unknown one (None)
 #: matches nothing, so its tensor is always applied
@@ -35,7 +73,7 @@ def identities(snap: tensordb.Snapshot) -> dict[str, Ident]:
 
 
 def plan(snap: tensordb.Snapshot, targets: dict[str, torch.Tensor], *, collection: str,
-         strict: bool, swap: bool) -> list[str]:
+         strict: bool, swap: bool, slicing: Slicing | None = None) -> list[str]:
     """The names to update; raises InvalidInput (naming the tensor) before anything
     is touched when the module and the version do not fit."""
     info = snap.info()
@@ -51,6 +89,8 @@ def plan(snap: tensordb.Snapshot, targets: dict[str, torch.Tensor], *, collectio
                 tensor=bad, version=snap.version)
     for n in names:
         dtype, shape, _ = info[n]
+        if slicing is not None:
+            shape = slicing.shape(n, tuple(shape), collection)
         cur = targets[n]
         if tuple(cur.shape) != tuple(shape):
             raise InvalidInput(
@@ -72,7 +112,8 @@ def plan(snap: tensordb.Snapshot, targets: dict[str, torch.Tensor], *, collectio
 
 
 def copy_buckets(names: list[str], targets: dict[str, torch.Tensor],
-                 snap: tensordb.Snapshot, bucket_bytes: int) -> int:
+                 snap: tensordb.Snapshot, bucket_bytes: int,
+                 slicing: Slicing | None = None) -> int:
     """Copy in buckets of about ``bucket_bytes``; returns the bytes copied. Host tensors
     of the stored dtype are filled by ``Snapshot.read_into`` (kernel reads from the tier
     in parallel: the new version is never mapped here, so its pages cost no faults); the
@@ -89,6 +130,11 @@ def copy_buckets(names: list[str], targets: dict[str, torch.Tensor],
         with torch.no_grad():
             for n in bucket:
                 dst = targets[n].detach()
+                if slicing is not None and slicing.dim(n) is not None:
+                    dst.copy_(slicing.read(snap, n), non_blocking=dst.device.type == "cuda")
+                    if dst.device.type == "cuda":
+                        devices.add(dst.device)
+                    continue
                 if (dst.device.type == "cpu" and dst.is_contiguous()
                         and str(dst.dtype).removeprefix("torch.") == info[n][0]):
                     direct[n] = dst
@@ -103,8 +149,10 @@ def copy_buckets(names: list[str], targets: dict[str, torch.Tensor],
 
     for n in names:
         bucket.append(n)
-        size += info[n][2]
-        copied += info[n][2]
+        nbytes = info[n][2] if slicing is None or slicing.dim(n) is None else \
+            targets[n].numel() * targets[n].element_size()
+        size += nbytes
+        copied += nbytes
         if size >= bucket_bytes:
             flush()
             bucket, size = [], 0
@@ -114,8 +162,14 @@ def copy_buckets(names: list[str], targets: dict[str, torch.Tensor],
 
 
 def repoint(names: list[str], targets: dict[str, torch.Tensor],
-            snap: tensordb.Snapshot) -> None:
-    """Point each named module tensor at ``snap``'s zero-copy tensor: no byte copied."""
+            snap: tensordb.Snapshot, slicing: Slicing | None = None) -> None:
+    """Point each named module tensor at ``snap``'s zero-copy tensor: no byte copied
+    (a rank's part of a tensor stored in shards that split it otherwise is assembled)."""
+    if slicing is not None:
+        with torch.no_grad():
+            for n in names:
+                targets[n].data = slicing.read(snap, n)
+        return
     stored = snap.state_dict()
     with torch.no_grad():
         for n in names:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import tensordb
-from tensordb.errors import InvalidInput
+from tensordb.errors import InvalidInput, NotFound
 
 __all__ = [
     "LoadReport",
@@ -177,30 +177,40 @@ def _check_shard_args(collection: str, name: str | None, rank: object,
     return r, ws
 
 
-def _narrow(t: torch.Tensor, collection: str, name: str, rank: int, world_size: int,
-            dim: object) -> torch.Tensor:
+def _slice(snap: tensordb.Snapshot, name: str, rank: int, world_size: int,
+           dim: object) -> torch.Tensor:
+    """Rank ``rank``'s part of ``name`` along ``dim``: only its bytes are read, whether
+    the tensor was stored whole (a zero-copy view) or in shards (``Snapshot.slice``)."""
+    collection = snap.collection
     d = _int(dim, "dim", collection, name)
-    if t.dim() == 0:
+    if name not in snap:
+        raise NotFound(f"collection {collection!r} version {snap.version} has no tensor "
+                       f"{name!r}", collection=collection, tensor=name, version=snap.version)
+    shape = snap.info()[name][1]
+    if not shape:
         raise InvalidInput(f"{collection}/{name} is 0-d and cannot be sharded",
                            collection=collection, tensor=name)
-    if not -t.dim() <= d < t.dim():
+    if not -len(shape) <= d < len(shape):
         raise InvalidInput(f"dim {d} is out of range for {collection}/{name} of shape "
-                           f"{tuple(t.shape)}", collection=collection, tensor=name)
-    start, length = shard_bounds(t.shape[d], rank, world_size)
-    return t.narrow(d, start, length)
+                           f"{tuple(shape)}", collection=collection, tensor=name)
+    return snap.slice(name, rank=rank, world_size=world_size, dim=d)
 
 
 def shard(db: tensordb.Database, collection: str, name: str, *, rank: int, world_size: int,
           dim: int = 0, version: int | None = None) -> torch.Tensor:
-    """Rank ``rank`` of ``world_size`` of tensor ``name`` along ``dim``, as a zero-copy
-    view of the stored bytes (torch.chunk split: equal parts, the last may be smaller).
-    Only the pages of the slice are ever touched. InvalidInput when rank, world_size or
-    dim are out of range."""
+    """Rank ``rank`` of ``world_size`` of tensor ``name`` along ``dim`` (torch.chunk split:
+    equal parts, the last may be smaller): a zero-copy view of the stored bytes where one
+    extent holds the part (a tensor stored whole, or one shard holding it), else a copy
+    of only the part's bytes from the shards that meet it. Only the pages of the part
+    are ever touched. InvalidInput when rank, world_size or dim are out of range."""
     r, ws = _check_shard_args(collection, name, rank, world_size)
-    return _narrow(db.get(collection, name, version=version), collection, name, r, ws, dim)
+    with db.snapshot(collection, version=version) as snap:
+        return _slice(snap, name, r, ws, dim)
 
 
-def _plan_dim(plan: Mapping[str, int | None], name: str) -> int | None:
+def plan_dim(plan: Mapping[str, int | None], name: str) -> int | None:
+    """The dim ``plan`` splits ``name`` along (None: replicated): an exact name wins over
+    glob patterns; among patterns the first that matches, in the plan's order."""
     if name in plan:
         return plan[name]
     for pattern, dim in plan.items():
@@ -228,10 +238,10 @@ def shard_state_dict(db: tensordb.Database, collection: str, *, rank: int, world
                                                                      collection) is not None):
             raise InvalidInput(f"plan entry {pattern!r}: {dim!r} is not a dim or None",
                                collection=collection)
+    out: dict[str, torch.Tensor] = {}
     with db.snapshot(collection, version=version) as snap:
         full = snap.state_dict()
-    out: dict[str, torch.Tensor] = {}
-    for name, t in full.items():
-        dim = _plan_dim(plan, name)
-        out[name] = t if dim is None else _narrow(t, collection, name, r, ws, dim)
+        for name in full:
+            dim = plan_dim(plan, name)
+            out[name] = full[name] if dim is None else _slice(snap, name, r, ws, dim)
     return out

@@ -29,7 +29,14 @@ from ._io import (
 from ._kv import BlockStore
 from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
 from ._kv_gpu import GpuBlockView
-from ._kv_types import BlockView, KVCorrupt, KVStats, KVStoreFull, bloom_may_hold
+from ._kv_types import (
+    BlockView,
+    KVCorrupt,
+    KVIndexDamaged,
+    KVStats,
+    KVStoreFull,
+    bloom_may_hold,
+)
 from ._procs import boot_id, current_holder, gc_paused, holder_alive
 from ._sources import SourceFile
 from ._tier import Pooling, Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
@@ -53,6 +60,7 @@ __all__ = [
     "HostTier",
     "HostView",
     "KVCorrupt",
+    "KVIndexDamaged",
     "KVStats",
     "KVStoreFull",
     "LRUEviction",

@@ -47,7 +47,17 @@ _POOL_DIR = "pool"
 _lock_nb = lock_nb  # the name the tests and older callers use
 
 
+#: a directory to keep the host tier's and KV arenas' areas in instead of /dev/shm (a
+#: tmpfs of its own, to bound what a store may take of the host's shared memory)
+SHM_ROOT_ENV = "TENSORDB_SHM_ROOT"
+
+
 def shm_root() -> Path:
+    """Where stores keep their shared-memory areas: $TENSORDB_SHM_ROOT, else /dev/shm
+    (else $TMPDIR, else /tmp, on a system without /dev/shm)."""
+    root = os.environ.get(SHM_ROOT_ENV)
+    if root:
+        return Path(root)
     return Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
@@ -659,7 +669,10 @@ class HostTier(FileTier):
         return nbytes + max(1 << 20, nbytes >> 8)
 
     def prefault(self, nbytes: int, *, wait: bool = True) -> None:
-        """Allocate and map a spare of ``nbytes`` so the next commit that fits is a memcpy."""
+        """Allocate and map a spare of ``nbytes`` so the next commit that fits is a memcpy.
+        With ``wait``, TierFull when shared memory has no room for it (and the spare
+        size is left as it was: no refill tries it again after each commit)."""
+        before = self.spare_bytes
         self.spare_bytes = max(self.spare_bytes, nbytes)
         with self._lock:
             if self._spare is not None and self._spare[4] >= nbytes:
@@ -670,7 +683,11 @@ class HostTier(FileTier):
                 self._pending = self._pool_threads.submit(self._make_spare, nbytes)
             pending = self._pending
         if wait:
-            pending.result()
+            try:
+                pending.result()
+            except TierFull:
+                self.spare_bytes = before
+                raise
 
     def spare_ready(self) -> int:
         """Bytes of the pre-faulted spare ready now (0: none, or still being faulted)."""

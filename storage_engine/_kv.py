@@ -64,6 +64,7 @@ from ._kv_types import (
     GPU_BIT,
     PAGE,
     BlockView,
+    KVIndexDamaged,
     KVStats,
     as_bytes,
     bloom_filter,
@@ -114,11 +115,19 @@ class BlockStore:
                 os.chmod(d, 0o700)
         GpuSlabs.check_options(gpu_device, gpu_capacity)
         self._index = KVIndex(self.root / "index", map_size=map_size)
-        self._index.open()
-        self._pid = os.getpid()
-        self.capacity, self.slab_bytes, self.eviction = self._adopt_settings(
-            int(capacity_bytes), int(slab_bytes),
-            make_eviction(eviction or policy or "lru"))
+        try:
+            self._index.open()
+            self._pid = os.getpid()
+            self.capacity, self.slab_bytes, self.eviction = self._adopt_settings(
+                int(capacity_bytes), int(slab_bytes),
+                make_eviction(eviction or policy or "lru"))
+        except lmdb.Error as exc:  # not LMDB any more (truncated, overwritten), or corrupt
+            env = getattr(self._index, "env", None)
+            if env is not None:
+                env.close()
+            raise KVIndexDamaged(str(self.root / "index"),
+                                 f"{type(exc).__name__}: {str(exc).rsplit(': ', 1)[-1]}"
+                                 ) from exc
         self._leases = ReadLeases(self._index, release=self._release_chunk)
         self._arena = HostArena(self._index, self.root / "slabs", capacity=self.capacity,
                                 slab_bytes=self.slab_bytes)

@@ -14,6 +14,7 @@ caller's write transaction.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import struct
@@ -26,6 +27,8 @@ from ._kv_index import KVIndex
 from ._kv_types import FREE, POPULATE, SLAB, SLAB_ID, KVStoreFull
 
 __all__: list[str] = []  # a part of BlockStore, nothing public
+
+log = logging.getLogger(__name__)
 
 
 class HostArena:
@@ -68,6 +71,33 @@ class HostArena:
         assert raw is not None, f"slab {slab} has no record"
         return SLAB.unpack(raw)
 
+    def restore(self, slab: int, size: int) -> None:
+        """Give a slab file cut shorter than ``size`` (its end truncated by another
+        process or a user) its pages back: a mapping's access past the end of its file
+        is a SIGBUS that kills the process, where the restored pages read zeros, which
+        fail their blocks' checksums (the blocks are dropped as corrupt). One stat per
+        call; KVStoreFull when shared memory has no room for the pages."""
+        path = self.slab_path(slab)
+        try:
+            if os.stat(path).st_size >= size:
+                return
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:  # deleted: recreated empty, its blocks fail as above
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                log.warning("KV slab %s is %d bytes, not %d: truncated outside the store; "
+                            "restored (its blocks past the cut fail their checksums)",
+                            path, os.fstat(fd).st_size, size)
+                os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise KVStoreFull(f"shared memory is full: no room to restore the "
+                                  f"truncated slab {path}", needed=size) from exc
+            raise
+        finally:
+            os.close(fd)
+
     def _wmap(self, slab: int, size: int) -> mmap.mmap:
         mm = self._wmaps.get(slab)
         if mm is None:
@@ -91,6 +121,7 @@ class HostArena:
     def shared_bytes(self, slab: int, offset: int, nbytes: int) -> np.ndarray:
         """The bytes of a leased chunk through this process's shared mapping of the slab
         (a read transaction of its own when the slab is not mapped yet)."""
+        self.restore(slab, offset + nbytes)
         mm = self._wmaps.get(slab)
         if mm is None:
             with self._index.env.begin() as txn:
@@ -100,12 +131,15 @@ class HostArena:
 
     def private_bytes(self, slab: int, offset: int, nbytes: int) -> np.ndarray:
         """A new private (copy-on-write) mapping of a leased chunk's bytes: a reader's
-        stray write changes its own pages only."""
+        stray write changes its own pages only. A chunk smaller than a page shares its
+        page with others: the mapping covers the whole pages, the view only the chunk."""
+        self.restore(slab, offset + nbytes)
         fd = self._rfds.get(slab)
         if fd is None:
             fd = self._rfds[slab] = os.open(self.slab_path(slab), os.O_RDONLY | os.O_CLOEXEC)
-        return np.frombuffer(mmap.mmap(fd, nbytes, offset=offset, access=mmap.ACCESS_COPY),
-                             dtype=np.uint8)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, offset + nbytes - base, offset=base, access=mmap.ACCESS_COPY)
+        return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - base)
 
     def _forget_slab(self, slab: int) -> None:
         fd = self._rfds.pop(slab, None)

@@ -47,6 +47,7 @@ class BlockTable:
         self._spill = spill
         self._gpu = gpu
         self.eviction = eviction
+        self._reclaimed_in = -1  # the write epoch of the last reclaim scan
 
     # -- reads of the index (no write lock) -------------------------------------------
     def match(self, keys: Sequence[bytes]) -> int:
@@ -109,6 +110,8 @@ class BlockTable:
         with self._index.env.begin() as rtxn:
             # the batch's chunks sit in a few slabs: look each slab up once
             info = {slab: self._arena.slab_info(rtxn, slab) for _, _, slab, _ in reserved}
+            for slab, (csize, nchunks, _) in info.items():
+                self._arena.restore(slab, csize * nchunks)  # a write past a cut: SIGBUS
             return [self._arena.chunk(rtxn, slab, chunk, sizes[i], info[slab])
                     for i, _, slab, chunk in reserved]
 
@@ -161,8 +164,12 @@ class BlockTable:
                 continue
             if arena.drop_empty_slab(txn, csize):
                 continue
-            if not reclaimed:
+            if not reclaimed and self._reclaimed_in != self._index.write_epoch:
+                # dead readers' leases and dead writers' chunks, looked for once per
+                # write transaction: a batch that fills a full arena evicts for every
+                # block, and a scan per block was quadratic in the batch
                 reclaimed = True
+                self._reclaimed_in = self._index.write_epoch
                 if self._leases.reclaim_zombies(txn, alive) + \
                         self._reclaim_dead_writers(txn, alive):
                     continue

@@ -256,6 +256,7 @@ class GpuBlockCache:
         self._leases = leases
         self.slabs = slabs
         self._order = LRUEviction()
+        self._reclaimed_in = -1  # the write epoch of the last reclaim scan
 
     def bind(self) -> None:
         """Once the index's databases are open (again after a fork)."""
@@ -353,8 +354,9 @@ class GpuBlockCache:
             if empty is not None:
                 self._drop_slab(txn, *empty)
                 continue
-            if not reclaimed:
-                reclaimed = True
+            if not reclaimed and self._reclaimed_in != self._index.write_epoch:
+                reclaimed = True  # once per write transaction, as the host arena does
+                self._reclaimed_in = self._index.write_epoch
                 if self._leases.reclaim_zombies(txn, alive) + \
                         self._reclaim_dead_writers(txn, alive):
                     continue

@@ -56,6 +56,9 @@ class KVIndex:
         self._pending: dict[str, int] = {}  # its counters, written at its commit
         self._created: list[Path] = []
         self._doomed: list[Path] = []
+        #: counts this process's write transactions: a part that must do something
+        #: once per transaction (a scan) remembers the epoch it did it in
+        self.write_epoch = 0
 
     def open(self) -> None:
         self.holder = current_holder().encode()
@@ -130,6 +133,7 @@ class KVIndex:
         self._doomed = []
         txn = self.env.begin(write=True)
         self._wtxn, self._pending = txn, {}
+        self.write_epoch += 1
         try:
             for hook in self.hooks:
                 hook.begin(txn)

@@ -56,6 +56,17 @@ class KVStoreFull(StorageError):
         self.capacity = capacity
 
 
+class KVIndexDamaged(StorageError):
+    """The block store's index cannot be read: its file is not an LMDB environment any
+    more (truncated, overwritten) or its pages are corrupt. The blocks are a cache:
+    removing the store's directory starts it empty."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"the KV block index at {path} is damaged ({reason}); its blocks "
+                         f"are a cache: remove {path.rsplit('/', 1)[0]} to start it empty")
+        self.path = path
+
+
 class KVCorrupt(StorageError):
     """Blocks whose bytes no longer match their checksum; they were dropped."""
 
@@ -103,11 +114,18 @@ class KVStats:
     gpu_evictions: int = 0
 
 
+#: the smallest chunk: blocks under a page share pages, in power-of-two chunks
+MIN_CHUNK = 512
+
+
 def size_class(nbytes: int) -> int:
-    """The chunk size a block of ``nbytes`` goes in: whole pages up to 64 KiB, then four
-    classes per power of two (at most 25 % slack; KV blocks of a namespace usually sit
-    exactly on one)."""
-    n = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    """The chunk size a block of ``nbytes`` goes in: a power of two from 512 bytes below a
+    page (small blocks share pages: a 1 KiB block took a 4 KiB chunk, 4 x its memory),
+    whole pages up to 64 KiB, then four classes per power of two (at most 25 % slack; KV
+    blocks of a namespace usually sit exactly on one)."""
+    if nbytes < PAGE:
+        return max(MIN_CHUNK, 1 << max(0, nbytes - 1).bit_length())
+    n = -(-nbytes // PAGE) * PAGE
     if n <= 16 * PAGE:
         return n
     step = 1 << (n.bit_length() - 3)  # a quarter of the power of two below n

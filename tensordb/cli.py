@@ -23,9 +23,12 @@ from rich.table import Table
 from sqlalchemy.exc import OperationalError
 from typer.core import TyperGroup
 
+from storage_engine import shm_root
+
 from . import Database, connect
 from ._display import TABLE_STYLE, history_table, human_bytes, result_table, shape_text
 from .catalog import current_revision, ensure_schema, make_engine
+from .client import find_areas, remove_area
 from .config import Config
 from .errors import NodeUnavailable, TensorDBError
 
@@ -252,6 +255,40 @@ def verify_command(ctx: typer.Context) -> None:
     _console(stderr=True).print(f"verify: {len(problems)} tensor(s) fail their check",
                                 style="red", markup=False)
     raise typer.Exit(1)
+
+
+@app.command("orphans")
+def orphans_command(
+    remove: Annotated[bool, typer.Option(
+        "--remove", help="Delete the orphans no process has open or mapped.")] = False,
+    every: Annotated[bool, typer.Option(
+        "--all", help="List every store's area, not only the orphans.")] = False,
+) -> None:
+    """List shared-memory areas whose store is gone (its home and data directory
+    deleted), and with --remove delete them. Needs no store; looks in
+    $TENSORDB_SHM_ROOT, else /dev/shm."""
+    out = _console()
+    areas = [a for a in find_areas() if every or a.orphan]
+    removed = 0
+    table = Table(title=f"{len(areas)} area(s) in {shm_root()}", title_justify="left",
+                  **TABLE_STYLE)
+    for col in ("area", "size", "home", "state"):
+        table.add_column(col, overflow="fold")
+    for a in areas:
+        if not a.orphan:
+            state = "in use" if a.home is not None else "no record of its store"
+        elif a.users:
+            state = f"orphan, open in process {', '.join(map(str, a.users))}"
+        elif remove:
+            remove_area(a)
+            removed += 1
+            state = "orphan, removed"
+        else:
+            state = "orphan"
+        table.add_row(a.path.name, human_bytes(a.nbytes), escape(a.home or "?"), state)
+    out.print(table)
+    if remove:
+        out.print(f"removed {removed} orphan area(s)")
 
 
 def _param_value(text: str) -> object:

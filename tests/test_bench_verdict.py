@@ -84,3 +84,37 @@ def test_kv_judges_each_peer_at_each_size(monkeypatch: pytest.MonkeyPatch) -> No
         "put+get >= 10 x redis, 2 MiB blocks": MET,
     }
     assert _verdict.exit_code(kv.goals(res)) == 1
+
+
+def test_checkpoint_judges_first_and_steady_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpoint.py judges each save goal on the first saves and on the best ones."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.delitem(sys.modules, "checkpoint", raising=False)
+    ckpt = importlib.import_module("checkpoint")
+
+    def fig(first: float, best: float) -> dict[str, float]:
+        return {"first_s": first, "best_s": best, "median_s": best}
+
+    res = {"values_ok": True, "figures": {
+        "tdb_host": fig(0.5, 0.2), "fs_shm": fig(0.9, 0.15),
+        "tdb_disk": fig(2.0, 0.8), "fs_disk": fig(1.9, 1.5),
+        "gather_commit": fig(0.9, 0.5),
+        "slice_dim0": fig(0.2, 0.11), "bound_slice": fig(0.1, 0.1)}}  # 1.1 x: met
+    got = {v.goal: v.state for v in ckpt.goals(res)}
+    shm = "DCP save, host tier >= 1 x FileSystemWriter into /dev/shm"
+    disk = "DCP save, disk tier (fsync) >= 1 x FileSystemWriter with fsync"
+    gather = "DCP save, host tier >= 2 x gather to rank 0 + commit"
+    first, steady = ", first save, fresh store", ", steady, best of repeats"
+    assert got == {
+        shm + first: MET, shm + steady: MISSED,          # 0.9 / 0.5; 0.15 / 0.2
+        disk + first: MISSED, disk + steady: MET,        # 1.9 / 2.0; 1.5 / 0.8
+        gather + first: MISSED, gather + steady: MET,    # 0.9 / 0.5 < 2; 0.5 / 0.2
+        "contiguous slice read <= 1.2 x memcpy of the slice": MET,
+    }
+    # a peer that did not run, and values read back wrong, fail the run
+    del res["figures"]["fs_shm"]
+    res["values_ok"] = False
+    vs = ckpt.goals(res)
+    assert vs[0].state == NOT_MEASURED and "fs_shm" in vs[0].detail
+    assert vs[-1].goal == "every value read back is the one saved" and vs[-1].state == MISSED
+    assert _verdict.exit_code(vs) == 1

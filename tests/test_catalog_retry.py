@@ -187,3 +187,45 @@ def test_watch_survives_a_dropped_listen_connection(pg_url: str, tmp_path: Any) 
         it.close()
     finally:
         remove_store(db)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_group_part_whose_answer_was_lost_lands_once(db: tensordb.Database,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     world: int) -> None:
+    """A rank's part committed but its answer lost: the retry finds it (ready, with its
+    segment) instead of registering the segment twice; where that part was the last,
+    the version it published comes back."""
+    from tensordb.catalog._groups import Groups
+
+    real = Groups._commit_part
+    calls: list[int] = []
+
+    def commit_then_lose_the_answer(self: Groups, *args: Any) -> Any:
+        calls.append(args[2])
+        result = real(self, *args)
+        if len(calls) == 1:  # the COMMIT landed; the client never heard back
+            raise _lost()
+        return result
+
+    monkeypatch.setattr(Groups, "_commit_part", commit_then_lose_the_answer)
+    w = torch.arange(8.0)
+    done: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        step = 8 // world
+        with db.transaction("m", group="g", rank=r, world_size=world) as tx:
+            tx.put_shard("w", w[r * step:(r + 1) * step], global_shape=(8,),
+                         offsets=(r * step,))
+        done[r] = tx.result
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(calls) == world  # no part ran twice
+    assert {c.version for c in done.values()} == {1} and len(done) == world
+    assert _versions(db, "m") == [(1, None)]
+    assert torch.equal(db.get("m", "w"), w)
+    assert db.stats()["segments"] == world

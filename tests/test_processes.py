@@ -213,3 +213,27 @@ def test_watcher_sees_every_version_in_order_untorn(db: tensordb.Database, store
     assert all(ok for v, ok, n in seen if v > 2), seen
     assert all(n == 8 for _, _, n in seen)
     assert time.monotonic() - start < 20  # woken by notifications, not the 30 s poll
+
+
+
+def test_a_new_catalog_opened_while_another_process_writes_it(tmp_path: Path) -> None:
+    """The ranks of a job opening one new store at the same moment: one process's first
+    connection holds the new catalog's lock (converting it to WAL, creating its schema)
+    while another's switches it to WAL mode, which SQLite refuses at once ("database is
+    locked", its busy handler does not wait for that). The switch now waits its turn."""
+    import sqlite3
+    import threading
+
+    from tensordb.catalog import make_engine
+
+    path = tmp_path / "catalog.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("CREATE TABLE t (x)")
+    other.execute("BEGIN IMMEDIATE")  # another process, in the middle of its first write
+    other.execute("INSERT INTO t VALUES (1)")
+    threading.Timer(0.3, lambda: other.execute("COMMIT")).start()
+    engine = make_engine(f"sqlite:///{path}")
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    engine.dispose()
+    other.close()

@@ -329,3 +329,184 @@ def test_a_corrupt_shard_is_never_served(sqlite_db: tensordb.Database) -> None:
     with pytest.raises(CorruptData):
         with db.snapshot("m", verify=True) as snap:
             snap["w"]
+
+
+class _Engine(torch.nn.Module):
+    """An engine rank's module: its part of ``w`` (split along dim 1) and all of bias."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        start, length = _bounds(W.shape[1], rank, world)
+        self.w = torch.nn.Parameter(torch.zeros(W.shape[0], length), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        self.cols = slice(start, start + length)
+
+
+@pytest.mark.parametrize("mode", ["copy", "swap"])
+def test_engine_ranks_follow_group_versions_reading_their_slices(
+        db: tensordb.Database, mode: str) -> None:
+    from engine_bindings import WeightUpdater, shard, shard_state_dict
+
+    _save(db, 2, 0, group="t1")  # the trainer splits rows; the engine splits columns
+    engines = [_Engine(r, 3) for r in range(3)]
+    ups = [WeightUpdater(db, "m", e, mode=mode, rank=r, world_size=3, plan={"w": 1})
+           for r, e in enumerate(engines)]
+    for e, up in zip(engines, ups, strict=True):
+        report = up.apply()
+        assert report.version == 1 and sorted(report.changed) == ["bias", "w"]
+        assert torch.equal(e.w, W[:, e.cols]) and torch.equal(e.bias, torch.ones(3))
+
+    def body(r: int) -> None:  # version 2 from the trainer: only w changes
+        with db.transaction("m", group="t2", rank=r, world_size=2) as tx:
+            tx.put_shard("w", (W * 2)[r * 6:(r + 1) * 6], global_shape=W.shape,
+                         offsets=(r * 6, 0))
+    _ranks(2, body)
+    for e, up in zip(engines, ups, strict=True):
+        report = up.apply()
+        assert report.version == 2 and report.changed == ["w"]
+        assert torch.equal(e.w, (W * 2)[:, e.cols])
+        up.close()
+    assert torch.equal(shard(db, "m", "w", rank=1, world_size=2, dim=1), (W * 2)[:, 5:])
+    sd = shard_state_dict(db, "m", rank=2, world_size=3, plan={"w": 0})
+    assert torch.equal(sd["w"], (W * 2)[8:]) and torch.equal(sd["bias"], torch.ones(3))
+    with pytest.raises(InvalidInput):
+        WeightUpdater(db, "m", engines[0], rank=3, world_size=3, plan={"w": 1})
+    with pytest.raises(InvalidInput):
+        WeightUpdater(db, "m", engines[0], rank=0, world_size=3, plan={"w": "1"})
+    with pytest.raises(InvalidInput, match="shape"):  # a module of the wrong width
+        WeightUpdater(db, "m", engines[0], rank=0, world_size=2, plan={"w": 1}).apply()
+
+
+def test_check_tiling_names_what_is_wrong() -> None:
+    """The tiling check alone, on boxes a hostile part could carry (put_shard refuses
+    most of them before they reach it)."""
+    from tensordb.catalog import check_tiling
+
+    g = (12, 10)
+    assert check_tiling("w", g, [(0, (0, 0), (6, 10)), (1, (6, 0), (6, 10))]) is None
+    assert check_tiling("w", g, [(0, (0, 0), (12, 10))]) is None
+    assert check_tiling("e", (0, 4), []) is None  # nothing to cover
+    assert check_tiling("w", g, [(0, (0, 0), (12, 10)), (1, (3, 0), (0, 10))]) is None
+    cases = {
+        "overlap": [(0, (0, 0), (6, 10)), (1, (5, 0), (6, 10))],  # the sizes add up
+        "a gap": [(0, (0, 0), (6, 10)), (1, (7, 0), (5, 10))],
+        "outside": [(0, (0, 0), (6, 10)), (1, (6, 0), (7, 10))],
+    }
+    for want, boxes in cases.items():
+        assert want in (check_tiling("w", g, boxes) or ""), want
+    for boxes in ([(0, (0,), (12, 10))], [(0, (0, 0), (12,))], [(0, (-1, 0), (12, 10))],
+                  [(0, (0, 0), (-12, 10))], [(0, (0, 1), (12, 10))]):
+        assert check_tiling("w", g, boxes) is not None, boxes
+    # boxes side by side in the second dimension that overlap only there
+    assert "overlap" in (check_tiling("w", g, [(0, (0, 0), (12, 6)), (1, (0, 5), (12, 5))])
+                         or "")
+    # three boxes where only the first and the last overlap
+    assert "overlap" in (check_tiling("w", (9,), [(0, (0,), (3,)), (1, (3,), (3,)),
+                                                   (2, (2,), (1,))]) or "")
+
+
+def test_a_rank_failing_to_write_its_part_aborts_the_group_at_once(
+        db: tensordb.Database) -> None:
+    def body(r: int) -> float:
+        t0 = time.monotonic()
+        with db.transaction("m", group="fill", rank=r, world_size=2, timeout=60) as tx:
+            tx.put_shard("w", W[r * 6:(r + 1) * 6], global_shape=W.shape, offsets=(r * 6, 0))
+            if r == 1:
+                def fill(dst: Any) -> None:
+                    raise OSError("the source file went away")
+                tx.put_raw("x", torch.float32, (4,), fill)
+        return time.monotonic() - t0
+    got = _ranks(2, body)
+    assert isinstance(got[1], OSError)
+    assert isinstance(got[0], GroupAborted) and "rank 1 failed to commit its part" in \
+        got[0].reason
+    assert db.collections() == []
+    db.gc()
+    assert db.stats()["segments"] == 0
+
+
+def test_two_ranks_putting_one_scalar_is_an_overlap(db: tensordb.Database) -> None:
+    def body(r: int) -> None:
+        with db.transaction("m", group="scalar", rank=r, world_size=2, timeout=60) as tx:
+            tx.put("step", torch.tensor(r))
+    got = _ranks(2, body)
+    assert sorted(type(e).__name__ for e in got.values()) == ["GroupAborted", "InvalidInput"]
+    assert any("both put this 0-d tensor" in str(e) for e in got.values())
+    assert db.collections() == []
+
+
+def test_a_state_dict_outlives_its_snapshot_and_gc(db: tensordb.Database) -> None:
+    _save(db, 2, 1, group="sd")
+    with db.snapshot("m") as snap:
+        sd = snap.state_dict()
+    db.commit("m", {"w": W * 3})
+    db.drop_versions("m", keep_last=1)
+    db.gc()
+    assert torch.equal(sd["w"], W)  # its shards' mappings were taken with it
+
+
+def test_a_published_group_name_stays_taken_after_gc(db: tensordb.Database) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from sqlalchemy import update
+
+    from tensordb.catalog.schema import commit_groups
+
+    _save(db, 2, 0, group="kept")
+    with db.catalog.engine.begin() as conn:  # its deadline long past, as gc will see it
+        conn.execute(update(commit_groups).values(
+            deadline=datetime.now(timezone.utc) - timedelta(days=30)))
+    db.gc()
+    with pytest.raises(InvalidInput, match="already published"):
+        with db.transaction("m", group="kept", rank=0, world_size=2):
+            pass
+
+
+def test_many_tensor_parallel_shards(db: tensordb.Database) -> None:
+    big = torch.arange(4 * 512, dtype=torch.int16).reshape(4, 512)
+    with db.transaction("tp") as tx:
+        for c in range(512):
+            tx.put_shard("w", big[:, c:c + 1], global_shape=big.shape, offsets=(0, c))
+    with db.snapshot("tp") as snap:
+        assert len(snap.shards("w")) == 512 and torch.equal(snap["w"], big)
+        assert torch.equal(snap.slice("w", offsets=(1, 100), shape=(2, 300)), big[1:3, 100:400])
+
+
+def test_query_rows_of_sharded_tensors_as_arrow(db: tensordb.Database) -> None:
+    _save(db, 2, 0, group="q")
+    rows = db.query("SELECT collection, name, version FROM tensors WHERE collection = 'm' "
+                    "ORDER BY name")
+    table = db.tensors_arrow(rows)
+    data = dict(zip(table.column("name").to_pylist(), table.column("data").to_pylist(),
+                    strict=True))
+    assert data["w"] == W.numpy().tobytes() and len(data["bias"]) == 12
+
+
+def test_an_engine_plan_naming_a_missing_dim_touches_nothing(db: tensordb.Database) -> None:
+    from engine_bindings import WeightUpdater
+
+    _save(db, 2, 0, group="plan")
+    e = _Engine(0, 2)
+    up = WeightUpdater(db, "m", e, rank=0, world_size=2, plan={"w": 1, "bias": 1})
+    with pytest.raises(InvalidInput, match="dim 1"):
+        up.apply()
+    assert not e.w.any() and not e.bias.any()  # nothing was written
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_slice_into_a_buffer_of_ones_own(db: tensordb.Database, sharded: bool) -> None:
+    if sharded:
+        _save(db, 3, 0, group="into")
+    else:
+        db.commit("m", {"w": W})
+    with db.snapshot("m") as snap:
+        for off, shp in (((2, 0), (7, 10)), ((5, 0), (1, 10)), ((3, 4), (1, 3)),
+                         ((0, 2), (12, 5)), ((0, 0), (12, 10)), ((4, 9), (8, 1))):
+            out = torch.full(shp, -1.0)
+            got = snap.slice("w", offsets=off, shape=shp, out=out)
+            assert got is out
+            assert torch.equal(out, W[off[0]:off[0] + shp[0], off[1]:off[1] + shp[1]]), off
+        for bad in (torch.zeros(3, 10), torch.zeros(7, 10, dtype=torch.float64),
+                    torch.zeros(10, 7).t(), "buffer"):
+            with pytest.raises(InvalidInput, match="out must be"):
+                snap.slice("w", offsets=(2, 0), shape=(7, 10), out=bad)  # type: ignore[arg-type]

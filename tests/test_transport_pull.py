@@ -9,6 +9,7 @@ on loopback to a ``NodeServer`` of this process. Real processes: test_transport.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -487,3 +488,38 @@ def test_an_unknown_error_kind_degrades_safely() -> None:
         with pytest.raises(NodeUnavailable) as info:  # a Flight error with no payload
             raise_remote(fl.FlightServerError(text), "n", "127.0.0.1:1")
         assert info.value.node == "n"
+
+
+def test_a_group_across_nodes_keeps_shards_where_written(pair) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 on node w, rank 1 on node r, one catalog: each rank's shards stay on its
+    node; a reader on r pulls w's (verified) and reads its own in place."""
+    w, r, fake = pair
+    full = torch.randn(8, 6)
+    got: dict[int, object] = {}
+
+    def rank(db: tensordb.Database, i: int) -> None:
+        try:
+            with db.transaction("ckpt", group="s1", rank=i, world_size=2, timeout=30) as tx:
+                tx.put_shard("w", full[i * 4:(i + 1) * 4], global_shape=(8, 6),
+                             offsets=(i * 4, 0))
+            got[i] = tx.result
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            got[i] = exc
+
+    threads = [threading.Thread(target=rank, args=(db, i)) for i, db in enumerate((w, r))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(c, tensordb.Commit) and c.version == 1 for c in got.values()), got
+    assert len(_leftovers(r)) == 1 and len(_leftovers(w)) == 1  # nothing copied yet
+    fake.damage = 5  # w's shard arrives damaged: never served, never registered
+    with pytest.raises(CorruptData):
+        with r.snapshot("ckpt") as snap:
+            snap["w"]
+    fake.damage = None
+    with r.snapshot("ckpt") as snap:
+        assert torch.equal(snap.slice("w", rank=1, world_size=2, dim=0), full[4:])
+        assert len(_leftovers(r)) == 1  # its own shard: read in place, no pull
+        assert torch.equal(snap["w"], full)
+    assert len(_leftovers(r)) == 2  # w's shard is now a verified replica on r

@@ -174,7 +174,17 @@ class FlightTransport(Transport):
                 fl.Action(kind, json.dumps(body).encode()), self._options(timeout)))
         except Exception as exc:  # noqa: BLE001 - converted to a typed error right here
             raise_remote(exc, node, address)
-        return json.loads(results[0].body.to_pybytes()) if results else {}
+        if not results:
+            return {}
+        raw = results[0].body.to_pybytes()
+        try:
+            answer = json.loads(raw)
+        except ValueError:  # not JSON, or not text at all: a broken or hostile peer
+            answer = None
+        if not isinstance(answer, dict):
+            raise NodeUnavailable(f"node {node!r} at {address} answered {kind!r} with "
+                                  f"{raw[:60]!r}, not a JSON object", node=node)
+        return answer
 
     def ping(self, node: str, address: str) -> dict[str, Any]:
         return self._action(node, address, "ping", {}, self.timeout)
@@ -228,7 +238,7 @@ class FlightTransport(Transport):
         """Over the node's data plane (``_dataplane``: a plain TCP stream straight into
         ``dst``) when it has one, else through Flight."""
         port = self.ping(node, address).get("data_port") if self.data_plane else None
-        if not isinstance(port, int) or port <= 0:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             super().read_segment_into(node, address, segment_id, offset, dst, on_bytes)
             return
         host = address.rsplit(":", 1)[0].strip("[]")

@@ -128,12 +128,11 @@ class Catalog:
         return self._groups.join(name, group, rank, world_size, holder, timeout)
 
     def commit_part(self, name: str, group: str, rank: int, part: GroupPart,
-                    segment: tuple[str, str, int] | None, *, durable: bool = True
-                    ) -> Commit | None:
+                    segment: tuple[str, str, int] | None) -> Commit | None:
         """A rank's part; the Commit when it completed the group (``Groups.commit_part``)."""
         if self.manifests is not None:
             self.manifests.start()
-        return self._groups.commit_part(name, group, rank, part, segment, durable=durable)
+        return self._groups.commit_part(name, group, rank, part, segment)
 
     def group_state(self, name: str, group: str) -> GroupState | None:
         return self._groups.state(name, group)

@@ -26,12 +26,13 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, and_, delete, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 import storage_engine as se
 
 from ..errors import GroupAborted, InvalidInput, TensorDBError
 from ._common import Commit, NewShard, NewTensor, collection_info, insert_ignore, now_utc
-from ._retry import RETRY_SECONDS, retrying
+from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
 from ._versions import Versions
 from .schema import commit_groups, group_parts, segments
@@ -41,8 +42,9 @@ __all__ = ["Groups", "GroupPart", "GroupState", "PartShard", "box_copies", "chec
 
 #: most ranks a group may have
 MAX_WORLD_SIZE = 1 << 16
-#: how long gc keeps the row of an ended group past its deadline: a rank that arrives
-#: late is told the group ended (rather than starting a new group of that name)
+#: how long gc keeps the row of an aborted group past its deadline: a rank that arrives
+#: late is told the group ended (rather than starting a new group of that name); a
+#: published group's row is kept for good
 ENDED_GROUP_KEPT = timedelta(days=1)
 
 
@@ -118,15 +120,25 @@ def check_tiling(name: str, global_shape: tuple[int, ...],
                         f"{list(shp)} lies outside the global shape {list(global_shape)}")
         if _volume(shp):
             live.append((rank, off, shp))
-    live.sort(key=lambda b: b[1])
-    for i, (ra, oa, sa) in enumerate(live):
-        for rb, ob, sb in live[i + 1:]:
-            if ob[0] >= oa[0] + sa[0]:
-                break  # sorted by offsets: no later box starts inside this one's first dim
-            if all(oa[d] < ob[d] + sb[d] and ob[d] < oa[d] + sa[d] for d in range(nd)):
-                return (f"tensor {name!r}: the shards of rank {ra} (offsets {list(oa)}, shape "
-                        f"{list(sa)}) and rank {rb} (offsets {list(ob)}, shape {list(sb)}) "
-                        f"overlap")
+    if nd == 0:
+        if len(live) > 1:
+            return (f"tensor {name!r}: ranks {live[0][0]} and {live[1][0]} both put this "
+                    f"0-d tensor")
+    elif len(live) > 1:
+        # sweep along the dimension the boxes split most (a tensor-parallel split of
+        # dim 1 shares every dim-0 start): after sorting by their start there, a box
+        # can only meet the boxes that start before it ends, so typical layouts cost
+        # O(k log k), not a comparison of every pair
+        d0 = max(range(nd), key=lambda d: len({b[1][d] for b in live}))
+        live.sort(key=lambda b: b[1][d0])
+        for i, (ra, oa, sa) in enumerate(live):
+            for rb, ob, sb in live[i + 1:]:
+                if ob[d0] >= oa[d0] + sa[d0]:
+                    break  # sorted: no later box starts inside this one along d0
+                if all(oa[d] < ob[d] + sb[d] and ob[d] < oa[d] + sa[d] for d in range(nd)):
+                    return (f"tensor {name!r}: the shards of rank {ra} (offsets {list(oa)}, "
+                            f"shape {list(sa)}) and rank {rb} (offsets {list(ob)}, shape "
+                            f"{list(sb)}) overlap")
     covered = sum(_volume(s) for _, _, s in live)
     if covered != _volume(global_shape):
         return (f"tensor {name!r}: its shards cover {covered:,} of its {_volume(global_shape):,} "
@@ -245,6 +257,7 @@ class Groups:
             raise InvalidInput(aborted.message, collection=collection)
         return int(base)
 
+    @retrying
     def state(self, collection: str, group: str) -> GroupState | None:
         with self.engine.connect() as conn:
             row = self._group(conn, collection, group, lock=False)
@@ -263,16 +276,51 @@ class Groups:
             self._set_aborted(conn, collection, group, reason)
 
     def commit_part(self, collection: str, group: str, rank: int, part: GroupPart,
-                    segment: tuple[str, str, int] | None, *, durable: bool = True
-                    ) -> Commit | None:
+                    segment: tuple[str, str, int] | None) -> Commit | None:
         """Record ``rank``'s part (its bytes already in ``segment``: id, tier, nbytes) in
         one SQL transaction; the Commit when it was the last part and the version is
         published, None while other parts are missing. GroupAborted when the group had
         ended, its deadline passed, or the parts do not fit together (the group then
-        ends aborted, and nothing is published)."""
+        ends aborted, and nothing is published).
+
+        A lost catalog connection is retried; a retry whose first attempt did land (the
+        part is ready with this segment) reports what it did instead of running again."""
+        attempts = 0
+
+        def once() -> Commit | None:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                landed = self._landed(collection, group, rank, segment)
+                if landed is not None:
+                    return landed[0]
+            return self._commit_part(collection, group, rank, part, segment)
+
+        result: Commit | None = retry_call(self.retry_seconds, once)
+        return result
+
+    def _landed(self, collection: str, group: str, rank: int,
+                segment: tuple[str, str, int] | None) -> tuple[Commit | None] | None:
+        """(the Commit, or None while the group is open) when ``rank``'s part is already
+        recorded with ``segment``; None when it is not."""
+        with self.engine.connect() as conn:
+            p = group_parts.c
+            row = conn.execute(select(p.state, p.segment_id).where(
+                p.collection == collection, p.group_name == group, p.rank == rank)).first()
+            g = self._group(conn, collection, group, lock=False)
+        if row is None or row[0] != "ready" or row[1] != (segment[0] if segment else None):
+            return None
+        if g is not None and g[2] == "published":
+            return (self._versions.commit_info(collection, g[3]),)
+        return (None,)
+
+    def _commit_part(self, collection: str, group: str, rank: int, part: GroupPart,
+                     segment: tuple[str, str, int] | None) -> Commit | None:
         failure: TensorDBError | None = None
         published = None
-        with write_conn(self.engine, durable=durable) as conn:
+        # durable whatever this rank's tier: the transaction may publish the version,
+        # whose other parts may be on disk
+        with write_conn(self.engine, durable=True) as conn:
             row = self._group(conn, collection, group, lock=True)
             if row is None:
                 raise self._aborted(collection, group, "no such group (it was never joined, "
@@ -301,8 +349,11 @@ class Groups:
                     try:
                         with conn.begin_nested():
                             published = self._publish(conn, collection, group, base, ready)
-                    except (InvalidInput, TensorDBError) as exc:
-                        why = exc.message if isinstance(exc, TensorDBError) else str(exc)
+                    except (SQLAlchemyError, MemoryError):
+                        raise  # the whole transaction is lost: the part is not recorded
+                    except Exception as exc:  # noqa: BLE001 - the group ends with its reason
+                        why = exc.message if isinstance(exc, TensorDBError) else \
+                            f"{type(exc).__name__}: {exc}"
                         self._set_aborted(conn, collection, group, why)
                         failure = exc if isinstance(exc, InvalidInput) else \
                             self._aborted(collection, group, why, base)
@@ -377,8 +428,8 @@ class Groups:
     def reap(self, conn: Connection) -> None:
         """For gc (in its transaction): end open groups past their deadline, drop the
         parts of ended groups (so their segments are referenced by nothing unless the
-        published version's rows use them), and the rows of groups ended long enough
-        ago that no rank still waits on them."""
+        published version's rows use them), and the rows of groups that aborted long
+        enough ago that no rank still waits on them (published ones stay)."""
         g, p = commit_groups.c, group_parts.c
         now = now_utc()
         conn.execute(update(commit_groups).where(g.state == "open", g.deadline < now)
@@ -386,5 +437,6 @@ class Groups:
         ended = select(commit_groups.c.name).where(
             g.collection == p.collection, g.name == p.group_name, g.state != "open")
         conn.execute(delete(group_parts).where(ended.exists()))
-        conn.execute(delete(commit_groups).where(and_(g.state != "open",
+        # a published group's row stays (a few bytes): its name is never used twice
+        conn.execute(delete(commit_groups).where(and_(g.state == "aborted",
                                                       g.deadline < now - ENDED_GROUP_KEPT)))

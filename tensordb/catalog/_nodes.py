@@ -239,9 +239,11 @@ class NodeDirectory:
                                .where(segments.c.id == segment_id)).first()
             if row is None:
                 return None
-            t = tensors.c
-            ext = conn.execute(select(t.offset, t.nbytes, t.checksum).distinct()
-                               .where(t.segment_id == segment_id)).all()
+            t, sh = tensors.c, tensor_shards.c  # the rows' extents and the shards'
+            ext = conn.execute(select(t.offset, t.nbytes, t.checksum)
+                               .where(t.segment_id == segment_id)
+                               .union(select(sh.offset, sh.nbytes, sh.checksum)
+                                      .where(sh.segment_id == segment_id))).all()
         return SegmentInfo(segment_id, row[0], row[1], row[2],
                            tuple(sorted((int(o), int(n), c) for o, n, c in ext)))
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +35,26 @@ _KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"
 _PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
 
 
+def _set_wal(cur: Any) -> None:
+    """Put the database in WAL mode. Switching takes an exclusive lock, which SQLite's
+    busy handler does not wait for: processes opening a new store at the same moment
+    (the ranks of a job) got "database is locked" at once. The switch is retried for as
+    long as the busy timeout; a database already in WAL mode needs none."""
+    deadline = time.monotonic() + 60
+    pause = 0.005
+    while True:
+        try:
+            if cur.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc) or \
+                    time.monotonic() > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+
 def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
     """A SQL engine for the catalog at ``url``; SQLite connections get WAL, the
     ``synchronous`` pragma and a 60 s busy timeout, and write transactions that take
@@ -51,7 +73,7 @@ def make_engine(url: str, *, synchronous: str = "FULL") -> Engine:
         def _on_connect(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
+            _set_wal(cur)
             cur.execute(f"PRAGMA synchronous={sync}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=60000")

@@ -226,14 +226,20 @@ def _insert_rows(conn: Connection, cid: int, version: int, puts: Sequence[NewTen
          p.segment_id, p.offset) for p in puts])
 
 
+_INSERT_SHARDS = ('INSERT INTO tensor_shards (collection_id, name, first_version, idx, rank, '
+                  'offsets, shape, nbytes, checksum, segment_id, "offset") VALUES '
+                  "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+
 def _insert_shards(conn: Connection, cid: int, version: int,
                    shards: Sequence[NewShard]) -> None:
-    """The shards of a commit's sharded rows: one executemany."""
-    conn.execute(tensor_shards.insert(), [
-        {"collection_id": cid, "name": s.name, "first_version": version, "idx": s.idx,
-         "rank": s.rank, "offsets": shape_text(s.offsets), "shape": shape_text(s.shape),
-         "nbytes": s.nbytes, "checksum": s.checksum, "segment_id": s.segment_id,
-         "offset": s.offset} for s in shards])
+    """The shards of a commit's sharded rows: one executemany of plain tuples (the
+    DBAPI's paramstyle; SQLAlchemy's per-row parameter processing cost 16 µs a row)."""
+    sql = _INSERT_SHARDS if conn.dialect.paramstyle == "qmark" else \
+        _INSERT_SHARDS.replace("?", "%s")
+    conn.exec_driver_sql(sql, [
+        (cid, s.name, version, s.idx, s.rank, shape_text(s.offsets), shape_text(s.shape),
+         s.nbytes, s.checksum, s.segment_id, s.offset) for s in shards])
 
 
 _SQL_SHARDS = select(

@@ -11,6 +11,7 @@ from ._database import Database
 from ._kv_cache import KVCache
 from ._kv_namespace import KVNodeSummary
 from ._maintenance import Corruption, GcReport, ScrubReport
+from ._orphans import ShmArea, find_areas, remove_area
 from ._placement import EvictReport
 from ._safetensors import export_safetensors, import_safetensors
 from ._safetensors_format import INDEX_NAME, LAYOUT_KEY, MAX_HEADER_SIZE, SAFETENSORS_DTYPES
@@ -30,8 +31,11 @@ __all__ = [
     "KVCache",
     "KVNodeSummary",
     "Shard",
+    "ShmArea",
     "Snapshot",
     "Transaction",
     "export_safetensors",
+    "find_areas",
     "import_safetensors",
+    "remove_area",
 ]

@@ -223,6 +223,8 @@ class Cluster:
                 span *= max(d, 1)
             if span > 2**63 - 1:
                 raise bad(f"has shape {list(shape)[:8]}, whose size overflows int64")
+            if numel == 0:  # the store holds no empty block (its put refuses one)
+                raise bad(f"is empty (shape {list(shape)[:8]})")
             if numel * torch_dtype.itemsize != data.nbytes:
                 raise bad(f"has {data.nbytes} bytes, not the {numel * torch_dtype.itemsize} "
                           f"its {str(dtype)} shape {list(shape)[:8]} needs")

@@ -23,18 +23,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from sqlalchemy import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 
 import storage_engine as se
 from tensordb.catalog import Catalog, Commit, ensure_schema, make_engine
 from tensordb.config import Config
-from tensordb.errors import InvalidInput, NodeUnavailable, StoreClosed
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, StoreClosed, StoreFull
 
 from ._cluster import Cluster
 from ._inputs import check_name
 from ._kv_cache import KVCache
 from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
 from ._notify import notifier_for, watch
+from ._orphans import record_owner
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
 from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
@@ -60,6 +61,12 @@ def _open_catalog(config: Config) -> tuple[Engine, Engine]:
         engine.dispose()
         raise NodeUnavailable(f"the catalog at {engine.url!r} does not answer: "
                               f"{exc.orig}") from exc
+    except DatabaseError as exc:  # SQLite: the file is not a database, or is malformed
+        engine.dispose()
+        if engine.dialect.name != "sqlite":
+            raise
+        raise CorruptData(f"the catalog {engine.url.database} is damaged ({exc.orig}); "
+                          f"restore it from a backup") from None
     except BaseException:
         engine.dispose()
         raise
@@ -81,6 +88,7 @@ class Database:
             self._lease_engine.connect().close()
         self._tiers = Tiers(config, sources=self.catalog.segment_source,
                             extents=self.catalog.segment_extents)
+        record_owner(config)  # so `tensordb orphans` can tell the area is this store's
         self._notifier = notifier_for(self._engine, config.shm_dir)
         self._kv_caches: list[KVCache] = []
         self._cluster = Cluster(config, self._engine, self.catalog, self._tiers, self.kv)
@@ -135,8 +143,19 @@ class Database:
             raise InvalidInput(f"nbytes must be a non-negative int, not {nbytes!r}")
         tier = self._tiers.host
         nbytes = int(nbytes)
-        if nbytes:
-            tier.prefault(tier.spare_for(nbytes), wait=True)
+        if not nbytes:
+            return
+        spare = tier.spare_for(nbytes)
+        capacity = getattr(tier, "capacity", None)
+        if capacity is not None and spare > capacity:
+            raise StoreFull(f"cannot prefault a spare of {spare} bytes for commits of "
+                            f"{nbytes} bytes: the host tier holds at most {capacity}")
+        try:
+            tier.prefault(spare, wait=True)
+        except se.TierFull as exc:  # shared memory itself has no room for it
+            raise StoreFull(f"cannot prefault a spare of {spare} bytes for commits of "
+                            f"{nbytes} bytes: {exc}; run gc, or commit to the disk "
+                            f"tier") from exc
 
     # -- writing -----------------------------------------------------------------------
     def transaction(self, collection: str, *, message: str | None = None,

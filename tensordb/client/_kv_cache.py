@@ -92,8 +92,8 @@ class KVCache:
         if isinstance(blocks, torch.Tensor) or len(blocks) != len(keys):
             raise InvalidInput(f"put takes one tensor per key: {len(keys)} keys",
                                collection=self.namespace)
-        enc = encode_blocks(blocks, self.namespace)
         store = self._store()
+        enc = encode_blocks(blocks, self.namespace, store.capacity, self.node)
         try:
             stored = sum(store.put(keys, enc.bufs, enc.metas))
         except KVStoreFull as exc:

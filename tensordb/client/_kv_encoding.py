@@ -11,7 +11,7 @@ needs (see ``byte_view`` and the per-batch record cache of ``encode_blocks``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from tensordb.errors import InvalidInput
+from tensordb.errors import InvalidInput, StoreFull
 
 from ._inputs import dtype_name, torch_dtype
 
@@ -85,6 +85,9 @@ class KeyChain:
         if isinstance(keys, (bytes, bytearray, str)):
             raise InvalidInput("keys must be a sequence of keys, not one key",
                                collection=self.namespace)
+        if not isinstance(keys, Iterable) or isinstance(keys, dict):
+            raise InvalidInput(f"keys must be a sequence of keys (bytes), not "
+                               f"{type(keys).__name__}", collection=self.namespace)
         out = []
         for k in keys:
             if type(k) is bytes and 0 < len(k) <= MAX_KEY:  # the usual case: no copy
@@ -129,10 +132,13 @@ class EncodedBlocks:
     on_gpu: list[tuple[int, torch.Tensor]]
 
 
-def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str) -> EncodedBlocks:
+def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str,
+                  limit: int | None = None, node: str | None = None) -> EncodedBlocks:
     """The host bytes and records of ``blocks`` (GPU tensors copied down, strided ones
     made contiguous); InvalidInput, naming the block, for a non-tensor, an empty block
-    or a dtype the store cannot name."""
+    or a dtype the store cannot name; StoreFull for a block of more than ``limit``
+    bytes (the arena's capacity), before any copy (an expanded tensor of 10**9 elements
+    would otherwise be made contiguous, 4 GB, to be refused after)."""
     bufs, metas = [], []
     on_gpu: list[tuple[int, torch.Tensor]] = []
     # a batch's blocks share dtype and shape: their record is built once (the checks
@@ -143,6 +149,10 @@ def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str) -> EncodedBloc
             raise InvalidInput(f"block {i} must be a dense torch.Tensor, not "
                                f"{type(b).__name__}", collection=namespace)
         t = b.detach() if b.requires_grad else b
+        if limit is not None and t.numel() * t.element_size() > limit:
+            raise StoreFull(f"KV namespace {namespace!r}: block {i} holds "
+                            f"{t.numel() * t.element_size()} bytes, more than the arena's "
+                            f"{limit}", collection=namespace, node=node)
         if t.device.type != "cpu":
             if t.device.type == "cuda":
                 on_gpu.append((i, t.contiguous()))

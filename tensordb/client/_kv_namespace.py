@@ -25,7 +25,15 @@ from urllib.parse import quote
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from storage_engine import BlockStore, GpuError, GpuTier, KVCorrupt, KVStats, bloom_may_hold
+from storage_engine import (
+    BlockStore,
+    GpuError,
+    GpuTier,
+    KVCorrupt,
+    KVIndexDamaged,
+    KVStats,
+    bloom_may_hold,
+)
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
@@ -40,6 +48,9 @@ __all__ = ["DEFAULT_CAPACITY", "KVNamespace", "KVNodeSummary", "typed_errors"]
 #: the arena size when neither the call, ``Config.kv_capacity`` nor
 #: $TENSORDB_KV_CAPACITY says: a quarter of the free shared memory, at most 4 GiB
 DEFAULT_CAPACITY = 4 << 30
+#: and at least this much (a fixed 64 MiB minimum made ``db.kv()`` fail on a small
+#: /dev/shm: its first slab did not fit)
+_MIN_CAPACITY = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +151,15 @@ class KVNamespace:
                                    f"{reason}", collection=name)
             gpu_device = db.config.gpu_device or 0
         self._register(create)
-        self.store = _open_store(self.shm_dir, capacity_bytes=capacity, slab_bytes=slab_bytes,
-                                 eviction=eviction,
-                                 disk_root=self.disk_dir if spill else None,
-                                 disk_capacity=disk_capacity, gpu_device=gpu_device,
-                                 gpu_capacity=gpu_capacity)
+        try:
+            self.store = _open_store(self.shm_dir, capacity_bytes=capacity,
+                                     slab_bytes=slab_bytes, eviction=eviction,
+                                     disk_root=self.disk_dir if spill else None,
+                                     disk_capacity=disk_capacity, gpu_device=gpu_device,
+                                     gpu_capacity=gpu_capacity)
+        except KVIndexDamaged as exc:
+            raise CorruptData(f"KV namespace {name!r}: {exc}", collection=name,
+                              node=self.node) from exc
 
     def _register(self, create: bool) -> None:
         """Record the namespace on this node, or check its block size against the row
@@ -258,4 +273,4 @@ def _default_capacity(shm: Path) -> int:
         free = st.f_bavail * st.f_frsize
     except OSError:
         return DEFAULT_CAPACITY
-    return max(64 << 20, min(DEFAULT_CAPACITY, free // 4))
+    return max(_MIN_CAPACITY, min(DEFAULT_CAPACITY, free // 4))

@@ -47,6 +47,11 @@ def truncated(collection: str, tensor: str, segment_id: str, end: int,
                        collection=collection, tensor=tensor)
 
 
+def _shard_name(name: str, shard: ShardRow) -> str:
+    """How a shard of ``name`` is named in errors (as ``verify`` names it)."""
+    return f"{name} (shard at {list(shard.offsets)})"
+
+
 @lru_cache(maxsize=4096)
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Contiguous strides of ``shape``, in elements."""
@@ -147,9 +152,10 @@ class Reader:
                    maps: dict[str, se.SegmentView]) -> torch.Tensor:
         """One shard of a sharded row, zero-copy (a row of its own, as ``materialize``
         makes it)."""
-        pseudo = TensorRow(row.name, row.dtype, shard.shape, shard.nbytes, shard.checksum,
+        name = _shard_name(row.name, shard)
+        pseudo = TensorRow(name, row.dtype, shard.shape, shard.nbytes, shard.checksum,
                            shard.segment_id, shard.offset, shard.tier, row.first_version)
-        return self.materialize(collection, [pseudo], verify=verify, maps=maps)[row.name]
+        return self.materialize(collection, [pseudo], verify=verify, maps=maps)[name]
 
     def region(self, collection: str, row: TensorRow, shards: Sequence[ShardRow],
                offsets: Sequence[int], shape: Sequence[int], *, verify: bool,
@@ -265,16 +271,28 @@ class Reader:
     def _assemble(self, collection: str, rows: Sequence[TensorRow],
                   known: Mapping[str, list[ShardRow]], verify: bool,
                   maps: dict[str, se.SegmentView], out: dict[str, torch.Tensor]) -> None:
-        """Sharded ``rows`` assembled into ``out`` (``known``: shards already looked up)."""
+        """Sharded ``rows`` assembled into ``out`` (``known``: shards already looked up):
+        every shard's view made in one ``materialize`` (one base per segment), then one
+        copy per shard."""
         lack = [r for r in rows if r.name not in known]
         found = {**known, **self.shards(collection, lack)} if lack else known
+        pseudo: list[TensorRow] = []
         for r in rows:
             parts = found.get(r.name)
             if not parts:
                 raise CorruptData(f"{collection}/{r.name}: the catalog lost the shards of "
                                   f"this sharded tensor", collection=collection, tensor=r.name)
-            out[r.name] = self.region(collection, r, parts, (0,) * len(r.shape), r.shape,
-                                      verify=verify, maps=maps)
+            pseudo.extend(TensorRow(_shard_name(r.name, sh), r.dtype, sh.shape, sh.nbytes,
+                                    sh.checksum, sh.segment_id, sh.offset, sh.tier,
+                                    r.first_version) for sh in parts)
+        views = self.materialize(collection, pseudo, verify=verify, maps=maps)
+        for r in rows:
+            parts = found[r.name]
+            t = torch.empty(r.shape, dtype=torch_dtype(r.dtype))
+            for i, src, dst in box_copies([(sh.offsets, sh.shape) for sh in parts],
+                                          (0,) * len(r.shape), r.shape):
+                t[dst].copy_(views[_shard_name(r.name, parts[i])][src])
+            out[r.name] = t
 
     def read_into(self, collection: str, pairs: list[tuple[TensorRow, np.ndarray]], *,
                   verify: bool) -> list[TensorRow]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 import storage_engine as se
 from tensordb.arrow import LAYOUT, arrow_tensor, tensors_table
-from tensordb.catalog import Commit, Manifest, ShardRow, TensorRow
+from tensordb.catalog import Commit, Manifest, ShardRow, TensorRow, box_copies
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._inputs import torch_dtype
@@ -72,12 +73,14 @@ class Snapshot:
         self.device = device
         self.collection = collection
         self._verify = verify
-        self._lease, _, self.version, rows = self._catalog.open_snapshot(
+        self._lease, info, self.version, rows = self._catalog.open_snapshot(
             collection, version, tag, se.current_holder(), lease_ttl)
         self._rows: Manifest = rows
         self._cache: dict[str, torch.Tensor] = {}
         self._maps: dict[str, se.SegmentView] = {}
-        self._shard_rows: dict[str, list[ShardRow]] = {}
+        self._cid = info.id
+        #: the shards of this version's sharded rows, looked up once for all of them
+        self._shard_rows: dict[str, list[ShardRow]] | None = None
         self._closed = False
 
     def __enter__(self) -> Snapshot:
@@ -130,7 +133,7 @@ class Snapshot:
                                version=self.version)
             t = self._cache[name] = self._place(self._reader.materialize(
                 self.collection, [row], verify=self._verify, maps=self._maps,
-                shards=self._shard_rows)[name])
+                shards=self._all_shards() if _is_sharded(row) else None)[name])
         return t
 
     def verified(self, name: str) -> torch.Tensor:
@@ -141,14 +144,18 @@ class Snapshot:
         row = self._row(name)
         return self._place(self._reader.materialize(
             self.collection, [row], verify=True, maps=self._maps,
-            shards=self._shard_rows)[name])
+            shards=self._all_shards() if _is_sharded(row) else None)[name])
+
+    def _all_shards(self) -> dict[str, list[ShardRow]]:
+        """The shards of every sharded row of the version (one catalog query, the first
+        time a sharded row is read)."""
+        if self._shard_rows is None:
+            sharded = [r for r in self._rows.values() if _is_sharded(r)]
+            self._shard_rows = self._catalog.shards(self._cid, sharded) if sharded else {}
+        return self._shard_rows
 
     def _shards_of(self, row: TensorRow) -> list[ShardRow]:
-        got = self._shard_rows.get(row.name)
-        if got is None:
-            got = self._shard_rows[row.name] = self._reader.shards(
-                self.collection, [row]).get(row.name, [])
-        return got
+        return self._all_shards().get(row.name, [])
 
     def shards(self, name: str) -> list[Shard]:
         """How the tensor is stored: its shards' boxes (offsets and shape in the global
@@ -162,12 +169,16 @@ class Snapshot:
 
     def slice(self, name: str, *, offsets: Sequence[int] | None = None,
               shape: Sequence[int] | None = None, rank: int | None = None,
-              world_size: int | None = None, dim: int = 0) -> torch.Tensor:
+              world_size: int | None = None, dim: int = 0,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """A box of the tensor, reading only that box's bytes: ``offsets`` and ``shape``,
         or rank ``rank`` of ``world_size`` parts along ``dim`` (as torch.chunk splits
         it). A zero-copy view when the tensor is stored whole or one shard holds the box
         (strided where the box is); else a new tensor filled from the shards that meet
-        it."""
+        it. ``out``: a contiguous CPU tensor of the box's dtype and shape to fill instead
+        (returned): the parts of the box that are one run of bytes in their extent are
+        read into it by the kernel, without mapping them here (no page faults on the
+        source side), the rest copied from the views."""
         self._check()
         row = self._row(name)
         where = f"{self.collection}/{name}"
@@ -188,11 +199,76 @@ class Snapshot:
                 raise InvalidInput(f"{where}: the box at offsets {list(off)} with shape "
                                    f"{list(shp)} lies outside its shape {list(row.shape)}",
                                    collection=self.collection, tensor=name)
+        if out is not None:
+            return self._slice_into(row, off, shp, out)
         if not _is_sharded(row):
             return self[name][tuple(slice(o, o + n) for o, n in zip(off, shp, strict=True))]
         t = self._reader.region(self.collection, row, self._shards_of(row), off, shp,
                                 verify=self._verify, maps=self._maps)
         return self._place(t)
+
+    def _slice_into(self, row: TensorRow, off: tuple[int, ...], shp: tuple[int, ...],
+                    out: torch.Tensor) -> torch.Tensor:
+        """``slice(..., out=out)``: each stored extent's part of the box, by kernel read
+        where it is one run of bytes in the extent and in ``out``, else by a copy."""
+        where = f"{self.collection}/{row.name}"
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" \
+                or not out.is_contiguous() or out.dtype != torch_dtype(row.dtype) \
+                or tuple(out.shape) != shp:
+            got = (f"{str(out.dtype).removeprefix('torch.')}{list(out.shape)} on {out.device}"
+                   f"{'' if out.is_contiguous() else ', not contiguous'}"
+                   if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise InvalidInput(f"{where}: out must be a contiguous CPU tensor of "
+                               f"{row.dtype}{list(shp)}, not {got}",
+                               collection=self.collection, tensor=row.name)
+        if self._verify or not out.numel():  # a verified read checks whole extents
+            with torch.no_grad():
+                out.copy_(self.slice(row.name, offsets=off, shape=shp))
+            return out
+        item = out.element_size()
+        if _is_sharded(row):
+            shards = self._shards_of(row)
+            boxes = [(sh.offsets, sh.shape, sh.segment_id, sh.offset, sh.tier) for sh in shards]
+        else:
+            boxes = [((0,) * len(row.shape), row.shape, row.segment_id, row.offset, row.tier)]
+        flat = out.reshape(-1).view(torch.uint8).numpy()
+        runs: list[tuple[TensorRow, Any]] = []
+        copies: list[tuple[int, tuple[slice, ...], tuple[slice, ...]]] = []
+        for i, src, dst in box_copies([(b[0], b[1]) for b in boxes], off, shp):
+            bshape = boxes[i][1]
+            s_run = _run_of(bshape, src)
+            d_run = _run_of(shp, dst)
+            if s_run is None or d_run is None:
+                copies.append((i, src, dst))
+                continue
+            (s_start, n), (d_start, _) = s_run, d_run
+            _, _, sid, base, tier = boxes[i]
+            pseudo = TensorRow(row.name, row.dtype, (n,), n * item, "", sid,
+                               base + s_start * item, tier, row.first_version)
+            runs.append((pseudo, flat[d_start * item:(d_start + n) * item]))
+        # the marks are keyed by whole extents; a run is part of one
+        marks: dict[str, dict[int, str] | None] = {}
+        for i in {i for i, _, _ in box_copies([(b[0], b[1]) for b in boxes], off, shp)}:
+            sid, base = boxes[i][2], boxes[i][3]
+            if sid is not None:
+                if sid not in marks:
+                    marks[sid] = self._reader.marked(sid)
+                self._reader.refuse(self.collection, row.name, sid, base, marks[sid])
+        left = {id(r) for r in self._reader.read_into(self.collection, runs, verify=False)}
+        with torch.no_grad():
+            for r, dst_bytes in runs:
+                if id(r) in left:  # a tier that cannot read by the kernel: from a view
+                    view = self._view(r).host_bytes(r.offset, r.nbytes)
+                    dst_bytes[:] = np.frombuffer(view, np.uint8)
+            for i, src, dst in copies:
+                if _is_sharded(row):
+                    sh = self._shards_of(row)[i]
+                    piece = self._reader.shard_view(self.collection, row, sh, verify=False,
+                                                    maps=self._maps)[src]
+                else:
+                    piece = self[row.name][src]
+                out[dst].copy_(piece)
+        return out
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor on the snapshot's device: itself when it is there (zero-copy)."""
@@ -210,9 +286,18 @@ class Snapshot:
         self._check()
         for r in self._rows.first_of_segments():
             self._view(r)
+        if self._rows.nbytes and any(_is_sharded(r) for r in self._rows.values()):
+            # the shards' segments too, and where the shards are: the mapping must not
+            # need the catalog (nor the lease) after the snapshot is closed
+            for name, parts in self._all_shards().items():
+                row = self._rows[name]
+                for sh in parts:
+                    if sh.segment_id is not None and sh.segment_id not in self._maps:
+                        self._maps[sh.segment_id] = self._reader.map(
+                            sh.segment_id, sh.tier or "host", self.collection, row.name)
         sd = StateDict(self, dict(self._maps))
         if self._verify:
-            self._materialize(None, sd._maps)
+            sd._all()
         return sd
 
     def _materialize(self, names: Sequence[str] | None, maps: dict[str, se.SegmentView]
@@ -222,14 +307,18 @@ class Snapshot:
         with se.gc_paused():  # an object or two per tensor: see gc_paused
             if names is not None:
                 missing: list[Any] = [rows[n] for n in names if n not in cache]
-            elif cache:
-                missing = [t for t in rows.tuples() if t[0] not in cache]
             else:
-                missing = rows.tuples()
+                # a walk over every name makes the rows mapped in place; a sharded row
+                # (no segment, some bytes) is assembled only when asked for by name, as
+                # a caller reading its slices never wants the whole of it
+                missing = [t for t in rows.tuples()
+                           if t[0] not in cache and (t[5] is not None or not t[3])]
             if not missing:
                 return
+            sharded = any(t[5] is None and t[3] for t in missing)
             got = self._reader.materialize(self.collection, missing, verify=self._verify,
-                                           maps=maps, shards=self._shard_rows)
+                                           maps=maps,
+                                           shards=self._all_shards() if sharded else None)
             if self.device is None:
                 cache.update(got)
             else:
@@ -383,6 +472,23 @@ class Snapshot:
         return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}
 
 
+def _run_of(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[int, int] | None:
+    """(first element, element count) when ``box`` of a C-contiguous array of ``shape``
+    is one run of consecutive elements; else None."""
+    dims = len(shape)
+    ext = [b.stop - b.start for b in box]
+    # leading dims one index wide, then one partial dim, then whole dims
+    first = next((d for d in range(dims) if ext[d] > 1), dims)
+    if any(ext[d] != shape[d] for d in range(first + 1, dims)):
+        return None
+    start, stride, count = 0, 1, 1
+    for d in reversed(range(dims)):
+        start += box[d].start * stride
+        stride *= shape[d]
+        count *= box[d].stop - box[d].start
+    return start, count
+
+
 def _rank_box(shape: tuple[int, ...], rank: object, world_size: object, dim: object,
               where: str, collection: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The box of part ``rank`` of ``world_size`` along ``dim`` (torch.chunk's split:
@@ -444,13 +550,21 @@ class StateDict(Mapping[str, torch.Tensor]):
                            f"tensor {name!r}", collection=snap.collection, tensor=name,
                            version=snap.version)
         self._misses += 1
-        snap._materialize(None if self._misses > self._BULK_AFTER else [name], self._maps)
-        return snap._cache[name]
+        bulk = self._misses > self._BULK_AFTER
+        snap._materialize(None if bulk else [name], self._maps)
+        t = snap._cache.get(name)
+        if t is None:  # sharded: made by name only; a walk by name makes them all at once
+            snap._materialize([n for n in snap._rows if n not in snap._cache] if bulk
+                              else [name], self._maps)
+            t = snap._cache[name]
+        return t
 
     def _all(self) -> dict[str, torch.Tensor]:
         snap = self._snap
         snap._materialize(None, self._maps)
         cache = snap._cache
+        if len(cache) < len(snap._rows):  # the sharded rows, assembled
+            snap._materialize([n for n in snap._rows if n not in cache], self._maps)
         if len(cache) == len(snap._rows) and not self._misses:
             return dict(cache)  # made in one go, in the manifest's (name) order
         return {n: cache[n] for n in snap._rows}
@@ -495,8 +609,9 @@ def _query_rows(result: object) -> list[tuple[str, str, int]]:
 
 def _rows_of(open_snapshot: Callable[[str, int | None], Snapshot], collection: str,
              version: int, names: list[str]
-             ) -> tuple[dict[str, TensorRow], dict[str, se.SegmentView]]:
-    """The rows ``names`` of (collection, version) and their segments' views. A version
+             ) -> tuple[dict[str, TensorRow], dict[str, se.SegmentView], dict[str, pa.Buffer]]:
+    """The rows ``names`` of (collection, version), their segments' views and the bytes
+    of the sharded ones among them, assembled. A version
     retention has dropped is read from the head where the head still holds the same row
     (the one that version wrote: same first version), as the ``tensors`` table shows it."""
     try:
@@ -514,7 +629,8 @@ def _rows_of(open_snapshot: Callable[[str, int | None], Snapshot], collection: s
                 raise NotFound(f"version {version} of collection {collection!r} is gone and "
                                f"the head no longer holds its {gone[0]!r}",
                                collection=collection, tensor=gone[0], version=version)
-        return {r.name: r for r in rows}, snap._views(rows)
+        wholes = {r.name: snap._whole_bytes(r) for r in rows if _is_sharded(r)}
+        return {r.name: r for r in rows}, snap._views(rows), wholes
 
 
 def tensors_arrow(open_snapshot: Callable[[str, int | None], Snapshot], result: object
@@ -531,12 +647,14 @@ def tensors_arrow(open_snapshot: Callable[[str, int | None], Snapshot], result: 
             names.append(n)
     found: dict[tuple[str, int], dict[str, TensorRow]] = {}
     views: dict[str, se.SegmentView] = {}
+    wholes: dict[int, pa.Buffer] = {}  # by id of the row: the same name may be in two
     for (c, v), names in groups.items():
-        found[(c, v)], got = _rows_of(open_snapshot, c, v, names)
+        found[(c, v)], got, assembled = _rows_of(open_snapshot, c, v, names)
         views.update(got)  # a segment id names one segment, whatever the collection
+        wholes.update((id(found[(c, v)][n]), b) for n, b in assembled.items())
     rows = [found[(c, v)][n] for c, n, v in wanted]
     table = tensors_table(rows, lambda segment_id, _tier: views[segment_id],
-                          collection="", version=0)
+                          collection="", version=0, whole_of=lambda r: wholes[id(r)])
     table = table.add_column(0, pa.field("collection", pa.string(), nullable=False),
                              pa.array([c for c, _, _ in wanted], pa.string()))
     table = table.add_column(2, pa.field("version", pa.int64(), nullable=False),

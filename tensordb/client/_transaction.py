@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
@@ -127,8 +127,16 @@ def group_spec(collection: str, group: object, rank: object, world_size: object,
     return GroupSpec(group, rank, world_size, float(timeout))
 
 
+_SHAPE_TYPES = (tuple, list, torch.Size)
+_INT_LIMIT = 2**63
+
+
 def _dims(what: str, value: object, name: str, collection: str) -> tuple[int, ...]:
     """A shape-like argument as a tuple of non-negative ints, or InvalidInput."""
+    if type(value) in _SHAPE_TYPES:  # the common case, in a few checks per dimension
+        plain: tuple[int, ...] = tuple(cast(Iterable[int], value))
+        if all(type(d) is int and 0 <= d < _INT_LIMIT for d in plain):
+            return plain
     try:
         items = tuple(cast(Iterable[object], value))
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
@@ -157,8 +165,34 @@ def source(t: torch.Tensor | RawPut) -> se.Source:
 
 
 def digest(t: torch.Tensor) -> str:
-    src = t if t.is_contiguous() else t.contiguous()
-    return se.checksum(src.reshape(-1).view(torch.uint8).numpy())
+    """The checksum of a tensor's bytes in C order. A strided tensor is hashed in
+    pieces of about ``se.HASH_PIECE`` bytes, never copied whole: an expanded tensor of
+    10**9 elements (4 bytes of memory) would otherwise take 4 GB to hash."""
+    if t.is_contiguous():
+        return se.checksum(t.reshape(-1).view(torch.uint8).numpy())
+    h = se.Hasher()
+    for piece in _pieces(t, se.HASH_PIECE):
+        h.update(piece.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _pieces(t: torch.Tensor, piece: int) -> Iterator[torch.Tensor]:
+    """Contiguous copies of consecutive parts of ``t`` (in C order), each of at most
+    ``piece`` bytes unless one row of the last dimension is larger."""
+    if t.dim() <= 1:
+        step = max(1, piece // max(1, t.element_size()))
+        flat = t.reshape(-1) if t.dim() == 0 else t
+        for lo in range(0, flat.shape[0], step):
+            yield flat[lo : lo + step].contiguous()
+        return
+    row = t[0].numel() * t.element_size()
+    if row > piece:
+        for i in range(t.shape[0]):
+            yield from _pieces(t[i], piece)
+        return
+    step = max(1, piece // max(1, row))
+    for lo in range(0, t.shape[0], step):
+        yield t[lo : lo + step].contiguous()
 
 
 def _check_text(what: str, value: str, collection: str) -> None:
@@ -361,13 +395,20 @@ class Transaction:
                 self._writer.abort_group(self.collection, g,
                                          f"rank {g.rank} raised {exc_type.__name__}: {exc}")
             return None
-        self._check_open()
-        assert self._base is not None
         if g is not None:
+            try:
+                self._check_open()
+            except BaseException:
+                self._writer.abort_group(self.collection, g,
+                                         f"rank {g.rank}'s store was closed before its part")
+                raise
+            assert self._base is not None
             self.result = self._writer.publish_part(
                 self.collection, g, self._puts, self._shards, self._deletes, self.message,
                 self._tier, self._meta)
         else:
+            self._check_open()
+            assert self._base is not None
             self.result = self._writer.publish(self.collection, self._base, self._puts,
                                                self._deletes, self.message, self._tier,
                                                self._meta, self._shards)

@@ -75,6 +75,27 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
     return {n: s for (n, _), s in zip(stored, sums, strict=True)}
 
 
+def _check_fits(collection: str, tier: se.Tier, puts: Mapping[str, torch.Tensor | RawPut],
+                sharded: Mapping[str, list[ShardPut]], live: Mapping[str, TensorRow]) -> None:
+    """StoreFull, before any byte is read or copied, when the tensors that cannot be
+    unchanged (no head row of their name, dtype and shape) hold more than the tier's
+    capacity: hashing an expanded tensor of 10**9 elements to find it changed, then
+    refusing it, cost seconds and its size in memory."""
+    capacity = getattr(tier, "capacity", None)
+    if capacity is None:
+        return
+    new = sum(p.tensor.nbytes for parts in sharded.values() for p in parts)
+    for n, t in puts.items():
+        row = live.get(n)
+        if row is None or isinstance(t, RawPut) or row.nbytes != t.nbytes \
+                or row.shape != tuple(t.shape):
+            new += t.nbytes
+    if new > capacity:
+        raise StoreFull(f"cannot commit {new} bytes to {collection!r}: the {tier.name} tier "
+                        f"holds at most {capacity}; commit to the disk tier",
+                        collection=collection)
+
+
 def _shard_key(name: str, i: int) -> str:
     """The key of shard ``i`` of ``name`` among a segment's stored items (no tensor name
     holds a NUL)."""
@@ -163,6 +184,8 @@ class Writer:
                  meta: dict[str, str] | None, shards: Mapping[str, list[ShardPut]]) -> Commit:
         puts, sharded = _whole_shards(collection, puts, shards)
         live = self._live(collection, [*puts, *sharded], deletes)
+        tier = self.tiers.tier(tier_name)
+        _check_fits(collection, tier, puts, sharded, live)
         unchanged = self._unchanged(puts, live) if live else []
         skip = set(unchanged)
         changed = [(n, t) for n, t in puts.items() if n not in skip]
@@ -172,7 +195,6 @@ class Writer:
                    for i, p in enumerate(parts) if p.tensor.nbytes > 0]
         sizes = [t.nbytes for _, t in stored]
         offsets, total = se.pack(sizes)
-        tier = self.tiers.tier(tier_name)
         writer = self._create(collection, tier, total)
         try:
             checksums: dict[str, str] = {}
@@ -263,14 +285,18 @@ class Writer:
                 sorted(deletes), meta, message)
             result = self.catalog.commit_part(
                 collection, group.name, group.rank, part,
-                (writer.segment_id, tier.name, total) if writer else None,
-                durable=writer is None or tier.persistent)
-        except BaseException:
+                (writer.segment_id, tier.name, total) if writer else None)
+        except BaseException as exc:
+            landed = writer is not None and self.catalog.segment_registered(writer.segment_id)
             if writer is not None:
-                if self.catalog.segment_registered(writer.segment_id):
+                if landed:
                     writer.release()  # its part was recorded: gc reclaims it with the group
                 else:
                     writer.abort()
+            if not landed and not isinstance(exc, GroupAborted):
+                # the other ranks must not wait out the deadline for this part
+                self.abort_group(collection, group, f"rank {group.rank} failed to commit its "
+                                 f"part: {type(exc).__name__}: {exc}")
             raise
         if writer is not None:
             writer.release()
