@@ -267,12 +267,7 @@ class Transaction:
 
     def put(self, name: str, tensor: torch.Tensor | np.ndarray) -> None:
         self._check()
-        check_name("tensor", name, collection=self.collection)
-        try:
-            t = as_tensor(tensor, name)
-        except InvalidInput as exc:
-            exc.collection = self.collection
-            raise
+        t = self._tensor(name, tensor)
         self._puts[name] = t
         self._deletes.discard(name)
         self._shards.pop(name, None)
@@ -285,12 +280,7 @@ class Transaction:
         shape exactly (no overlap, no gap) when the version is published; a reader sees
         one tensor. Stored as given: each shard's bytes stay one extent."""
         self._check()
-        check_name("tensor", name, collection=self.collection)
-        try:
-            t = as_tensor(tensor, name)
-        except InvalidInput as exc:
-            exc.collection = self.collection
-            raise
+        t = self._tensor(name, tensor)
         gshape = _dims("global_shape", global_shape, name, self.collection)
         offs = _dims("offsets", offsets, name, self.collection)
         if len(offs) != len(gshape) or t.dim() != len(gshape):
@@ -313,6 +303,16 @@ class Transaction:
         mine.append(ShardPut(t, gshape, offs))
         self._puts.pop(name, None)
         self._deletes.discard(name)
+
+    def _tensor(self, name: str, value: object) -> torch.Tensor:
+        """``value`` normalised (``as_tensor``) under a checked name; InvalidInput names
+        this transaction's collection."""
+        check_name("tensor", name, collection=self.collection)
+        try:
+            return as_tensor(value, name)
+        except InvalidInput as exc:
+            exc.collection = self.collection
+            raise
 
     def put_raw(self, name: str, dtype: torch.dtype | str, shape: Iterable[int],
                 fill: Callable[[np.ndarray], str | None]) -> None:

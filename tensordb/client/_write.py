@@ -193,15 +193,8 @@ class Writer:
             (n, t) for n, t in changed if t.nbytes > 0]
         stored += [(_shard_key(n, i), p.tensor) for n, parts in sharded.items()
                    for i, p in enumerate(parts) if p.tensor.nbytes > 0]
-        sizes = [t.nbytes for _, t in stored]
-        offsets, total = se.pack(sizes)
-        writer = self._create(collection, tier, total)
+        writer, checksums, where, total = self._write_segment(collection, tier, stored)
         try:
-            checksums: dict[str, str] = {}
-            if writer is not None:
-                checksums = _fill(writer, stored, offsets, sizes)
-                writer.finish()
-            where = dict(zip((n for n, _ in stored), offsets, strict=True))
             sid = writer.segment_id if writer is not None else None
             new = [NewTensor(n, dtype_name(t.dtype), tuple(t.shape), t.nbytes,
                              checksums.get(n, _EMPTY_CHECKSUM),
@@ -231,15 +224,29 @@ class Writer:
             writer.release()
         return result
 
-    def _create(self, collection: str, tier: se.Tier, total: int) -> se.SegmentWriter | None:
-        """A new segment of ``total`` bytes in ``tier`` (None for none), or StoreFull."""
+    def _write_segment(self, collection: str, tier: se.Tier,
+                       stored: list[tuple[str, torch.Tensor | RawPut]]
+                       ) -> tuple[se.SegmentWriter | None, dict[str, str], dict[str, int], int]:
+        """The ``stored`` items (key, tensor) packed into one new segment of ``tier``,
+        filled and finished: (its writer, None when nothing has bytes; checksum and
+        offset by key; its size). StoreFull when the tier has no room; on a failure
+        here the segment is gone. The caller aborts or releases the writer."""
+        sizes = [t.nbytes for _, t in stored]
+        offsets, total = se.pack(sizes)
         if not total:
-            return None
+            return None, {}, {}, 0
         try:
-            return tier.create(uuid.uuid4().hex, total)
+            writer = tier.create(uuid.uuid4().hex, total)
         except se.TierFull as exc:
             raise StoreFull(f"cannot commit {total} bytes to {collection!r}: {exc}; run "
                             f"gc, or commit to the disk tier", collection=collection) from exc
+        try:
+            checksums = _fill(writer, stored, offsets, sizes)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        return writer, checksums, dict(zip((k for k, _ in stored), offsets, strict=True)), total
 
     # -- group commits ------------------------------------------------------------------
     def join_group(self, collection: str, group: GroupSpec) -> int:
@@ -267,17 +274,11 @@ class Writer:
                 items.append((n, dtype_name(p.tensor.dtype), p.global_shape, p.offsets,
                               tuple(p.tensor.shape), p.tensor))
         stored = [(str(i), it[5]) for i, it in enumerate(items) if it[5].nbytes > 0]
-        sizes = [t.nbytes for _, t in stored]
-        offsets, total = se.pack(sizes)
         tier = self.tiers.tier(tier_name)
-        writer = self._create(collection, tier, total)
+        writer: se.SegmentWriter | None = None
         try:
-            checksums: dict[str, str] = {}
-            if writer is not None:
-                with se.gc_paused():
-                    checksums = _fill(writer, stored, offsets, sizes)
-                writer.finish()
-            where = dict(zip((k for k, _ in stored), offsets, strict=True))
+            with se.gc_paused():
+                writer, checksums, where, total = self._write_segment(collection, tier, stored)
             part = GroupPart(
                 [PartShard(n, dt, g, o, shp, t.nbytes,
                            checksums.get(str(i), _EMPTY_CHECKSUM), where.get(str(i), 0))
