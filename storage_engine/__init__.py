@@ -26,7 +26,7 @@ from ._io import (
     io_workers,
     pack,
 )
-from ._kv import BlockStore
+from ._kv import BlockStore, chain_keys
 from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import (
@@ -82,6 +82,7 @@ __all__ = [
     "arrow_buffer",
     "bloom_may_hold",
     "boot_id",
+    "chain_keys",
     "check_extents",
     "checksum",
     "copy",

@@ -442,6 +442,22 @@ class FileTier(Tier):
         self._pool.limit = max(0, int(value))
         self.trim_pool()
 
+    def pool_file(self, path: Path) -> bool:
+        """Give the tier's pool a file nobody maps any more (a freed KV slab, say): pooled
+        if it fits the bound, else unlinked. False when its lock is held (someone still
+        uses it: it is left alone) or it is gone."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            if not lock_nb(fd):
+                return False
+            self._discard(path, fd)
+            return True
+        finally:
+            os.close(fd)
+
     def pooled_bytes(self) -> int:
         """Bytes of pages the pool holds now, for every process of the store."""
         return self._pool.pooled_bytes()

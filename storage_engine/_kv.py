@@ -1,194 +1,334 @@
-"""The KV block store: an LMDB index over a slab arena in POSIX shared memory.
+"""The KV block store: a native index and slab arena in POSIX shared memory.
 
 One store per directory under /dev/shm, shared by every process on the host that opens
 it. Blocks are many and small, so each is a chunk of a *slab* (a file of fixed-size
-chunks of one size class), not a file of its own, and the index is LMDB, not the catalog:
-``match`` over 1,000 keys is one LMDB read transaction.
+chunks of one size class), not a file of its own, and the index is a hash table in
+shared memory, not the catalog (``_kvindex.c``, the ``BlockIndex`` of the compiled
+``_stream`` extension): ``match`` over 1,000 keys is one lock and 1,000 probes, flat
+however many blocks the store holds.
 
 Layout under ``root``::
 
-    index/        the LMDB environment (lock=True: every process of the host shares it)
-    slabs/*.slab  the arena: pre-allocated with posix_fallocate, so a full tmpfs is an
-                  error at slab creation, never a SIGBUS at first write
-    gpu/          the GPU tier's slabs (CUDA IPC handles), when a process gives one
+    index.kvx       the header: settings, counters, the lock, who reads what
+    table-<n>.kvx   the hash table and the block records (grown by doubling)
+    slabs/*.slab    the arena: pre-allocated with posix_fallocate, so a full tmpfs is an
+                    error at slab creation, never a SIGBUS at first write
+    index/          the GPU tier's LMDB index, when a process gives the store a GPU
+    gpu/            the GPU tier's slabs (CUDA IPC handles)
 
 Why the protocol looks as it does:
 
-- *put* is two short write transactions around the copy. The first reserves a chunk
-  (evicting if needed) under a ``WRITING`` record that names the writer; the copy and
-  its checksum run outside the LMDB write lock, so writers copy in parallel; the second
-  publishes. First writer wins: a put of a key that is present or being written is a
-  no-op, never an error. A writer that dies between the two leaves a ``WRITING`` record
-  of a dead holder, which the next writer takes over.
+- *put* of a batch is one lock to reserve a chunk per new key (evicting if needed)
+  under a WRITING record that names the writer, the copies and their checksums outside
+  the lock and the GIL (writers copy in parallel), and one lock to publish. First
+  writer wins: a key present or being written is skipped, never an error. A writer
+  that dies between the two leaves WRITING records of a dead process, which the next
+  writer of the key, or the next allocation that finds no room, takes over.
+- *read_into* (``get_into``) copies without a lease and then checks, under the lock,
+  that each block still sits where it was copied from (a seqlock): a block evicted
+  meanwhile is read again.
 - *get* hands out views on private (copy-on-write) mappings of the chunk, one mapping
-  per view: a reader's stray write changes its own pages only and never reaches the
-  store or another view. A private mapping still sees later writes to the file where
-  the reader did not write, so a chunk must not be reused while someone holds a view:
-  each view holds a *read lease* on its chunk, recorded in LMDB under the reader's
-  holder id, and released when the view is garbage collected (at this process's next
-  call into the store). Leases of dead processes count as released.
-- Pins are counters in the index, not tied to a process: they last until unpinned.
+  per view: a reader's stray write changes its own pages only. A private mapping still
+  sees later writes to the file where the reader did not write, so a chunk must not be
+  reused while someone holds a view: each view holds a *read lease* on its record (a
+  bit per process in the shared record), given back when the view is garbage
+  collected (at this process's next call into the store). A dead process's leases are
+  cleared when an allocation finds no room.
+- Pins are counters in the records, not tied to a process: they last until unpinned.
 - Evicted blocks spill to ``disk_root`` (one file per block) when it is given, and are
-  promoted back into the arena when read.
+  promoted back into the arena when read; past ``disk_capacity`` the oldest unpinned
+  spills go.
 - Every block carries an xxh3-64 checksum. ``get`` and ``get_into`` verify it by default;
   a block that fails is dropped from the store and ``KVCorrupt`` is raised naming it, so
   it is never served and a later ``match`` reports it absent.
-
-``BlockStore`` is a facade over its parts, each in its own module: ``KVIndex`` and
-``ReadLeases`` (``_kv_index``), ``HostArena`` (``_kv_arena``), ``DiskSpill``
-(``_kv_spill``), ``GpuSlabs`` and ``GpuBlockCache`` (``_kv_gpu``), ``BlockTable``
-(``_kv_blocks``, the records and their moves between tiers), ``HostCopies`` and
-``DeviceCopies`` (``_kv_copies``, the byte copies), and an ``Eviction``
-(``_kv_eviction``).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import mmap
 import os
 import threading
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
+import xxhash
 
-from ._kv_arena import HostArena
-from ._kv_blocks import BlockTable
-from ._kv_copies import DeviceCopies, HostCopies
-from ._kv_eviction import Eviction, make_eviction
-from ._kv_gpu import GpuBlockCache, GpuBlockView, GpuSlabs
-from ._kv_index import KVIndex, ReadLeases
-from ._kv_spill import DiskSpill
+from . import _checksum  # binds the xxhash functions the extension uses
+from ._kv_eviction import Eviction
+from ._kv_gpu import GpuBlockView
+from ._kv_gpu_part import GpuPart
 from ._kv_types import (
-    GPU_BIT,
     PAGE,
     BlockView,
+    KVCorrupt,
     KVIndexDamaged,
     KVStats,
+    KVStoreFull,
     as_bytes,
-    bloom_filter,
+    bloom_size,
     check_keys,
-    size_class,
+    each,
 )
+from ._procs import current_holder
+from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex
+from ._stream import chain_keys as _chain_keys
 
-__all__ = ["BlockStore"]
+__all__ = ["BlockStore", "chain_keys"]
 
-#: the store-wide counters ``stats`` reports
-_COUNTERS = ("host_blocks", "host_bytes", "disk_blocks", "disk_bytes", "arena_bytes",
-             "pinned", "hits", "misses", "evictions", "spills", "corrupt", "gpu_blocks",
-             "gpu_bytes", "gpu_arena_bytes", "gpu_hits", "gpu_evictions")
+log = logging.getLogger(__name__)
+
+#: the evictions the native index runs, by name
+EVICTIONS = {"lru": 0, "s3fifo": 1}
+_EVICTION_NAMES = {v: k for k, v in EVICTIONS.items()}
+_NO_LIMIT = (1 << 63) - 1
+
+
+def chain_keys(prev: bytes, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
+    """For each full block of ``tokens`` (contiguous little-endian int64), the xxh3-128
+    digest of the previous key (``prev`` for the first) followed by the block's tokens:
+    keys that name the whole prefix up to their block. One native call for the chain
+    where the extension has the xxhash functions bound (a Python hash per block was a
+    quarter of a small block's put), else the same hashes in Python."""
+    if len(prev) == 16 and _checksum.ONE_PASS:
+        keys: list[bytes] = _chain_keys(prev, tokens, block_tokens)
+        return keys
+    out = []
+    for lo in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        h = xxhash.xxh3_128(prev)
+        h.update(tokens[lo:lo + block_tokens].data)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def _native(fn: Any, keys: Sequence[bytes], *args: Any) -> Any:
+    """``fn(keys, *args)`` of the native index, which takes keys of 1 to 32 bytes as they
+    are; keys of other types or lengths are normalised (``check_keys``: ValueError for
+    a bad one) and the call made again. No Python loop over the keys when they fit."""
+    try:
+        return fn(keys, *args)
+    except ValueError as exc:
+        if "key" not in str(exc):
+            raise
+        return fn(check_keys(keys), *args)
+
+
+def _u64(values: Any, n: int, what: str) -> np.ndarray:
+    arr = np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)
+    if arr.size != n:
+        raise ValueError(f"{n} keys but {arr.size} {what}")
+    return arr
+
+
+def _restore(path: str, size: int) -> None:
+    """Give a slab file cut shorter than ``size`` (or deleted) outside the store its pages
+    back before a mapping touches it: an access past the end of a file is a SIGBUS,
+    where restored pages read zeros and fail their blocks' checksums."""
+    try:
+        if os.stat(path).st_size >= size:
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            log.warning("KV slab %s is %d bytes, not %d: damaged outside the store; "
+                        "restored (its blocks past the cut fail their checksums)",
+                        path, os.fstat(fd).st_size, size)
+            os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise KVStoreFull(f"shared memory is full: no room to restore {path}",
+                              needed=size) from exc
+        raise
+    finally:
+        os.close(fd)
+
+
+class _Views:
+    """This process's zero-copy views of host blocks: a lease per record, counted here,
+    recorded in the shared record once; views give theirs back through ``give_back``
+    (a finalizer: no lock, no call into the index), and the next call flushes them."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, int], int] = {}
+        self.given: deque[tuple[int, int]] = deque()
+        self.give_back = self.given.append
+        self._fds: dict[tuple[int, int], int] = {}
+
+    def reset(self) -> None:
+        self.held.clear()
+        self.given.clear()
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def take(self, lease: tuple[int, int]) -> None:
+        self.held[lease] = self.held.get(lease, 0) + 1
+
+    def flush(self, ix: BlockIndex) -> None:
+        """Give the index back the leases whose last view here is gone."""
+        if not self.given:
+            return
+        done: list[tuple[int, int]] = []
+        while self.given:
+            lease = self.given.popleft()
+            n = self.held.get(lease, 0) - 1
+            if n <= 0:
+                self.held.pop(lease, None)
+                done.append(lease)
+            else:
+                self.held[lease] = n
+        if done:
+            ix.release(np.array([d[0] for d in done], np.uint64),
+                       np.array([d[1] for d in done], np.uint64))
+
+    def private(self, path: str, slab: tuple[int, int], offset: int, nbytes: int
+                ) -> np.ndarray:
+        """A new private (copy-on-write) mapping of a leased chunk's bytes. A chunk under
+        a page shares its page with others: the mapping covers the whole pages, the
+        view only the chunk."""
+        _restore(path, offset + nbytes)
+        fd = self._fds.get(slab)
+        if fd is None:
+            fd = self._fds[slab] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, offset + nbytes - base, offset=base, access=mmap.ACCESS_COPY)
+        return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - base)
 
 
 class BlockStore:
     """A host's store of KV blocks; see the module docstring for the protocol.
 
-    Open one per process (after a fork, the child reopens its own: LMDB environments do
-    not survive a fork, and this object notices). Methods are thread-safe (one lock).
-    ``put``, ``get``, ``pin``, ``unpin`` and ``delete`` take LMDB's write lock for a few
-    microseconds per block (longer when they evict to disk); ``match`` never blocks.
+    Open one per process (after a fork, the child reopens its own and this object
+    notices). Methods are thread-safe. ``put``, ``get``, ``pin``, ``unpin`` and
+    ``delete`` hold the store's lock for well under a microsecond per block (longer when
+    they evict to disk); ``match`` and ``contains`` take it for the probes only.
 
-    ``eviction`` orders the host arena (``"lru"``, ``"s3fifo"`` or an ``Eviction``;
-    ``policy`` is its older name). ``gpu_device`` and ``gpu_capacity`` give this process
-    the store's GPU tier (copies of hot blocks in device memory, see ``_kv_gpu``):
-    ``get_device``, ``get_into_device`` and ``admit_device``.
+    ``eviction`` orders the host arena (``"lru"`` or ``"s3fifo"``; ``policy`` is its
+    older name). ``pool_dir`` is the store's pool of freed files (``Pool``): a new slab
+    takes a pooled file first, whose pages exist already, so a new namespace in a store
+    that has freed memory pays page-table entries, not page faults. ``gpu_device`` and ``gpu_capacity`` give this process the store's GPU
+    tier (copies of hot blocks in device memory, see ``_kv_gpu``): ``get_device``,
+    ``get_into_device`` and ``admit_device``.
+
+    The batch paths take no Python object per block: ``put_batch`` and ``read_into``
+    move blocks between the arena and raw addresses given as arrays.
     """
 
     def __init__(self, root: Path, *, capacity_bytes: int, slab_bytes: int = 64 << 20,
                  eviction: str | Eviction | None = None, disk_root: Path | None = None,
                  disk_capacity: int | None = None, map_size: int = 1 << 34,
                  gpu_device: int | None = None, gpu_capacity: int | None = None,
-                 policy: str | Eviction | None = None) -> None:
+                 policy: str | Eviction | None = None, pool_dir: Path | None = None
+                 ) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if slab_bytes < PAGE:
             raise ValueError(f"slab_bytes must be at least {PAGE}")
         if eviction is not None and policy is not None and eviction != policy:
             raise ValueError("give eviction= or its older name policy=, not both")
+        ev = eviction or policy or "lru"
+        name = ev.name if isinstance(ev, Eviction) else ev
+        if name not in EVICTIONS:
+            raise ValueError(f"unknown eviction {name!r}; known: 'lru', 's3fifo' (the "
+                             f"host arena's order runs in the shared index)")
+        GpuPart.check_options(gpu_device, gpu_capacity)
         self.root = Path(root)
         self.disk_root = Path(disk_root) if disk_root is not None else None
         self.disk_capacity = disk_capacity
         self._lock = threading.RLock()
-        for d in (self.root, self.root / "slabs", self.root / "index", self.disk_root):
+        for d in (self.root, self.root / "slabs", self.disk_root):
             if d is not None:
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
                 os.chmod(d, 0o700)
-        GpuSlabs.check_options(gpu_device, gpu_capacity)
-        self._index = KVIndex(self.root / "index", map_size=map_size)
-        try:
-            self._index.open()
-            self._pid = os.getpid()
-            self.capacity, self.slab_bytes, self.eviction = self._adopt_settings(
-                int(capacity_bytes), int(slab_bytes),
-                make_eviction(eviction or policy or "lru"))
-        except lmdb.Error as exc:  # not LMDB any more (truncated, overwritten), or corrupt
-            env = getattr(self._index, "env", None)
-            if env is not None:
-                env.close()
-            raise KVIndexDamaged(str(self.root / "index"),
-                                 f"{type(exc).__name__}: {str(exc).rsplit(': ', 1)[-1]}"
-                                 ) from exc
-        self._leases = ReadLeases(self._index, release=self._release_chunk)
-        self._arena = HostArena(self._index, self.root / "slabs", capacity=self.capacity,
-                                slab_bytes=self.slab_bytes)
-        self._spill = DiskSpill(self._index, self.disk_root, disk_capacity)
-        self._gpu_slabs = GpuSlabs(self._index, self.root / "gpu", device=gpu_device,
-                                   capacity=gpu_capacity, slab_bytes=self.slab_bytes)
-        self._gpu = GpuBlockCache(self._index, self._leases, self._gpu_slabs)
-        self._blocks = BlockTable(self._index, self._leases, self._arena, self._spill,
-                                  self._gpu, self.eviction)
-        self._host = HostCopies(self._index, self._leases, self._arena, self._blocks)
-        self._device = DeviceCopies(self._host, self._blocks, self._gpu)
-        # every write transaction first drops released leases, then stale mappings
-        self._index.hooks = [self._leases, self._gpu_slabs, self._arena]
-        self._bind()
+        self._asked = (int(capacity_bytes), int(slab_bytes), EVICTIONS[name])
+        self.pool_dir = Path(pool_dir) if pool_dir is not None else None
+        self._map_size = map_size
+        self._gpu_opts = (gpu_device, gpu_capacity)
+        self._views = _Views()
+        self._paths: dict[tuple[int, int], str] = {}
+        #: called by a put between its reservation and its copies (tests stop one there)
+        self.after_reserve: Any = None
+        self._ix = self._open()
+        cap, slab, ev_code, _ = self._ix.settings()
+        self.capacity, self.slab_bytes = int(cap), int(slab)
+        self.eviction = _EVICTION_NAMES[ev_code]
+        self._gpu: GpuPart | None = None
+        if gpu_device is not None:
+            self._gpu_part()
 
     # -- environment ---------------------------------------------------------------
-    def _adopt_settings(self, capacity: int, slab_bytes: int, eviction: Eviction
-                        ) -> tuple[int, int, Eviction]:
-        """The first process to create the store fixes its capacity, slab size and
-        eviction; later ones adopt them (two evictions over one arena would each see
-        half of it, and two capacities would let the larger one overfill it)."""
-        with self._index.env.begin(write=True) as txn:
-            raw = self._index.setting(
-                txn, b"settings", f"{capacity} {slab_bytes} {eviction.name}".encode())
-        assert raw is not None
-        cap, slab, name = raw.decode().split()
-        return int(cap), int(slab), eviction if name == eviction.name else make_eviction(name)
+    def _open(self) -> BlockIndex:
+        """This process's handle on the index (the first process to create the store
+        fixes its capacity, slab size and eviction; later ones adopt them)."""
+        self._pid = os.getpid()
+        _, pid, ticks = current_holder().rsplit(":", 2)
+        path = self.root / "index.kvx"
+        cap, slab, ev = self._asked
+        try:
+            ix = BlockIndex(str(self.root), cap, slab, ev, int(pid), int(ticks))
+        except ValueError as exc:  # not an index any more (truncated, overwritten)
+            raise KVIndexDamaged(str(path), str(exc).split(": ", 1)[-1]) from exc
+        except OverflowError as exc:
+            raise KVStoreFull(f"KV store {self.root}: {exc}") from exc
+        ix.set_spill(str(self.disk_root) if self.disk_root is not None else None,
+                     self.disk_capacity if self.disk_capacity is not None else _NO_LIMIT)
+        ix.set_pool(str(self.pool_dir) if self.pool_dir is not None else None)
+        ix.reclaim_orphans()
+        return ix
 
-    def _bind(self) -> None:
-        """Open the index's databases and let the parts take their state from them."""
-        index = self._index
-        index.open_dbs(["counters", "settings", *ReadLeases.DB_NAMES, *HostArena.DB_NAMES,
-                        *BlockTable.DB_NAMES, *DiskSpill.DB_NAMES, *GpuSlabs.DB_NAMES,
-                        *GpuBlockCache.DB_NAMES, *self.eviction.db_names])
-        self.eviction.bind({n: index.dbs[n] for n in self.eviction.db_names}, index.counter)
-        self._gpu.bind()
-        with index.env.begin(write=True) as txn:
-            self._gpu_slabs.bind(txn)
-            self._blocks.reclaim_orphans(txn)
+    def _gpu_part(self) -> GpuPart:
+        """The GPU tier's index (LMDB), opened when this process has a tier or first
+        has to forget GPU copies of blocks that left the store."""
+        if self._gpu is None:
+            device, capacity = self._gpu_opts
+            self._gpu = GpuPart(self.root, self._map_size, device=device, capacity=capacity,
+                                slab_bytes=self.slab_bytes, host=self._host_record,
+                                reads=self)
+            if device is not None:
+                self._ix.mark_gpu()
+        return self._gpu
 
     def _check_pid(self) -> None:
-        if os.getpid() != self._pid:  # forked: the parent's environment is not ours
-            self._pid = os.getpid()
-            self._index.open()
-            self._leases.reset()
-            self._arena.reset()
-            self._bind()
+        if os.getpid() != self._pid:  # forked: the parent's handle is not ours
+            self._ix.abandon()
+            self._views.reset()
+            self._paths = {}
+            self._ix = self._open()
+            if self._gpu is not None:
+                self._gpu.reopen()
 
-    def _release_chunk(self, txn: lmdb.Transaction, slab: int, chunk: int) -> None:
-        """A chunk nobody reads any more goes back to its arena's free list."""
-        (self._gpu_slabs if slab & GPU_BIT else self._arena).release_chunk(txn, slab, chunk)
+    def _forget_left(self) -> None:
+        """Drop the GPU copies of blocks the last call removed from the store."""
+        left = self._ix.take_left()
+        if left:
+            self._gpu_part().forget(left)
+
+    def _host_record(self, key: bytes) -> tuple[int, bytes] | None:
+        """(nbytes, meta) of a readable block, for the GPU tier."""
+        loc = self._ix.locate(key)
+        return None if loc is None else (int(loc[4]), loc[6])
 
     def close(self) -> None:
         with self._lock:
             if os.getpid() == self._pid:
-                self._host.flush_releases()
-                self._index.close()
-                self._arena.close()
-                self._gpu_slabs.close()
+                self._views.flush(self._ix)
+                self._ix.close()
+                self._views.close()
+                if self._gpu is not None:
+                    self._gpu.close()
             else:
-                self._arena.reset()
+                self._ix.abandon()
 
     def __enter__(self) -> BlockStore:
         return self
@@ -196,48 +336,106 @@ class BlockStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _full(self, err: int, needed: int) -> KVStoreFull:
+        if err == E_TOO_BIG:
+            return KVStoreFull(f"a block of {needed} bytes is larger than the arena "
+                               f"({self.capacity} bytes)", needed=needed,
+                               capacity=self.capacity)
+        if err == E_NOSPACE:
+            return KVStoreFull(f"shared memory is full: no room for a slab under "
+                               f"{self.root}", needed=needed, capacity=self.capacity)
+        return KVStoreFull(f"the KV arena under {self.root} is full ({self.capacity} bytes) "
+                           f"and every block in it is pinned or being read", needed=needed,
+                           capacity=self.capacity)
+
     # -- host blocks -----------------------------------------------------------------
     def put(self, keys: Sequence[bytes], buffers: Sequence[Any],
-            metas: Sequence[bytes] | None = None) -> list[bool]:
+            metas: Sequence[bytes] | bytes | None = None) -> list[bool]:
         """Store each buffer under its key; True where this call stored it, False where
         the key was present or being written by someone else (first writer wins).
         Raises KVStoreFull when the arena cannot make room: a batch of up to a quarter
         of the arena is stored whole or not at all; a larger one goes in slices of that
         size, and the slices before the one that found no room stay stored. ValueError
-        on bad input, before anything changes."""
+        on bad input, before anything changes. ``metas``: one per key, or one for all."""
         keys = check_keys(keys)
         if len(buffers) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         srcs = [as_bytes(b) for b in buffers]
-        if any(s.size == 0 for s in srcs):
+        sizes = np.fromiter((s.size for s in srcs), np.uint64, len(srcs))
+        if len(srcs) and not sizes.all():
             raise ValueError("a block holds at least one byte")
-        metas = [bytes(m) for m in metas] if metas is not None else [b""] * len(keys)
-        if len(metas) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(metas)} metas")
-        stored: list[bool] = []
+        addrs = np.fromiter((s.ctypes.data for s in srcs), np.uint64, len(srcs))
+        # the sources stay alive (``srcs``) until the copies are done
+        stored = self.put_batch(keys, addrs, sizes, metas)
+        del srcs
+        return stored.tolist()
+
+    def put_batch(self, keys: Sequence[bytes], addrs: Any, sizes: Any,
+                  metas: Sequence[bytes] | bytes | None = None) -> np.ndarray:
+        """``put`` of blocks given as raw addresses and sizes (uint64 arrays, one per
+        key): no Python object per block. The caller keeps the bytes alive and
+        unchanged during the call. Returns a bool array: stored by this call."""
+        if not isinstance(keys, list):
+            keys = check_keys(keys)
+        n = len(keys)
+        addrs = _u64(addrs, n, "addresses")
+        sizes = _u64(sizes, n, "sizes")
+        if metas is None:
+            metas = b""
+        elif not isinstance(metas, bytes):
+            metas = [bytes(m) for m in metas]
+            if len(metas) != n:
+                raise ValueError(f"{n} keys but {len(metas)} metas")
+        if n and not sizes.all():
+            raise ValueError("a block holds at least one byte")
+        out = np.zeros(n, dtype=bool)
         # a batch larger than the arena goes in slices that fit beside what is there
         budget = max(self.capacity // 4, 1)
         lo = 0
-        while lo < len(keys):
-            hi, size = lo, 0
-            while hi < len(keys) and (hi == lo or size + size_class(srcs[hi].size) <= budget):
-                size += size_class(srcs[hi].size)
-                hi += 1
+        while lo < n:
+            hi = self._slice_end(sizes, lo, budget)
+            part = metas if isinstance(metas, bytes) else metas[lo:hi]
             with self._lock:
                 self._check_pid()
-                stored += self._host.put(keys[lo:hi], srcs[lo:hi], metas[lo:hi])
+                self._views.flush(self._ix)
+                stored, err, needed = _native(self._ix.put, keys[lo:hi], addrs[lo:hi],
+                                              sizes[lo:hi], part, self.after_reserve)
+                self._forget_left()
+            if err != E_OK:
+                raise self._full(err, needed)
+            out[lo:hi] = np.frombuffer(stored, dtype=np.uint8).astype(bool)
             lo = hi
-        return stored
+        return out
+
+    @staticmethod
+    def _slice_end(sizes: np.ndarray, lo: int, budget: int) -> int:
+        """The end of the slice of the batch from ``lo`` whose chunks fit ``budget``."""
+        n = sizes.size
+        if n - lo <= 1:
+            return n
+        from ._stream import size_class
+
+        first = int(sizes[lo])
+        if int(sizes[lo:].min()) == first == int(sizes[lo:].max()):  # the usual batch
+            return min(n, lo + max(1, budget // size_class(first)))
+        total, hi = 0, lo
+        while hi < n:
+            c = size_class(int(sizes[hi]))
+            if hi > lo and total + c > budget:
+                break
+            total += c
+            hi += 1
+        return hi
 
     def match(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are readable (on the host or on disk). Never blocks."""
+        """How many leading keys are readable (on the host or on disk)."""
         self._check_pid()
-        return self._blocks.match(keys)
+        return int(_native(self._ix.match, keys))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether it is readable."""
         self._check_pid()
-        return self._blocks.contains(keys)
+        return [b == 1 for b in _native(self._ix.contains, keys)]
 
     def get(self, keys: Sequence[bytes], *, verify: bool = True) -> list[BlockView | None]:
         """Zero-copy views of the blocks (None where absent). Each view maps its chunk
@@ -247,30 +445,112 @@ class BlockStore:
         keys = check_keys(keys)
         with self._lock:
             self._check_pid()
-            return self._host.get(keys, verify)
+            self._views.flush(self._ix)
+            found = self._ix.lease(keys)
+            self._forget_left()
+            bad: list[bytes] = [k for k, f in zip(keys, found, strict=True) if f == -1]
+            arrs: list[np.ndarray | None] = []
+            try:
+                for f in found:
+                    arrs.append(None if not isinstance(f, tuple) else
+                                self._views.private(self._slab_path(f[2], f[3]),
+                                                    (f[2], f[3]), f[4], f[5]))
+            except BaseException:
+                self._release_now([f for f in found if isinstance(f, tuple)])
+                raise
+            live = [a for a in arrs if a is not None]
+            sums = iter(each(_checksum.checksum, [(a,) for a in live],
+                             sum(a.size for a in live)) if verify else [])
+            out: list[BlockView | None] = []
+            drop: list[tuple[int, int]] = []
+            for key, f, arr in zip(keys, found, arrs, strict=True):
+                if not isinstance(f, tuple) or arr is None:
+                    out.append(None)
+                    continue
+                idx, gen, _, _, _, _, csum, meta = f
+                if verify and int(next(sums), 16) != csum:
+                    bad.append(key)
+                    drop.append((idx, gen))
+                    out.append(None)
+                    continue
+                self._views.take((idx, gen))
+                weakref.finalize(arr, self._views.give_back, (idx, gen))
+                out.append(BlockView(arr, meta))
+            if drop:
+                for idx, gen in drop:
+                    self._ix.drop_corrupt(idx, gen)
+                self._release_now([(i, g) for i, g in drop])
+                self._forget_left()
+        if bad:
+            raise KVCorrupt(bad)
+        return out
+
+    def _release_now(self, leases: Sequence[tuple[int, ...]]) -> None:
+        if leases:
+            self._ix.release(np.array([f[0] for f in leases], np.uint64),
+                             np.array([f[1] for f in leases], np.uint64))
+
+    def _slab_path(self, slab: int, gen: int) -> str:
+        path = self._paths.get((slab, gen))
+        if path is None:
+            path = self._paths[(slab, gen)] = self._ix.slab_file(slab, gen)
+        return path
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], *,
-                 verify: bool = True) -> list[bytes | None]:
-        """Copy each block into the uint8 array of its size in ``outs``; returns each
-        block's metadata, None where absent (that out is left alone). Corrupt blocks
+                 verify: bool = True) -> list[bool]:
+        """Copy each block into the uint8 array of its size in ``outs``; returns for each
+        key whether it was found (an absent key's out is left alone). Corrupt blocks
         are dropped and raise KVCorrupt (their outs then hold the bad bytes)."""
         keys = check_keys(keys)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         dsts = [as_bytes(o) for o in outs]
+        for d in dsts:
+            if not d.flags.writeable:
+                raise ValueError("an output buffer is read-only")
+        addrs = np.fromiter((d.ctypes.data for d in dsts), np.uint64, len(dsts))
+        sizes = np.fromiter((d.size for d in dsts), np.uint64, len(dsts))
+        status = self.read_into(keys, addrs, sizes, verify=verify)
+        del dsts
+        return (status == 1).tolist()
+
+    def read_into(self, keys: Sequence[bytes], addrs: Any, sizes: Any, *,
+                  verify: bool = True) -> np.ndarray:
+        """Copy each block to ``sizes[i]`` bytes at the raw address ``addrs[i]`` (uint64
+        arrays; no Python object per block). Returns a uint8 array: 1 copied, 0 absent
+        (its destination untouched). ValueError, before anything is copied, for a block
+        whose size is not its destination's; KVCorrupt for blocks that failed their
+        checksums (dropped). The caller keeps the destinations alive during the call."""
+        n = len(keys)
+        addrs = _u64(addrs, n, "addresses")
+        sizes = _u64(sizes, n, "sizes")
         with self._lock:
             self._check_pid()
-            return self._host.get_into(keys, dsts, verify)
+            self._views.flush(self._ix)
+            raw, bad_size = _native(self._ix.read_into, keys, addrs, sizes, verify)
+            self._forget_left()
+        if bad_size >= 0:
+            loc = self._ix.locate(check_keys([keys[bad_size]])[0])
+            held = loc[4] if loc is not None else "another number of"
+            raise ValueError(f"block {keys[bad_size].hex()} holds {held} bytes; its output "
+                             f"buffer {int(sizes[bad_size])}")
+        status = np.frombuffer(raw, dtype=np.uint8)
+        if (status == 2).any():
+            raise KVCorrupt([keys[int(i)] for i in np.flatnonzero(status == 2)])
+        return status
 
     def _adjust_pins(self, keys: Sequence[bytes], delta: int) -> int:
         keys = check_keys(keys)
         with self._lock:
             self._check_pid()
-            return self._blocks.adjust_pins(keys, delta)
+            n = int(self._ix.pin(keys, delta))
+            self._forget_left()
+            return n
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """Protect the blocks from eviction (counted: each pin needs an unpin). Pins are
-        not tied to the process. Returns how many keys were present and pinned."""
+        not tied to the process. A pin brings a spilled block back into memory where
+        there is room. Returns how many keys were present and pinned."""
         return self._adjust_pins(keys, 1)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
@@ -283,53 +563,128 @@ class BlockStore:
         keys = check_keys(keys)
         with self._lock:
             self._check_pid()
-            return self._blocks.delete(keys)
+            self._views.flush(self._ix)
+            n = int(self._ix.delete(keys))
+            self._forget_left()
+            return n
 
     def locate(self, key: bytes) -> tuple[str, Path, int, int] | None:
         """Where a block's bytes are: (tier, file, offset, nbytes), for tests and tools."""
+        (key,) = check_keys([key])
         self._check_pid()
-        return self._blocks.locate(key)
+        loc = self._ix.locate(key)
+        if loc is None:
+            return None
+        tier, slab, gen, offset, nbytes, spill, _ = loc
+        if tier == "disk":
+            return "disk", Path(spill), 0, int(nbytes)
+        return "host", Path(self._slab_path(slab, gen)), int(offset), int(nbytes)
+
+    def quiescent(self) -> bool:
+        """Whether no other live process has the store open and no view of a block is
+        held: then, once closed, its slab files may be recycled (``slab_files``)."""
+        self._check_pid()
+        with self._lock:
+            self._views.flush(self._ix)
+            return bool(self._ix.quiescent())
+
+    def slab_files(self) -> list[Path]:
+        """The arena's slab files."""
+        return sorted((self.root / "slabs").glob("*.slab"))
+
+    def meta(self, key: bytes) -> bytes | None:
+        """The metadata a readable block was put with; None when absent."""
+        (key,) = check_keys([key])
+        self._check_pid()
+        loc = self._ix.locate(key)
+        return None if loc is None else bytes(loc[6])
 
     def release_pending(self) -> None:
         """Drop the read leases of views this process no longer holds (else done at its
         next call into the store)."""
         with self._lock:
             self._check_pid()
-            self._host.flush_releases()
+            self._views.flush(self._ix)
 
     def stats(self, *, bloom_fp: float = 0.01) -> KVStats:
         """Counters shared by every process of the store, and a Bloom filter of its keys."""
         with self._lock:
             self._check_pid()
-            self._host.flush_releases()
-            index = self._index
-            with index.env.begin(db=index.dbs["blocks"]) as txn:
-                c = {name: index.counter(txn, name, 0) for name in _COUNTERS}
-                n = c["host_blocks"] + c["disk_blocks"]
-                bloom, k = bloom_filter(self._blocks.readable(txn), n, bloom_fp)
+            self._views.flush(self._ix)
+            c = self._ix.stats()
+            n = c["host_blocks"] + c["disk_blocks"]
+            nbits, k = bloom_size(n, bloom_fp)
+            bloom = self._ix.bloom(nbits, k)
+            if self._gpu is None and self._ix.settings()[3]:  # another process has a tier
+                self._gpu_part()
+            g = self._gpu.counters() if self._gpu is not None else {}
         return KVStats(blocks=n, nbytes=c["host_bytes"] + c["disk_bytes"],
                        host_blocks=c["host_blocks"], host_bytes=c["host_bytes"],
                        disk_blocks=c["disk_blocks"], disk_bytes=c["disk_bytes"],
                        capacity=self.capacity, arena_bytes=c["arena_bytes"],
                        pinned=c["pinned"], hits=c["hits"], misses=c["misses"],
                        evictions=c["evictions"], spills=c["spills"], corrupt=c["corrupt"],
-                       bloom=bloom, bloom_hashes=k, gpu_blocks=c["gpu_blocks"],
-                       gpu_bytes=c["gpu_bytes"], gpu_capacity=self._gpu.capacity,
-                       gpu_arena_bytes=c["gpu_arena_bytes"], gpu_hits=c["gpu_hits"],
-                       gpu_evictions=c["gpu_evictions"])
+                       bloom=bloom, bloom_hashes=k, gpu_blocks=g.get("gpu_blocks", 0),
+                       gpu_bytes=g.get("gpu_bytes", 0),
+                       gpu_capacity=self._gpu.capacity if self._gpu is not None else 0,
+                       gpu_arena_bytes=g.get("gpu_arena_bytes", 0),
+                       gpu_hits=g.get("gpu_hits", 0),
+                       gpu_evictions=g.get("gpu_evictions", 0))
+
+    def index_stats(self) -> dict[str, int]:
+        """The native index's own counters (``stats`` plus its records, their capacity
+        and the scans for dead processes' leases and chunks), for tests and tools."""
+        self._check_pid()
+        return dict(self._ix.stats())
+
+    # -- host reads for the GPU tier ----------------------------------------------------
+    def lease_host(self, keys: list[bytes]) -> tuple[list[Any], list[bytes]]:
+        """Lease the host copies of ``keys`` (promoting spilled ones): per key None or
+        (idx, gen, slab, slab_gen, offset, nbytes, csum, meta), and the keys whose
+        spilled copy failed its checksum (dropped). Give them back with ``end_host``."""
+        found = self._ix.lease(keys)
+        self._forget_left()
+        bad = [k for k, f in zip(keys, found, strict=True) if f == -1]
+        return [f if isinstance(f, tuple) else None for f in found], bad
+
+    def host_bytes(self, f: tuple[Any, ...]) -> np.ndarray:
+        """The bytes of a chunk leased by ``lease_host``, through a shared mapping."""
+        path = self._slab_path(f[2], f[3])
+        _restore(path, f[4] + f[5])
+        with open(path, "r+b") as fh:
+            mm = mmap.mmap(fh.fileno(), f[4] + f[5], access=mmap.ACCESS_READ)
+        return np.frombuffer(mm, dtype=np.uint8, count=f[5], offset=f[4])
+
+    def end_host(self, found: list[Any], bad: list[tuple[bytes, Any]],
+                 bad_promotions: list[bytes]) -> None:
+        """Give back the leases of ``lease_host``, drop the blocks in ``bad`` (key, entry)
+        that failed their checksum, and raise KVCorrupt naming them and the spilled
+        blocks that failed on their way up."""
+        for _, f in bad:
+            self._ix.drop_corrupt(f[0], f[1])
+        self._release_now([f for f in found if f is not None])
+        self._forget_left()
+        if bad or bad_promotions:
+            raise KVCorrupt(bad_promotions + [k for k, _ in bad])
 
     # -- the GPU tier ------------------------------------------------------------------
     @property
     def gpu_enabled(self) -> bool:
-        return self._gpu.enabled
+        return self._gpu is not None and self._gpu.enabled
 
     @property
     def gpu_device(self) -> int | None:
-        return self._gpu.device
+        return self._gpu.device if self._gpu is not None else None
 
     @property
     def gpu_capacity(self) -> int:
-        return self._gpu.capacity
+        return self._gpu.capacity if self._gpu is not None else 0
+
+    def _need_gpu(self) -> GpuPart:
+        if not self.gpu_enabled:
+            raise ValueError("this store was opened without a GPU tier (gpu_device)")
+        assert self._gpu is not None
+        return self._gpu
 
     def get_device(self, keys: Sequence[bytes], *, verify: bool = True
                    ) -> list[GpuBlockView | None]:
@@ -338,10 +693,10 @@ class BlockStore:
         where the tier has no room for it (then read it from the host). Raises KVCorrupt
         as ``get`` does."""
         keys = check_keys(keys)
-        self._gpu.need()
+        gpu = self._need_gpu()
         with self._lock:
             self._check_pid()
-            return self._device.get_device(keys, verify)
+            return gpu.get_device(keys, verify)
 
     def admit_device(self, keys: Sequence[bytes], srcs: Sequence[tuple[int, int, int]]
                      ) -> int:
@@ -350,12 +705,12 @@ class BlockStore:
         the store, of another size, or copied already are skipped; so is the rest when
         the tier has no room. Returns how many got a copy."""
         keys = check_keys(keys)
-        self._gpu.need()
+        gpu = self._need_gpu()
         if len(srcs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(srcs)} sources")
         with self._lock:
             self._check_pid()
-            return self._device.admit_device(keys, list(srcs))
+            return gpu.admit_device(keys, list(srcs))
 
     def get_into_device(self, keys: Sequence[bytes], dsts: Sequence[tuple[int, int]], *,
                         verify: bool = True) -> list[bytes | None]:
@@ -363,14 +718,14 @@ class BlockStore:
         (device to device) where it has one, else from the host (checksum verified
         first). Returns each block's metadata, None where absent. Admits nothing."""
         keys = check_keys(keys)
-        self._gpu.need()
+        gpu = self._need_gpu()
         if len(dsts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(dsts)} output buffers")
         with self._lock:
             self._check_pid()
-            return self._device.get_into_device(keys, list(dsts), verify)
+            return gpu.get_into_device(keys, list(dsts), verify)
 
     def gpu_locate(self, key: bytes) -> tuple[int, int, int] | None:
         """Where a block's GPU copy is: (slab, offset, nbytes), for tests and tools."""
         self._check_pid()
-        return self._gpu.locate(key)
+        return self._gpu_part().locate(check_keys([key])[0])

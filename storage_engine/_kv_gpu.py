@@ -11,7 +11,9 @@ one that first fills the tier.
 
 Device memory comes in slabs like the host arena's: one ``cudaMalloc`` per slab (a
 segment of a ``GpuTier`` under ``<root>/gpu``, named by its slab id), cut into chunks
-of one size class. The index lives in the store's LMDB environment beside the host's::
+of one size class. The tier's index is an LMDB environment (``<root>/index``; the host's
+blocks are in the store's native index, which the tier asks for a block's size and
+metadata)::
 
     gpu_blocks      key -> slab, chunk, nbytes
     gpu_slabs       slab -> chunk size, chunks, chunks in use, owner (holder id)
@@ -26,7 +28,7 @@ reused until that view is gone.
 
 ``GpuSlabs`` keeps the device slabs (the GPU's ``HostArena``), ``GpuBlockCache`` the
 block copies in them. How blocks enter the tier and leave it (``get_device``,
-``admit_device``, ``get_into_device``) is in ``_kv_copies``. Eviction drops a GPU copy
+``admit_device``, ``get_into_device``) is in ``_kv_gpu_part``. Eviction drops a GPU copy
 (least recently used first, skipping chunks being read); pins are the host's business,
 since the host copy is the one that must stay.
 """
@@ -47,7 +49,7 @@ from ._errors import SegmentMissing, TierFull
 from ._gpu import GpuTier, GpuView
 from ._kv_eviction import LRUEviction
 from ._kv_index import KVIndex, ReadLeases
-from ._kv_types import FREE, GPU_BIT, LOC, REC, SLAB_ID, WRITING, Alive, size_class
+from ._kv_types import FREE, GPU_BIT, LOC, SLAB_ID, Alive, size_class
 
 __all__ = ["GpuBlockView"]
 
@@ -56,6 +58,8 @@ GSLAB = struct.Struct("<QII")  # chunk size, chunks, chunks in use; the owner fo
 
 #: copies a block into a reserved chunk: (index in the batch, device pointer, device)
 CopyIn = Callable[[int, int, int], None]
+#: the host's record of a readable block: (nbytes, meta), None when it has none
+HostRecord = Callable[[bytes], "tuple[int, bytes] | None"]
 
 
 class GpuBlockView:
@@ -251,10 +255,12 @@ class GpuBlockCache:
 
     DB_NAMES = ("gpu_blocks", "gpu_slab_keys", "gpu_lru_pos", "gpu_lru_queue")
 
-    def __init__(self, index: KVIndex, leases: ReadLeases, slabs: GpuSlabs) -> None:
+    def __init__(self, index: KVIndex, leases: ReadLeases, slabs: GpuSlabs,
+                 host: HostRecord) -> None:
         self._index = index
         self._leases = leases
         self.slabs = slabs
+        self._host = host
         self._order = LRUEviction()
         self._reclaimed_in = -1  # the write epoch of the last reclaim scan
 
@@ -395,9 +401,8 @@ class GpuBlockCache:
         txn.delete(LOC.pack(slab, chunk), db=dbs["gpu_writing"])
         if self.slabs.info(txn, slab) is None:
             return False  # dropped under us (its owner died)
-        rec = txn.get(key, db=dbs["blocks"])
-        if rec is None or rec[0] == WRITING or REC.unpack_from(rec)[3] != nbytes \
-                or txn.get(key, db=dbs["gpu_blocks"]) is not None:
+        rec = self._host(key)
+        if rec is None or rec[0] != nbytes or txn.get(key, db=dbs["gpu_blocks"]) is not None:
             self._leases.free(txn, slab, chunk, alive)
             return False
         txn.put(key, GREC.pack(slab, chunk, nbytes), db=dbs["gpu_blocks"])
@@ -422,8 +427,8 @@ class GpuBlockCache:
         if view is None:  # its owner unlinked it or exited between two checks
             self._drop_slab(txn, slab, info)
             return None
-        brec = txn.get(key, db=dbs["blocks"])
-        meta = bytes(brec[REC.size:]) if brec is not None else b""
+        brec = self._host(key)
+        meta = brec[1] if brec is not None else b""
         self._leases.lease(txn, (slab, chunk))
         self._order.on_access(txn, key)
         bv = GpuBlockView(view.ptr + chunk * info[0], nbytes, view.device, meta, view)

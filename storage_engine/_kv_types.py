@@ -6,6 +6,7 @@ have plain names here; the package exports only the values and errors.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,12 +25,9 @@ __all__ = ["BlockView", "KVCorrupt", "KVStats", "KVStoreFull", "bloom_may_hold"]
 PAGE = mmap.ALLOCATIONGRANULARITY
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MAX_KEY = 255
+#: keys up to this many bytes are held as they are; longer ones by their BLAKE2b-256
+INDEX_KEY = 32
 
-#: a block record's state: being written, in the host arena, spilled to disk
-WRITING, HOST, DISK = 1, 2, 3
-#: a block record: state, pad, slab, chunk, nbytes, checksum, pins; the metadata follows
-REC = struct.Struct("<BxxxIIQ8sI")
-SLAB = struct.Struct("<QII")  # chunk size, chunks, chunks in use
 SLAB_ID = struct.Struct(">I")
 LOC = struct.Struct(">II")  # slab, chunk
 FREE = struct.Struct(">QII")  # chunk size, slab, chunk: a cursor on the size finds one
@@ -42,8 +40,6 @@ GPU_BIT = 0x8000_0000
 Loc: TypeAlias = tuple[int, int]
 #: which lease holders are alive, cached for the length of one transaction
 Alive: TypeAlias = dict[bytes, bool]
-#: a chunk leased for reading: slab, chunk, offset in the slab, nbytes, checksum, meta
-Leased: TypeAlias = tuple[int, int, int, int, bytes, bytes]
 
 
 class KVStoreFull(StorageError):
@@ -132,13 +128,26 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
+def index_key(key: bytes) -> bytes:
+    """The key the index holds: the key itself up to INDEX_KEY bytes, else its
+    BLAKE2b-256 (a key of 64 hex digits costs no more than its 32 bytes would)."""
+    return key if len(key) <= INDEX_KEY else \
+        hashlib.blake2b(key, digest_size=INDEX_KEY).digest()
+
+
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    """The keys as ``bytes``; ValueError for one that is not 1 to MAX_KEY bytes."""
+    """The keys as the index holds them (``index_key``); ValueError for one that is not
+    1 to MAX_KEY bytes."""
     out = []
     for k in keys:
-        if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_KEY:
+        if type(k) is not bytes:
+            if not isinstance(k, (bytes, bytearray)):
+                raise ValueError(f"a block key must be 1 to {MAX_KEY} bytes, not {k!r:.60}")
+            k = bytes(k)
+        n = len(k)
+        if not 0 < n <= MAX_KEY:
             raise ValueError(f"a block key must be 1 to {MAX_KEY} bytes, not {k!r:.60}")
-        out.append(bytes(k))
+        out.append(k if n <= INDEX_KEY else index_key(k))
     return out
 
 
@@ -158,13 +167,18 @@ def bloom_positions(key: bytes, nbits: int, k: int) -> Iterator[int]:
         yield (h1 + i * h2) % nbits
 
 
-def bloom_filter(keys: Iterable[bytes], n: int, fp: float) -> tuple[bytes, int]:
-    """A Bloom filter of ``keys`` (about ``n`` of them) at false-positive rate ``fp``:
-    its bits and its number of hashes."""
-    # m = -n ln p / ln^2 2 bits, k = m/n ln 2 hashes
+def bloom_size(n: int, fp: float) -> tuple[int, int]:
+    """The bits and hashes of a Bloom filter of about ``n`` keys at false-positive rate
+    ``fp``: m = -n ln p / ln^2 2 bits (a multiple of 8), k = m/n ln 2 hashes."""
     nbits = max(1024, int(-max(n, 1) * np.log(fp) / (np.log(2) ** 2)))
     nbits = -(-nbits // 8) * 8
-    k = min(max(1, round(nbits / max(n, 1) * np.log(2))), 16)
+    return nbits, min(max(1, round(nbits / max(n, 1) * np.log(2))), 16)
+
+
+def bloom_filter(keys: Iterable[bytes], n: int, fp: float) -> tuple[bytes, int]:
+    """A Bloom filter of ``keys`` (about ``n`` of them, as the index holds them) at
+    false-positive rate ``fp``: its bits and its number of hashes."""
+    nbits, k = bloom_size(n, fp)
     bits = bytearray(nbits // 8)
     for key in keys:
         for p in bloom_positions(key, nbits, k):
@@ -177,7 +191,7 @@ def bloom_may_hold(bloom: bytes, hashes: int, key: bytes) -> bool:
     negatives; about 1 % false positives at the filter's sizing)."""
     nbits = len(bloom) * 8
     return nbits > 0 and all(bloom[p >> 3] >> (p & 7) & 1
-                             for p in bloom_positions(key, nbits, hashes))
+                             for p in bloom_positions(index_key(key), nbits, hashes))
 
 
 def each(fn: Callable[..., Any], items: list[Any], nbytes: int) -> list[Any]:

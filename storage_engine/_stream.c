@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_stream.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
 #define STREAMS 1
@@ -66,7 +68,7 @@ static void stream_lines(char *d, const char *s, size_t n) {
     memcpy(d, s, n);
 }
 
-static void fence(void) {
+HIDDEN void fence(void) {
 #if STREAMS
     _mm_sfence(); /* the streamed lines are visible before the caller publishes */
 #endif
@@ -94,6 +96,11 @@ static update_fn xxh_update;
 static digest_fn xxh_digest;
 typedef uint64_t (*oneshot_fn)(const void *, size_t);
 static oneshot_fn xxh_oneshot; /* XXH3_64bits: small inputs hash faster without a state */
+HIDDEN oneshot128_fn xxh_oneshot128; /* XXH3_128bits: the Bloom filters of KV keys */
+
+HIDDEN int xxh_bound(void) { return xxh_update != NULL; }
+HIDDEN void *xxh_state_new(void) { return xxh_create(); }
+HIDDEN void xxh_state_free(void *state) { xxh_free(state); }
 
 /* piece hashed then streamed while it is in L1 (4 KiB measured best, 16 KiB 6% slower) */
 #define HASH_PIECE (4 * 1024)
@@ -121,6 +128,7 @@ static PyObject *py_bind_xxhash(PyObject *self, PyObject *args) {
     }
     xxh_create = c; xxh_free = f; xxh_reset = r; xxh_update = u; xxh_digest = d;
     xxh_oneshot = (oneshot_fn)dlsym(h, "XXH3_64bits");
+    xxh_oneshot128 = (oneshot128_fn)dlsym(h, "XXH3_128bits");
     Py_RETURN_NONE;
 }
 
@@ -136,7 +144,7 @@ static int same_length(Py_buffer *dst, Py_buffer *src, const char *what) {
 
 /* one source: hashed piece by piece, each piece streamed (or copied, below STREAM_MIN)
  * while it is in L1; a small one hashed in one call */
-static uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n) {
+HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n) {
     if (n <= HASH_PIECE && xxh_oneshot != NULL) {
         uint64_t h = xxh_oneshot(s, n);
         memcpy(d, s, n);
@@ -152,6 +160,29 @@ static uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n) {
         else
             memcpy(d + lo, s + lo, m);
     }
+    return xxh_digest(state);
+}
+
+HIDDEN uint64_t copy_hash_cached(void *state, char *d, const char *s, size_t n) {
+    if (n <= HASH_PIECE && xxh_oneshot != NULL) {
+        uint64_t h = xxh_oneshot(s, n);
+        memcpy(d, s, n);
+        return h;
+    }
+    xxh_reset(state);
+    for (size_t lo = 0; lo < n; lo += HASH_PIECE) {
+        size_t m = n - lo < HASH_PIECE ? n - lo : HASH_PIECE;
+        xxh_update(state, s + lo, m);
+        memcpy(d + lo, s + lo, m);
+    }
+    return xxh_digest(state);
+}
+
+HIDDEN uint64_t hash_only(void *state, const char *s, size_t n) {
+    if (xxh_oneshot != NULL)
+        return xxh_oneshot(s, n);
+    xxh_reset(state);
+    xxh_update(state, s, n);
     return xxh_digest(state);
 }
 
@@ -271,5 +302,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__stream(void) {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && kvindex_add_type(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

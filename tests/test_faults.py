@@ -306,7 +306,7 @@ def test_a_damaged_kv_index_is_corrupt_data(tmp_path: Path, fault: str) -> None:
     db = open_store(tmp_path / "s")
     kv = db.kv("ns", block_tokens=4, capacity_bytes=8 * MiB, slab_bytes=MiB)
     kv.put(kv.keys(list(range(8))), [torch.ones(16)] * 2)
-    index = Path(db.config.shm_dir) / "kv" / "ns" / "index" / "data.mdb"
+    index = Path(db.config.shm_dir) / "kv" / "ns" / "index.kvx"
     db.close()
     if fault == "truncated":
         os.truncate(index, 100)
@@ -318,7 +318,7 @@ def test_a_damaged_kv_index_is_corrupt_data(tmp_path: Path, fault: str) -> None:
             db.kv("ns", block_tokens=4, capacity_bytes=8 * MiB, slab_bytes=MiB)
         assert info.value.collection == "ns"
         assert db.commit("m", {"x": torch.ones(2)}).version == 1  # the store works on
-        shutil.rmtree(index.parent.parent)  # what the message says to do
+        shutil.rmtree(index.parent)  # what the message says to do
         kv = db.kv("ns", block_tokens=4, capacity_bytes=8 * MiB, slab_bytes=MiB)
         assert kv.match(kv.keys(list(range(8)))) == 0
     finally:

@@ -270,16 +270,13 @@ def test_block_being_read_is_not_evicted_until_its_reader_dies(
 
 
 def _die_mid_put(home: str, key: bytes, ready: mp.connection.Connection) -> None:
-    import storage_engine._kv_copies as kvmod  # where put copies the bytes
-
-    def stall(dst: np.ndarray, src: np.ndarray) -> str:
+    def stall() -> None:  # between the reservation and the copy
         ready.send("reserved")
         time.sleep(600)
-        return ""
 
-    kvmod.copy_and_checksum = stall  # type: ignore[assignment]
     db = open_store(Path(home))
     kv = KVCache(db, "model-a", block_tokens=4, capacity_bytes=256 * KiB, slab_bytes=64 * KiB)
+    kv.store.after_reserve = stall
     kv.put([key], [_block(1.0)])
 
 
@@ -495,7 +492,7 @@ def test_spill_to_disk_and_read_back(kv: KVCache) -> None:
     assert kv.match(keys) == 40
     assert kv.store.locate(keys[0])[0] == "disk"  # type: ignore[index]
     files = list(kv.disk_dir.glob("*.blk")) + list((kv.shm_dir / "slabs").iterdir()) + \
-        list((kv.shm_dir / "index").iterdir())
+        list(kv.shm_dir.glob("*.kvx"))
     assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)  # owner only
     assert all(d.stat().st_mode & 0o777 == 0o700 for d in (kv.disk_dir, kv.shm_dir))
     got = kv.get(keys[:4])
@@ -703,38 +700,35 @@ def test_database_kv_and_close(tmp_path) -> None:  # type: ignore[no-untyped-def
         kv.match(keys)
 
 
-def test_a_batch_into_a_full_arena_scans_for_dead_writers_once(
-        make_store: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block of a batch into a full arena evicts; the search for dead writers'
-    chunks (a scan of every WRITING record, the batch's own included) runs once per
-    write transaction, not once per block: per block it made a 50,000-block batch
-    quadratic (54 s; 4.7 s once per transaction)."""
-    from storage_engine._kv_blocks import BlockTable
+def _lease_and_wait(root: str, key: bytes, conn: mp.connection.Connection) -> None:
+    store = BlockStore(Path(root), capacity_bytes=256 * KiB, slab_bytes=64 * KiB)
+    view = store.get([key])[0]
+    conn.send(view is not None)
+    time.sleep(600)
 
+
+def test_a_batch_into_a_full_arena_scans_for_dead_processes_once(make_store: object
+                                                                 ) -> None:
+    """Every block of a batch into a full arena evicts; the search for a dead process's
+    leases and chunks (a pass over the records) runs when an allocation finds no room,
+    once per batch step, never once per block: per block it made a 50,000-block batch
+    quadratic (54 s)."""
     store = make_store(capacity_bytes=256 * KiB, slab_bytes=64 * KiB)  # type: ignore[operator]
     block = np.zeros(1024, np.uint8)
     store.put([b"f%07d" % i for i in range(256)], [block] * 256)  # full
-    scans = []
-    real = BlockTable._reclaim_dead_writers
-
-    def counted(self: BlockTable, txn: object, alive: object) -> int:
-        scans.append(1)
-        return real(self, txn, alive)  # type: ignore[arg-type]
-
-    from storage_engine._kv_index import KVIndex
-    writes = []
-    real_write = KVIndex.write
-
-    def counted_write(self: KVIndex) -> object:
-        writes.append(1)
-        return real_write(self)
-
-    monkeypatch.setattr(BlockTable, "_reclaim_dead_writers", counted)
-    monkeypatch.setattr(KVIndex, "write", counted_write)
-    keys = [b"n%07d" % i for i in range(200)]
-    assert all(store.put(keys, [block] * 200))
-    assert 1 <= len(scans) <= len(writes) < 100  # once per write transaction at most
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_lease_and_wait, args=(str(store.root), b"f0000000", child))
+    proc.start()
+    assert parent.recv() is True
+    proc.kill()
+    proc.join(10)
+    before = store.index_stats()["reclaim_scans"]
+    keys = [b"n%07d" % i for i in range(256)]
+    assert all(store.put(keys, [block] * 256))  # evicts every older block
+    scans = store.index_stats()["reclaim_scans"] - before
+    assert scans == 1  # the dead reader's slot is cleared by the first; no more needed
     assert all(store.contains(keys[-16:]))  # the batch landed, evicting older blocks
+    assert not store.contains([b"f0000000"])[0]  # the dead reader's lease did not hold it
 
 
 def test_small_blocks_share_pages(make_store: object) -> None:

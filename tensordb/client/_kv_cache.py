@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -24,7 +25,14 @@ from storage_engine import BlockStore, BlockView, GpuError, KVStoreFull
 from tensordb.arrow import blocks_table
 from tensordb.errors import InvalidInput, NotFound, StoreClosed, StoreFull
 
-from ._kv_encoding import KeyChain, byte_view, decode_meta, encode_blocks, meta_fields
+from ._kv_encoding import (
+    EncodedBlocks,
+    KeyChain,
+    block_meta,
+    decode_meta,
+    encode_blocks,
+    meta_fields,
+)
 from ._kv_namespace import KVNamespace, KVNodeSummary, typed_errors
 from ._placement import device_of
 
@@ -81,24 +89,31 @@ class KVCache:
         return self._chain.keys(token_ids, parent)
 
     # -- blocks --------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> int:
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor] | torch.Tensor
+            ) -> int:
         """Store one tensor per key (any dtype and shape; GPU tensors are copied down).
-        First writer wins: a key already present is left as it is, without error.
-        Returns how many blocks this call stored. Raises StoreFull, storing none of the
-        batch, when the arena is full of pinned blocks and blocks being read. With a GPU
-        tier, CUDA blocks also leave a copy there (device to device), for readers on
-        the GPU."""
+        ``blocks`` is a sequence of tensors, or one tensor whose first dimension runs
+        over the keys (a batch: ``blocks[i]`` is key i's block; no Python object per
+        block). First writer wins: a key already present is left as it is, without
+        error. Returns how many blocks this call stored. Raises StoreFull, storing none
+        of the batch, when the arena is full of pinned blocks and blocks being read.
+        With a GPU tier, CUDA blocks also leave a copy there (device to device), for
+        readers on the GPU."""
         keys = self._chain.check(keys)
-        if isinstance(blocks, torch.Tensor) or len(blocks) != len(keys):
+        store = self._store()
+        if isinstance(blocks, torch.Tensor):
+            enc = self._stacked(keys, blocks, store.capacity)
+        elif isinstance(blocks, (str, bytes)) or len(blocks) != len(keys):
             raise InvalidInput(f"put takes one tensor per key: {len(keys)} keys",
                                collection=self.namespace)
-        store = self._store()
-        enc = encode_blocks(blocks, self.namespace, store.capacity, self.node)
+        else:
+            enc = encode_blocks(blocks, self.namespace, store.capacity, self.node)
         try:
-            stored = sum(store.put(keys, enc.bufs, enc.metas))
+            stored = int(store.put_batch(keys, enc.addrs, enc.sizes, enc.metas).sum())
         except KVStoreFull as exc:
             raise StoreFull(f"KV namespace {self.namespace!r}: {exc}",
                             collection=self.namespace, node=self.node) from exc
+        del enc.keep[:]  # the copies are done
         on_gpu = enc.on_gpu
         if on_gpu and store.gpu_enabled:  # .cpu() in encode_blocks synchronised their stream
             try:
@@ -109,6 +124,32 @@ class KVCache:
                 log.warning("KV namespace %r: no GPU copies of %d blocks: %s",
                             self.namespace, len(on_gpu), exc)
         return stored
+
+    def _stacked(self, keys: list[bytes], blocks: torch.Tensor, limit: int) -> EncodedBlocks:
+        """A batch given as one tensor (first dimension: the keys), as ``put`` stores it:
+        one record for all, the blocks' addresses by arithmetic."""
+        n = len(keys)
+        if blocks.dim() < 1 or blocks.shape[0] != n or blocks.layout != torch.strided \
+                or blocks.is_meta:
+            raise InvalidInput(f"a batch of blocks is one dense tensor whose first dimension "
+                               f"is the {n} keys, not of shape {tuple(blocks.shape)}",
+                               collection=self.namespace)
+        t = blocks.detach()
+        on_gpu: list[tuple[int, torch.Tensor]] = []
+        per = t[0].numel() * t.element_size() if n else 0
+        if per > limit:
+            raise StoreFull(f"KV namespace {self.namespace!r}: a block holds {per} bytes, "
+                            f"more than the arena's {limit}", collection=self.namespace,
+                            node=self.node)
+        if t.device.type != "cpu":
+            if t.device.type == "cuda":
+                t = t.contiguous()
+                on_gpu = [(i, t[i]) for i in range(n)]
+            t = t.cpu()
+        t = t.contiguous()
+        meta = block_meta(t[0] if n else t.reshape(t.shape[1:]), self.namespace)
+        addrs = np.arange(n, dtype=np.uint64) * np.uint64(per) + np.uint64(t.data_ptr())
+        return EncodedBlocks([t], addrs, np.full(n, per, np.uint64), meta, on_gpu)
 
     @property
     def gpu_enabled(self) -> bool:
@@ -185,12 +226,42 @@ class KVCache:
                 out[i] = t.to(dev)
         return cast("list[torch.Tensor]", out)  # every slot is filled by now
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], *,
-                 verify: bool = True) -> int:
-        """Copy each block into its tensor in ``outs`` (same number of bytes; CPU or
-        GPU, e.g. a slice of an engine's paged KV). Returns how many were copied;
-        raises NotFound for an absent key and CorruptData as ``get`` does."""
+    def get_batch(self, keys: Sequence[bytes], *, verify: bool = True) -> torch.Tensor:
+        """The blocks as one new tensor whose first dimension runs over the keys (copied:
+        no tensor or mapping per block), with the dtype and shape the first was put
+        with. Raises NotFound naming the first absent key, InvalidInput when the blocks
+        differ in size, CorruptData as ``get`` does."""
         keys = self._chain.check(keys)
+        store = self._store()
+        if not keys:
+            raise InvalidInput("get_batch of no keys has no block shape",
+                               collection=self.namespace)
+        meta = store.meta(keys[0])
+        if meta is None:
+            raise NotFound(f"KV block {keys[0].hex()} is not in namespace "
+                           f"{self.namespace!r}", collection=self.namespace,
+                           tensor=keys[0].hex())
+        dtype, shape = decode_meta(meta)
+        out = torch.empty((len(keys), *shape), dtype=dtype)
+        self.get_into(keys, out, verify=verify)
+        return out
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor] | torch.Tensor,
+                 *, verify: bool = True) -> int:
+        """Copy each block into its tensor in ``outs`` (same number of bytes; CPU or
+        GPU, e.g. a slice of an engine's paged KV), or into one tensor whose first
+        dimension runs over the keys (a batch: ``outs[i]`` gets key i's block, no Python
+        object per block). Returns how many were copied; raises NotFound for an absent
+        key and CorruptData as ``get`` does."""
+        keys = self._chain.check(keys)
+        if isinstance(outs, torch.Tensor) and outs.device.type == "cpu" \
+                and outs.is_contiguous() and outs.dim() >= 1 and outs.shape[0] == len(keys):
+            per = outs[0].numel() * outs.element_size() if keys else 0
+            base = np.uint64(outs.data_ptr())
+            addrs = np.arange(len(keys), dtype=np.uint64) * np.uint64(per) + base
+            return self._read_into(keys, addrs, np.full(len(keys), per, np.uint64), verify)
+        if isinstance(outs, torch.Tensor) and outs.dim() >= 1 and outs.shape[0] == len(keys):
+            outs = list(outs.unbind(0))  # strided or on a GPU: a view per block
         if isinstance(outs, torch.Tensor) or len(outs) != len(keys):
             raise InvalidInput(f"get_into takes one output tensor per key: {len(keys)} keys",
                                collection=self.namespace)
@@ -217,15 +288,25 @@ class KVCache:
                                        collection=self.namespace)
                 o.copy_(t.view(-1).view(torch.uint8).view(o.dtype).view(o.shape))
             return len(keys)
-        dsts = [byte_view(o.detach()) for o in outs]
+        addrs = np.fromiter((o.data_ptr() for o in outs), np.uint64, len(outs))
+        sizes = np.fromiter((o.numel() * o.element_size() for o in outs), np.uint64,
+                            len(outs))
+        return self._read_into(keys, addrs, sizes, verify)
+
+    def _read_into(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray,
+                   verify: bool) -> int:
         with typed_errors(self.namespace, self.node):
-            metas = self._store().get_into(keys, dsts, verify=verify)
-        self._found_all(keys, metas)
+            status = self._store().read_into(keys, addrs, sizes, verify=verify)
+        self._found_all(keys, [bool(s) for s in status] if not status.all() else None)
         return len(keys)
 
-    def _found_all(self, keys: list[bytes], metas: list[bytes | None]) -> None:
-        for k, m in zip(keys, metas, strict=True):
-            if m is None:
+    def _found_all(self, keys: list[bytes], found: Sequence[object] | None) -> None:
+        """NotFound naming the first key whose entry in ``found`` is falsy (None: all
+        found)."""
+        if found is None:
+            return
+        for k, m in zip(keys, found, strict=True):
+            if not m:
                 raise NotFound(f"KV block {k.hex()} is not in namespace {self.namespace!r}",
                                collection=self.namespace, tensor=k.hex())
 
@@ -265,8 +346,11 @@ class KVCache:
 
     def destroy(self) -> None:
         """Close and remove the namespace's blocks from this node (memory and disk)."""
-        self.close()
-        self._ns.remove_files()
+        if self._closed:
+            self._ns.remove_files()
+            return
+        self._closed = True
+        self._ns.destroy()
 
     def __enter__(self) -> KVCache:
         return self

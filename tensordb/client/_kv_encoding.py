@@ -20,11 +20,12 @@ import numpy as np
 import torch
 import xxhash
 
+from storage_engine import chain_keys
 from tensordb.errors import InvalidInput, StoreFull
 
 from ._inputs import dtype_name, torch_dtype
 
-__all__ = ["MAX_KEY", "EncodedBlocks", "KeyChain", "byte_view", "decode_meta",
+__all__ = ["MAX_KEY", "EncodedBlocks", "KeyChain", "block_meta", "byte_view", "decode_meta",
            "encode_blocks", "meta_fields"]
 
 #: the longest key the block store's index takes
@@ -48,14 +49,7 @@ class KeyChain:
         returned earlier) when given."""
         tokens = self.tokens(token_ids)
         prev = self.seed if parent is None else self.check([parent])[0]
-        out = []
-        bt = self.block_tokens
-        for lo in range(0, len(tokens) - bt + 1, bt):
-            h = xxhash.xxh3_128(prev)
-            h.update(tokens[lo:lo + bt].data)
-            prev = h.digest()
-            out.append(prev)
-        return out
+        return chain_keys(prev, tokens, self.block_tokens)
 
     def tokens(self, token_ids: Any) -> np.ndarray:
         """``token_ids`` (a tensor, array or sequence of ints) as contiguous
@@ -124,11 +118,15 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class EncodedBlocks:
-    """A batch of blocks ready for ``BlockStore.put``: the host bytes and record of each,
+    """A batch of blocks ready for ``BlockStore.put_batch``: where each block's host bytes
+    are (``addrs``, ``sizes``: uint64 arrays; ``keep`` holds the tensors they belong to
+    alive), the record of each (one ``bytes`` for all when they share dtype and shape),
     and the CUDA blocks by position (contiguous), for a copy into the GPU tier."""
 
-    bufs: list[np.ndarray]
-    metas: list[bytes]
+    keep: list[torch.Tensor]
+    addrs: np.ndarray
+    sizes: np.ndarray
+    metas: bytes | list[bytes]
     on_gpu: list[tuple[int, torch.Tensor]]
 
 
@@ -139,7 +137,8 @@ def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str,
     or a dtype the store cannot name; StoreFull for a block of more than ``limit``
     bytes (the arena's capacity), before any copy (an expanded tensor of 10**9 elements
     would otherwise be made contiguous, 4 GB, to be refused after)."""
-    bufs, metas = [], []
+    keep: list[torch.Tensor] = []
+    metas: list[bytes] = []
     on_gpu: list[tuple[int, torch.Tensor]] = []
     # a batch's blocks share dtype and shape: their record is built once (the checks
     # and the string were a quarter of a 64 KiB block's put)
@@ -161,11 +160,20 @@ def encode_blocks(blocks: Sequence[torch.Tensor], namespace: str,
             t = t.contiguous()
         meta = seen.get((t.dtype, t.shape))
         if meta is None:
-            if t.numel() == 0:
-                raise InvalidInput(f"block {i} is empty", collection=namespace)
-            name = dtype_name(t.dtype, tensor=f"block {i}")
-            meta = seen[(t.dtype, t.shape)] = \
-                f"{name}|{','.join(map(str, t.shape))}".encode()
-        bufs.append(byte_view(t))
+            meta = seen[(t.dtype, t.shape)] = block_meta(t, namespace, f"block {i}")
+        keep.append(t)
         metas.append(meta)
-    return EncodedBlocks(bufs, metas, on_gpu)
+    n = len(keep)
+    addrs = np.fromiter((t.data_ptr() for t in keep), np.uint64, n)
+    sizes = np.fromiter((t.numel() * t.element_size() for t in keep), np.uint64, n)
+    one = len(seen) == 1 and n > 0
+    return EncodedBlocks(keep, addrs, sizes, metas[0] if one else metas, on_gpu)
+
+
+def block_meta(t: torch.Tensor, namespace: str, what: str = "a block") -> bytes:
+    """The record of blocks of ``t``'s dtype and shape (InvalidInput, naming ``what``,
+    for an empty block or a dtype the store cannot name)."""
+    if t.numel() == 0:
+        raise InvalidInput(f"{what} is empty", collection=namespace)
+    name = dtype_name(t.dtype, tensor=what)
+    return f"{name}|{','.join(map(str, t.shape))}".encode()

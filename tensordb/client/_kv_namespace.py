@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 
 from storage_engine import (
     BlockStore,
+    FileTier,
     GpuError,
     GpuTier,
     KVCorrupt,
@@ -156,7 +157,8 @@ class KVNamespace:
                                      slab_bytes=slab_bytes, eviction=eviction,
                                      disk_root=self.disk_dir if spill else None,
                                      disk_capacity=disk_capacity, gpu_device=gpu_device,
-                                     gpu_capacity=gpu_capacity)
+                                     gpu_capacity=gpu_capacity,
+                                     pool_dir=Path(db.config.shm_dir) / "pool")
         except KVIndexDamaged as exc:
             raise CorruptData(f"KV namespace {name!r}: {exc}", collection=name,
                               node=self.node) from exc
@@ -207,6 +209,20 @@ class KVNamespace:
         """Let go of this process's share of the store (once per KVNamespace)."""
         _close_store(self.store)
 
+    def destroy(self) -> None:
+        """Close the store and delete the namespace's blocks from this node (memory and
+        disk). Where nobody else has it open and no view of a block is held, its slab
+        files go to the host tier's pool: their pages are kept for the next writer (a
+        new namespace's slabs, a commit's segments) instead of being faulted in again."""
+        recycle = _last_user(self.store) and self.store.quiescent()
+        slabs = self.store.slab_files() if recycle else []
+        self.close()
+        host = self.db._tiers["host"]
+        if isinstance(host, FileTier):
+            for path in slabs:
+                host.pool_file(path)
+        self.remove_files()
+
     def remove_files(self) -> None:
         """Delete the namespace's blocks from this node (memory and disk)."""
         shutil.rmtree(self.shm_dir, ignore_errors=True)
@@ -236,8 +252,8 @@ def _dir_name(namespace: str) -> str:
     return q
 
 
-# LMDB opens an environment once per process: KVCaches of one namespace in one process
-# share one BlockStore (the first one's settings win)
+# KVCaches of one namespace in one process share one BlockStore (the first one's settings
+# win; each open handle takes one of the index's process slots)
 _STORES: dict[tuple[int, Path], list[Any]] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -249,6 +265,13 @@ def _open_store(root: Path, **kw: Any) -> BlockStore:
             entry = _STORES[(os.getpid(), root)] = [BlockStore(root, **kw), 0]
         entry[1] += 1
         return entry[0]
+
+
+def _last_user(store: BlockStore) -> bool:
+    """Whether one KVNamespace of this process holds ``store``."""
+    with _STORES_LOCK:
+        entry = _STORES.get((os.getpid(), store.root))
+        return entry is not None and entry[0] is store and entry[1] == 1
 
 
 def _close_store(store: BlockStore) -> None:

@@ -1,0 +1,2698 @@
+/* The KV block store's index and arena, in shared memory: storage_engine._stream.BlockIndex.
+ *
+ * Every process of a host that opens a namespace maps the same two files under its
+ * root and takes one process-shared, robust mutex for each batch step:
+ *
+ *   index.kvx        the header: settings, counters, the mutex, the process table (who
+ *                    holds read leases), the slab table, the eviction queues' ends
+ *   table-<gen>.kvx  the hash table (open addressing, linear probing, backward-shift
+ *                    deletion; 8-byte buckets holding a 32-bit tag and the record's
+ *                    index) and the records (rec_t), grown by doubling into a new file
+ *                    whose generation every process notices at its next lock
+ *   slabs/<slot>-<gen>.slab   the arena: files of fixed-size chunks of one size class
+ *
+ * A batch costs one lock for its reservations, the copies (GIL and lock released,
+ * checksums in the same pass), and one lock to publish: no Python object, LMDB call or
+ * system call per block. Reads of whole batches (read_into) take no lease: they copy,
+ * then check under the lock that each record still names the chunk they copied from
+ * (its generation), and copy again where it moved (a seqlock). Zero-copy reads lease
+ * the record (a bit per process slot in `readers`) until the view is gone.
+ *
+ * Invariants (the Python tests hold the store to them):
+ * - first writer wins: a key present, or being written by a live writer, is skipped;
+ * - a block that fails its checksum is dropped and never served;
+ * - a pinned block, a leased block and a block being written are never evicted;
+ * - when nothing can go, a put fails at once (status FULL), having stored nothing.
+ *
+ * Crash safety: a process killed while it holds the mutex leaves it EOWNERDEAD; the next
+ * locker rebuilds everything derivable (buckets, queues, free lists, counters) from the
+ * records, which are written state-last. Dead writers' chunks and dead readers' leases
+ * are reclaimed when an allocation finds no room (once per batch), never scanned for
+ * per block.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "_stream.h"
+
+#define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
+#define KV_VERSION 1
+#define KEYMAX 32
+#define INLINE_META 40
+#define MAX_SLABS 4096
+#define MAX_PROCS 64
+#define MIN_CHUNK 512
+#define PAGE 4096
+#define INITIAL_RECS 4096
+
+enum { S_FREE = 0, S_WRITING = 1, S_HOST = 2, S_DISK = 3, S_ZOMBIE = 4, S_GHOST = 5 };
+/* queues: LRU (or S3-FIFO's small), S3-FIFO's main and ghost, spilled blocks */
+enum { Q_SMALL = 0, Q_MAIN = 1, Q_GHOST = 2, Q_DISK = 3, NQ = 4 };
+enum { EV_LRU = 0, EV_S3FIFO = 1 };
+/* shared counters, in the order of COUNTER_NAMES */
+enum { C_HOST_BLOCKS, C_HOST_BYTES, C_DISK_BLOCKS, C_DISK_BYTES, C_ARENA_BYTES, C_PINNED,
+       C_HITS, C_MISSES, C_EVICTIONS, C_SPILLS, C_CORRUPT, C_SLAB_DROPS, C_RECLAIM_SCANS,
+       NCOUNTERS };
+static const char *COUNTER_NAMES[NCOUNTERS] = {
+    "host_blocks", "host_bytes", "disk_blocks", "disk_bytes", "arena_bytes", "pinned",
+    "hits", "misses", "evictions", "spills", "corrupt", "slab_drops", "reclaim_scans"};
+/* what a batch step can end with */
+enum { E_OK = 0, E_FULL = 1, E_TOO_BIG = 2, E_NOSPACE = 3, E_IO = 4, E_PROCS = 5 };
+
+typedef struct {
+    uint8_t key[KEYMAX];
+    uint8_t klen, state, queue, freq; /* queue: Q_x + 1, 0 when in none */
+    uint32_t pins;
+    uint32_t slab, chunk; /* HOST, WRITING, ZOMBIE: where the bytes are; DISK: spill seq */
+    uint64_t nbytes;
+    uint64_t csum;
+    uint64_t readers; /* a bit per process slot holding a zero-copy view */
+    uint32_t gen;     /* changes whenever the record's bytes move or it is freed */
+    uint32_t writer;  /* WRITING: process slot + 1 */
+    uint32_t prev, next; /* queue links, index + 1 (free records: next) */
+    uint32_t meta_len, mslab, mchunk, spare; /* metadata past INLINE_META: its chunk */
+    uint8_t meta[INLINE_META];
+} rec_t;
+
+typedef struct {
+    uint64_t csize;
+    uint32_t nchunks, used, bump, free_head; /* free_head: chunk + 1, chained in chunks */
+    uint32_t gen, live;
+    uint32_t fresh, pad; /* fresh: its pages were never touched (not a recycled file) */
+} slab_t;
+
+typedef struct {
+    int32_t pid;
+    uint32_t used;
+    uint64_t start;
+} proc_t;
+
+typedef struct {
+    uint32_t head, tail; /* index + 1 */
+    uint64_t len;
+} queue_t;
+
+typedef struct {
+    uint64_t magic;
+    uint32_t version, ready;
+    pthread_mutex_t lock;
+    uint64_t seed0, seed1;
+    uint64_t capacity, slab_bytes;
+    uint32_t eviction, gpu_seen;
+    uint32_t table_gen, nslabs; /* slab slots ever used (high-water mark) */
+    uint64_t nbuckets, cap, bump, free_rec, nrecs;
+    uint64_t spill_seq, write_epoch;
+    uint64_t count[NCOUNTERS];
+    queue_t q[NQ];
+    proc_t procs[MAX_PROCS];
+    slab_t slabs[MAX_SLABS];
+} hdr_t;
+
+typedef struct {
+    char *base;
+    size_t size;
+    uint32_t gen;
+    int fd;
+} smap_t;
+
+typedef struct {
+    PyObject_HEAD
+    hdr_t *hdr;
+    uint64_t *buckets;
+    rec_t *recs;
+    char *table;
+    size_t table_size;
+    uint32_t table_gen;
+    int slot; /* this handle's process slot */
+    uint32_t hint; /* the slab of the last allocation */
+    char *root;
+    char *disk_root;
+    char *pool_dir; /* the store's pool of freed files, whose pages new slabs take */
+    uint64_t disk_capacity;
+    smap_t maps[MAX_SLABS];
+    /* keys that left the store in the last call (GPU copies to forget) */
+    uint8_t *left;
+    size_t nleft, left_cap;
+    int broken;
+} Idx;
+
+/* ---------------------------------------------------------------------------------- */
+/* small helpers */
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* a keyed hash of a key: the seeds are random per store, so that chosen keys cannot
+ * pile into one run of buckets without knowing them */
+static uint64_t khash(const hdr_t *h, const uint8_t *key, size_t klen) {
+    uint64_t acc = h->seed0 ^ (klen * 0x9e3779b97f4a7c15ULL);
+    uint64_t w[4] = {0, 0, 0, 0};
+    memcpy(w, key, klen);
+    for (int i = 0; i < 4; i++)
+        acc = mix64(acc ^ w[i] ^ (h->seed1 + (uint64_t)i));
+    return acc;
+}
+
+uint64_t size_class(uint64_t n) {
+    if (n < PAGE) {
+        uint64_t c = MIN_CHUNK;
+        while (c < n)
+            c <<= 1;
+        return c;
+    }
+    uint64_t p = (n + PAGE - 1) / PAGE * PAGE;
+    if (p <= 16 * PAGE)
+        return p;
+    int bits = 64 - __builtin_clzll(p);
+    uint64_t step = 1ULL << (bits - 3);
+    return (p + step - 1) / step * step;
+}
+
+static uint64_t start_ticks(int pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (p == NULL || p[1] == 0 || p[2] == 'Z')
+        return 0;
+    p += 2; /* the state field */
+    for (int field = 3; field < 22; field++) {
+        p = strchr(p, ' ');
+        if (p == NULL)
+            return 0;
+        p++;
+    }
+    return strtoull(p, NULL, 10);
+}
+
+static int proc_alive(const proc_t *p) {
+    return p->used && p->pid > 0 && start_ticks(p->pid) == p->start;
+}
+
+static inline rec_t *R(Idx *s, uint32_t i) { return &s->recs[i]; }
+
+/* ---------------------------------------------------------------------------------- */
+/* the table file */
+
+static size_t table_bytes(uint64_t nbuckets, uint64_t cap) {
+    return (size_t)(nbuckets * 8 + cap * sizeof(rec_t));
+}
+
+static void table_path(Idx *s, uint32_t gen, char *out, size_t n) {
+    snprintf(out, n, "%s/table-%u.kvx", s->root, gen);
+}
+
+static int map_table(Idx *s) {
+    hdr_t *h = s->hdr;
+    char path[4096];
+    table_path(s, h->table_gen, path, sizeof path);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t size = table_bytes(h->nbuckets, h->cap);
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return -1;
+    if (s->table != NULL)
+        munmap(s->table, s->table_size);
+    s->table = (char *)m;
+    s->table_size = size;
+    s->buckets = (uint64_t *)m;
+    s->recs = (rec_t *)((char *)m + h->nbuckets * 8);
+    s->table_gen = h->table_gen;
+    return 0;
+}
+
+static int create_file(const char *path, size_t size) {
+    unlink(path); /* left by a creator killed before it published the name */
+    int fd = open(path, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -1;
+    int r = posix_fallocate(fd, 0, (off_t)size);
+    if (r != 0) {
+        close(fd);
+        unlink(path);
+        errno = r;
+        return -1;
+    }
+    return fd;
+}
+
+static void h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx) {
+    uint64_t mask = nb - 1, b = hash & mask;
+    while (buckets[b])
+        b = (b + 1) & mask;
+    buckets[b] = ((hash >> 32) << 32) | (uint64_t)(idx + 1);
+}
+
+/* double the records (and the buckets with them) into a new table file */
+static int grow(Idx *s) {
+    hdr_t *h = s->hdr;
+    uint64_t cap = h->cap * 2, nb = h->nbuckets * 2;
+    char path[4096];
+    table_path(s, h->table_gen + 1, path, sizeof path);
+    size_t size = table_bytes(nb, cap);
+    int fd = create_file(path, size);
+    if (fd < 0)
+        return -1;
+    char *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) {
+        unlink(path);
+        return -1;
+    }
+    uint64_t *buckets = (uint64_t *)m;
+    rec_t *recs = (rec_t *)(m + nb * 8);
+    memcpy(recs, s->recs, h->bump * sizeof(rec_t));
+    for (uint64_t b = 0; b < h->nbuckets; b++) {
+        uint64_t v = s->buckets[b];
+        if (v) {
+            uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
+            h_insert_raw(buckets, nb, khash(h, recs[i].key, recs[i].klen), i);
+        }
+    }
+    char old[4096];
+    table_path(s, h->table_gen, old, sizeof old);
+    munmap(s->table, s->table_size);
+    s->table = m;
+    s->table_size = size;
+    s->buckets = buckets;
+    s->recs = recs;
+    h->nbuckets = nb;
+    h->cap = cap;
+    h->table_gen += 1;
+    s->table_gen = h->table_gen;
+    unlink(old); /* the others' mappings keep its pages until they remap */
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* hash table */
+
+static int64_t h_find(Idx *s, const uint8_t *key, size_t klen) {
+    hdr_t *h = s->hdr;
+    uint64_t hash = khash(h, key, klen), mask = h->nbuckets - 1, b = hash & mask;
+    uint64_t tag = hash >> 32;
+    for (;;) {
+        uint64_t v = s->buckets[b];
+        if (!v)
+            return -1;
+        if ((v >> 32) == tag) {
+            uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
+            rec_t *r = R(s, i);
+            if (r->klen == klen && memcmp(r->key, key, klen) == 0)
+                return i;
+        }
+        b = (b + 1) & mask;
+    }
+}
+
+static void h_delete(Idx *s, uint32_t idx) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, idx);
+    uint64_t mask = h->nbuckets - 1, b = khash(h, r->key, r->klen) & mask;
+    while ((uint32_t)(s->buckets[b] & 0xffffffffu) != idx + 1) {
+        if (!s->buckets[b])
+            return; /* not there (a repair in progress) */
+        b = (b + 1) & mask;
+    }
+    /* backward shift: pull later entries of the run into the hole */
+    uint64_t hole = b, j = b;
+    for (;;) {
+        j = (j + 1) & mask;
+        uint64_t v = s->buckets[j];
+        if (!v)
+            break;
+        uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
+        uint64_t home = khash(h, R(s, i)->key, R(s, i)->klen) & mask;
+        /* can the entry at j move to hole? only if its home is not in (hole, j] */
+        int between = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+        if (!between) {
+            s->buckets[hole] = v;
+            hole = j;
+        }
+    }
+    s->buckets[hole] = 0;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* queues */
+
+static void q_push(Idx *s, int q, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    r->queue = (uint8_t)(q + 1);
+    r->next = 0;
+    r->prev = h->q[q].tail;
+    if (h->q[q].tail)
+        R(s, h->q[q].tail - 1)->next = i + 1;
+    else
+        h->q[q].head = i + 1;
+    h->q[q].tail = i + 1;
+    h->q[q].len++;
+}
+
+static void q_remove(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    if (!r->queue)
+        return;
+    int q = r->queue - 1;
+    if (r->prev)
+        R(s, r->prev - 1)->next = r->next;
+    else
+        h->q[q].head = r->next;
+    if (r->next)
+        R(s, r->next - 1)->prev = r->prev;
+    else
+        h->q[q].tail = r->prev;
+    h->q[q].len--;
+    r->queue = 0;
+    r->prev = r->next = 0;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* records */
+
+static int64_t rec_new(Idx *s) {
+    hdr_t *h = s->hdr;
+    uint32_t i;
+    if (h->free_rec) {
+        i = (uint32_t)h->free_rec - 1;
+        h->free_rec = R(s, i)->next;
+    } else {
+        if (h->bump >= h->cap && grow(s) < 0)
+            return -1;
+        i = (uint32_t)h->bump++;
+        R(s, i)->gen = 0;
+    }
+    rec_t *r = R(s, i);
+    uint32_t gen = r->gen;
+    memset(r, 0, sizeof *r);
+    r->gen = gen;
+    h->nrecs++;
+    return i;
+}
+
+static void rec_free(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    r->state = S_FREE;
+    r->gen++;
+    r->readers = 0;
+    r->queue = 0;
+    r->prev = 0;
+    r->next = (uint32_t)h->free_rec;
+    h->free_rec = i + 1;
+    h->nrecs--;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* slabs and chunks */
+
+static void slab_path(Idx *s, uint32_t slot, uint32_t gen, char *out, size_t n) {
+    snprintf(out, n, "%s/slabs/%04x-%u.slab", s->root, slot, gen);
+}
+
+static void unmap_slab(Idx *s, uint32_t slot) {
+    smap_t *m = &s->maps[slot];
+    if (m->base != NULL)
+        munmap(m->base, m->size);
+    if (m->fd >= 0)
+        close(m->fd);
+    m->base = NULL;
+    m->size = 0;
+    m->fd = -1;
+}
+
+/* this process's shared mapping of a slab (NULL on failure). A slab file cut short
+ * outside the store gets its pages back first: an access past the end of a file is a
+ * SIGBUS, where restored pages read zeros and fail their blocks' checksums. */
+static char *slab_base(Idx *s, uint32_t slot) {
+    slab_t *sl = &s->hdr->slabs[slot];
+    smap_t *m = &s->maps[slot];
+    size_t size = sl->csize * sl->nchunks;
+    if (m->base != NULL && m->gen == sl->gen && m->size == size)
+        return m->base;
+    unmap_slab(s, slot);
+    char path[4096];
+    slab_path(s, slot, sl->gen, path, sizeof path);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT) /* deleted under the store: its blocks fail their sums */
+        fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return NULL;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size < size && posix_fallocate(fd, 0, size)) {
+        close(fd);
+        return NULL;
+    }
+    /* where the file's pages exist (written before, or a recycled file), fill this
+     * process's page tables now (~10 GB/s) rather than fault page by page in the copies
+     * (under 1 GB/s); a fresh slab's pages are made as its chunks are first written */
+    int populate = !sl->fresh && (size_t)st.st_blocks * 512 >= size / 2 ? MAP_POPULATE : 0;
+    void *b = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | populate, fd, 0);
+    if (b == MAP_FAILED) {
+        close(fd);
+        return NULL;
+    }
+    m->base = (char *)b;
+    m->size = size;
+    m->gen = sl->gen;
+    m->fd = fd;
+    return m->base;
+}
+
+/* the slab's file is as long as the slab (one fstat): see slab_base */
+static int slab_check(Idx *s, uint32_t slot) {
+    slab_t *sl = &s->hdr->slabs[slot];
+    smap_t *m = &s->maps[slot];
+    if (slab_base(s, slot) == NULL)
+        return -1;
+    struct stat st;
+    size_t size = sl->csize * sl->nchunks;
+    if (fstat(m->fd, &st) == 0 && (size_t)st.st_size >= size)
+        return 0;
+    return posix_fallocate(m->fd, 0, size) ? -1 : 0;
+}
+
+static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
+                     int *untouched) {
+    hdr_t *h = s->hdr;
+    /* the slab the last allocation used first: a batch's chunks come from one slab, and
+     * a scan of the slab table per block costs what the table holds */
+    uint32_t hint = s->hint < h->nslabs ? s->hint : 0;
+    for (uint32_t k = 0; k < h->nslabs; k++) {
+        uint32_t i = k == 0 ? hint : (k <= hint ? k - 1 : k);
+        slab_t *sl = &h->slabs[i];
+        if (!sl->live || sl->csize != csize || sl->used == sl->nchunks)
+            continue;
+        if (sl->free_head) {
+            char *base = slab_base(s, i);
+            if (base == NULL)
+                return -1;
+            uint32_t c = sl->free_head - 1;
+            memcpy(&sl->free_head, base + (size_t)c * csize, 4);
+            if (sl->free_head > sl->nchunks) /* a chain damaged outside the store */
+                sl->free_head = 0;
+            *chunk = c;
+            *untouched = 0;
+        } else if (sl->bump < sl->nchunks) {
+            *chunk = sl->bump++;
+            *untouched = (int)sl->fresh;
+            if (sl->bump == sl->nchunks)
+                sl->fresh = 0; /* every chunk written once: its pages all exist */
+        } else {
+            continue;
+        }
+        sl->used++;
+        *slot = i;
+        s->hint = i;
+        return 1;
+    }
+    return 0;
+}
+
+static void release_chunk(Idx *s, uint32_t slot, uint32_t chunk) {
+    slab_t *sl = &s->hdr->slabs[slot];
+    char *base = slab_base(s, slot);
+    sl->used--;
+    if (base != NULL) {
+        memcpy(base + (size_t)chunk * sl->csize, &sl->free_head, 4);
+        sl->free_head = chunk + 1;
+    }
+    /* else: the chunk is lost to this slab until it empties (its memory is gone) */
+}
+
+/* a file of the store's pool of freed files, renamed to path: the smallest of at least
+ * min bytes (its pages are allocated already, so the slab costs page-table entries,
+ * not page faults). The pool's protocol (storage_engine._pool): a file is moved only
+ * under an exclusive flock, and only while its name still names the locked file.
+ * Returns its size (>= min), 0 when the pool has none. */
+static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max) {
+    if (s->pool_dir == NULL)
+        return 0;
+    DIR *d = opendir(s->pool_dir);
+    if (d == NULL)
+        return 0;
+    char best[4096], cand[4096];
+    size_t best_size = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(cand, sizeof cand, "%s/%s", s->pool_dir, e->d_name);
+        struct stat st;
+        if (stat(cand, &st) != 0 || !S_ISREG(st.st_mode) || (size_t)st.st_size < min ||
+                (size_t)st.st_blocks * 512 < min / 2)
+            continue;
+        if (best_size == 0 || (size_t)st.st_size < best_size) {
+            best_size = (size_t)st.st_size;
+            memcpy(best, cand, sizeof best);
+        }
+    }
+    closedir(d);
+    if (best_size == 0)
+        return 0;
+    int fd = open(best, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    struct stat a, b;
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || fstat(fd, &a) != 0 || stat(best, &b) != 0 ||
+            a.st_ino != b.st_ino || a.st_dev != b.st_dev || rename(best, path) != 0) {
+        close(fd);
+        return 0;
+    }
+    size_t size = best_size < max ? best_size : max;
+    if (ftruncate(fd, (off_t)size) != 0 || posix_fallocate(fd, 0, (off_t)size) != 0) {
+        close(fd);
+        unlink(path);
+        return 0;
+    }
+    fchmod(fd, 0600);
+    close(fd);
+    return size;
+}
+
+/* a new slab of chunks of csize where the capacity allows: 1, 0 (no room), -1 (error) */
+static int new_slab(Idx *s, uint64_t csize) {
+    hdr_t *h = s->hdr;
+    uint64_t used = h->count[C_ARENA_BYTES];
+    if (used >= h->capacity)
+        return 0;
+    /* slabs of at least 1/1024 of the capacity, so that the table never runs out */
+    uint64_t want = h->slab_bytes > h->capacity / 1024 ? h->slab_bytes : h->capacity / 1024;
+    uint64_t n = want / csize;
+    if (n < 1)
+        n = 1;
+    if (n > (h->capacity - used) / csize)
+        n = (h->capacity - used) / csize;
+    if (n < 1)
+        return 0;
+    uint32_t slot = MAX_SLABS;
+    for (uint32_t i = 0; i < h->nslabs; i++)
+        if (!h->slabs[i].live) {
+            slot = i;
+            break;
+        }
+    if (slot == MAX_SLABS) {
+        if (h->nslabs == MAX_SLABS)
+            return 0;
+        slot = h->nslabs;
+    }
+    slab_t *sl = &h->slabs[slot];
+    uint32_t gen = sl->gen + 1;
+    char path[4096];
+    slab_path(s, slot, gen, path, sizeof path);
+    /* a pooled file first: as many chunks as it holds, within what the capacity allows */
+    uint64_t most = (h->capacity - used) / csize;
+    size_t got = claim_pooled(s, path, (size_t)(csize * n), (size_t)(csize * most));
+    int fresh = got == 0;
+    if (got) {
+        n = got / csize;
+    } else {
+        int fd = create_file(path, (size_t)(csize * n));
+        if (fd < 0)
+            return -1;
+        close(fd);
+    }
+    sl->csize = csize;
+    sl->nchunks = (uint32_t)n;
+    sl->used = sl->bump = sl->free_head = 0;
+    sl->gen = gen;
+    sl->live = 1;
+    sl->fresh = (uint32_t)fresh;
+    if (slot == h->nslabs)
+        h->nslabs++;
+    h->count[C_ARENA_BYTES] += csize * n;
+    return 1;
+}
+
+static int drop_empty_slab(Idx *s, uint64_t keep) {
+    hdr_t *h = s->hdr;
+    for (uint32_t i = 0; i < h->nslabs; i++) {
+        slab_t *sl = &h->slabs[i];
+        if (sl->live && sl->used == 0 && sl->csize != keep) {
+            char path[4096];
+            slab_path(s, i, sl->gen, path, sizeof path);
+            unmap_slab(s, i);
+            unlink(path); /* readers' mappings keep their pages */
+            h->count[C_ARENA_BYTES] -= sl->csize * sl->nchunks;
+            h->count[C_SLAB_DROPS]++;
+            sl->live = 0;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* spill files */
+
+static void spill_path(Idx *s, rec_t *r, char *out, size_t n) {
+    char hex[2 * KEYMAX + 1];
+    for (int i = 0; i < r->klen; i++)
+        snprintf(hex + 2 * i, 3, "%02x", r->key[i]);
+    hex[2 * r->klen] = 0;
+    uint64_t seq = ((uint64_t)r->slab << 32) | r->chunk;
+    snprintf(out, n, "%s/%s-%llx.blk", s->disk_root, hex, (unsigned long long)seq);
+}
+
+static void note_left(Idx *s, rec_t *r) {
+    if (!s->hdr->gpu_seen)
+        return;
+    if (s->nleft == s->left_cap) {
+        size_t cap = s->left_cap ? s->left_cap * 2 : 64;
+        uint8_t *p = realloc(s->left, cap * (KEYMAX + 1));
+        if (p == NULL)
+            return; /* a GPU copy left behind is dropped when it is next read */
+        s->left = p;
+        s->left_cap = cap;
+    }
+    uint8_t *e = s->left + s->nleft++ * (KEYMAX + 1);
+    e[0] = r->klen;
+    memcpy(e + 1, r->key, KEYMAX);
+}
+
+static void meta_free(Idx *s, rec_t *r) {
+    if (r->meta_len > INLINE_META) {
+        release_chunk(s, r->mslab, r->mchunk);
+        r->meta_len = 0;
+    }
+}
+
+/* a spilled block leaves the disk: its file, its counts, its record */
+static void drop_disk(Idx *s, uint32_t i, int forget) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    char path[4096];
+    if (s->disk_root != NULL) {
+        spill_path(s, r, path, sizeof path);
+        unlink(path);
+    }
+    q_remove(s, i);
+    h->count[C_DISK_BLOCKS]--;
+    h->count[C_DISK_BYTES] -= r->nbytes;
+    if (r->pins)
+        h->count[C_PINNED]--;
+    meta_free(s, r);
+    if (forget)
+        note_left(s, r);
+    h_delete(s, i);
+    rec_free(s, i);
+}
+
+static void trim_disk(Idx *s) {
+    hdr_t *h = s->hdr;
+    uint32_t cur = h->q[Q_DISK].head;
+    while (cur && h->count[C_DISK_BYTES] > s->disk_capacity) {
+        uint32_t i = cur - 1;
+        cur = R(s, i)->next;
+        if (R(s, i)->pins == 0)
+            drop_disk(s, i, 1);
+    }
+}
+
+static int write_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* the block at host record i goes to a spill file; 0, or -1 (it could not: drop it) */
+static int spill(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    char *base = slab_base(s, r->slab);
+    if (base == NULL || s->disk_root == NULL || r->nbytes > s->disk_capacity)
+        return -1;
+    const char *src = base + (size_t)r->chunk * h->slabs[r->slab].csize;
+    uint64_t seq = ++h->spill_seq;
+    uint32_t slab = r->slab, chunk = r->chunk;
+    r->slab = (uint32_t)(seq >> 32);
+    r->chunk = (uint32_t)seq;
+    char path[4096];
+    spill_path(s, r, path, sizeof path);
+    int fd = open(path, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
+    int ok = fd >= 0 && write_all(fd, src, r->nbytes) == 0;
+    if (fd >= 0)
+        close(fd);
+    if (!ok) {
+        unlink(path);
+        r->slab = slab;
+        r->chunk = chunk;
+        return -1;
+    }
+    release_chunk(s, slab, chunk);
+    r->state = S_DISK;
+    r->gen++;
+    q_push(s, Q_DISK, i);
+    h->count[C_SPILLS]++;
+    h->count[C_DISK_BLOCKS]++;
+    h->count[C_DISK_BYTES] += r->nbytes;
+    if (h->count[C_DISK_BYTES] > s->disk_capacity)
+        trim_disk(s);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* leaving the host arena */
+
+/* a host record leaves the store (deleted, dropped as corrupt, evicted with no spill):
+ * its chunk is freed, or parked with the record while someone reads it */
+static void remove_host(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    q_remove(s, i);
+    h_delete(s, i);
+    h->count[C_HOST_BLOCKS]--;
+    h->count[C_HOST_BYTES] -= r->nbytes;
+    if (r->pins)
+        h->count[C_PINNED]--;
+    r->pins = 0;
+    note_left(s, r);
+    if (r->readers) {
+        r->state = S_ZOMBIE;
+        return;
+    }
+    release_chunk(s, r->slab, r->chunk);
+    meta_free(s, r);
+    rec_free(s, i);
+}
+
+static void ghost_trim(Idx *s) {
+    hdr_t *h = s->hdr;
+    uint64_t limit = h->q[Q_MAIN].len + h->q[Q_SMALL].len;
+    if (limit < 16)
+        limit = 16;
+    while (h->q[Q_GHOST].len > limit) {
+        uint32_t i = h->q[Q_GHOST].head - 1;
+        q_remove(s, i);
+        h_delete(s, i);
+        rec_free(s, i);
+    }
+}
+
+static void evict(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    int from_small = r->queue == Q_SMALL + 1;
+    h->count[C_EVICTIONS]++;
+    if (s->disk_root != NULL) {
+        q_remove(s, i);
+        h->count[C_HOST_BLOCKS]--;
+        h->count[C_HOST_BYTES] -= r->nbytes;
+        if (spill(s, i) == 0)
+            return;
+        h->count[C_HOST_BLOCKS]++;
+        h->count[C_HOST_BYTES] += r->nbytes;
+    }
+    if (h->eviction == EV_S3FIFO && from_small) {
+        /* remembered in the ghost queue: a key seen again goes straight to main */
+        q_remove(s, i);
+        h->count[C_HOST_BLOCKS]--;
+        h->count[C_HOST_BYTES] -= r->nbytes;
+        release_chunk(s, r->slab, r->chunk);
+        meta_free(s, r);
+        note_left(s, r);
+        r->state = S_GHOST;
+        r->gen++;
+        q_push(s, Q_GHOST, i);
+        ghost_trim(s);
+        return;
+    }
+    remove_host(s, i);
+}
+
+static inline int evictable(rec_t *r) {
+    return r->state == S_HOST && r->pins == 0 && r->readers == 0;
+}
+
+/* the next block to evict, or -1 */
+static int64_t victim(Idx *s) {
+    hdr_t *h = s->hdr;
+    if (h->eviction == EV_LRU) {
+        uint64_t budget = h->q[Q_SMALL].len;
+        while (budget--) {
+            uint32_t i = h->q[Q_SMALL].head - 1;
+            if (evictable(R(s, i)))
+                return i;
+            q_remove(s, i); /* being read: to the tail */
+            q_push(s, Q_SMALL, i);
+        }
+        return -1;
+    }
+    /* S3-FIFO (Yang et al., SOSP 2023): a small FIFO filtering one-hit wonders, a main
+     * FIFO with lazy promotion, a ghost FIFO of keys recently evicted from small */
+    uint64_t budget = 5 * (h->q[Q_SMALL].len + h->q[Q_MAIN].len) + 8;
+    uint64_t refused = 0;
+    while (budget--) {
+        uint64_t small = h->q[Q_SMALL].len, main = h->q[Q_MAIN].len;
+        if (small + main == 0 || refused >= small + main)
+            return -1;
+        int from_small = small > 0 && (small * 10 > small + main || main == 0);
+        int q = from_small ? Q_SMALL : Q_MAIN;
+        uint32_t i = h->q[q].head - 1;
+        rec_t *r = R(s, i);
+        if (q == Q_SMALL && r->freq >= 1) {
+            q_remove(s, i);
+            r->freq = 0;
+            q_push(s, Q_MAIN, i);
+            continue;
+        }
+        if (q == Q_MAIN && r->freq > 0) {
+            q_remove(s, i);
+            r->freq--;
+            q_push(s, Q_MAIN, i);
+            continue;
+        }
+        if (evictable(r))
+            return i;
+        refused++;
+        q_remove(s, i);
+        q_push(s, q, i);
+    }
+    return -1;
+}
+
+static void on_insert(Idx *s, uint32_t i, int was_ghost) {
+    rec_t *r = R(s, i);
+    r->freq = 0;
+    if (r->pins)
+        return; /* pinned blocks stay out of the queues until unpinned */
+    q_push(s, s->hdr->eviction == EV_S3FIFO && was_ghost ? Q_MAIN : Q_SMALL, i);
+}
+
+static void on_access(Idx *s, uint32_t i) {
+    rec_t *r = R(s, i);
+    if (s->hdr->eviction == EV_S3FIFO) {
+        if (r->freq < 3)
+            r->freq++;
+    } else if (r->queue) {
+        q_remove(s, i);
+        q_push(s, Q_SMALL, i);
+    }
+}
+
+/* dead readers' leases and dead writers' chunks: one pass over the records, run when an
+ * allocation finds no room; how many chunks it freed */
+static uint64_t reclaim_dead(Idx *s) {
+    hdr_t *h = s->hdr;
+    uint64_t dead = 0;
+    for (int p = 0; p < MAX_PROCS; p++)
+        if (h->procs[p].used && p != s->slot && !proc_alive(&h->procs[p])) {
+            dead |= 1ULL << p;
+            h->procs[p].used = 0;
+        }
+    if (!dead)
+        return 0;
+    h->count[C_RECLAIM_SCANS]++;
+    uint64_t freed = 0;
+    for (uint64_t j = 0; j < h->bump; j++) {
+        uint32_t i = (uint32_t)j;
+        rec_t *r = R(s, i);
+        if (r->state == S_FREE)
+            continue;
+        if (r->readers & dead) {
+            r->readers &= ~dead;
+            if (r->state == S_ZOMBIE && !r->readers) {
+                release_chunk(s, r->slab, r->chunk);
+                meta_free(s, r);
+                rec_free(s, i);
+                freed++;
+            }
+        }
+        if (r->state == S_WRITING && r->writer && (dead >> (r->writer - 1) & 1)) {
+            release_chunk(s, r->slab, r->chunk);
+            meta_free(s, r);
+            h_delete(s, i);
+            rec_free(s, i);
+            freed++;
+        }
+    }
+    return freed;
+}
+
+/* a chunk of csize: E_OK, E_FULL (nothing evictable), E_TOO_BIG, E_NOSPACE, E_IO */
+static int allocate(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk, int *reclaimed,
+                    int *untouched) {
+    hdr_t *h = s->hdr;
+    int scratch;
+    if (untouched == NULL)
+        untouched = &scratch;
+    if (csize > h->capacity)
+        return E_TOO_BIG;
+    for (;;) {
+        int r = take_free(s, csize, slot, chunk, untouched);
+        if (r > 0)
+            return E_OK;
+        if (r < 0)
+            return E_IO;
+        r = new_slab(s, csize);
+        if (r > 0)
+            continue;
+        if (r < 0)
+            return errno == ENOSPC || errno == EDQUOT || errno == EFBIG ? E_NOSPACE : E_IO;
+        if (drop_empty_slab(s, csize))
+            continue;
+        if (!*reclaimed) {
+            *reclaimed = 1;
+            if (reclaim_dead(s))
+                continue;
+        }
+        int64_t v = victim(s);
+        if (v < 0)
+            return E_FULL;
+        evict(s, (uint32_t)v);
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* locking and repair */
+
+static void rebuild(Idx *s);
+
+static int lock(Idx *s) {
+    hdr_t *h = s->hdr;
+    int r = pthread_mutex_lock(&h->lock);
+    int dead_owner = r == EOWNERDEAD;
+    if (r != 0 && !dead_owner)
+        return -1;
+    if (s->table_gen != h->table_gen && map_table(s) < 0) {
+        if (dead_owner)
+            pthread_mutex_consistent(&h->lock);
+        pthread_mutex_unlock(&h->lock);
+        return -1;
+    }
+    if (dead_owner) {
+        rebuild(s);
+        pthread_mutex_consistent(&h->lock);
+    }
+    h->write_epoch++;
+    return 0;
+}
+
+static void unlock(Idx *s) { pthread_mutex_unlock(&s->hdr->lock); }
+
+/* everything derivable from the records, after a process died holding the lock */
+static void rebuild(Idx *s) {
+    hdr_t *h = s->hdr;
+    memset(s->buckets, 0, h->nbuckets * 8);
+    memset(h->q, 0, sizeof h->q);
+    for (int c = 0; c < NCOUNTERS; c++)
+        if (c != C_HITS && c != C_MISSES && c != C_EVICTIONS && c != C_SPILLS &&
+                c != C_CORRUPT && c != C_SLAB_DROPS && c != C_ARENA_BYTES &&
+                c != C_RECLAIM_SCANS)
+            h->count[c] = 0;
+    /* chunks in use, per slab, as a bitmap */
+    uint8_t *used[MAX_SLABS] = {0};
+    for (uint32_t k = 0; k < h->nslabs; k++)
+        if (h->slabs[k].live)
+            used[k] = calloc((h->slabs[k].nchunks + 7) / 8, 1);
+    h->free_rec = 0;
+    h->nrecs = 0;
+    for (uint64_t j = h->bump; j-- > 0;) {
+        uint32_t i = (uint32_t)j;
+        rec_t *r = R(s, i);
+        r->queue = 0;
+        r->prev = r->next = 0;
+        int holds = r->state == S_WRITING || r->state == S_HOST || r->state == S_ZOMBIE;
+        if (r->state == S_FREE || r->state > S_GHOST ||
+                (holds && (r->slab >= h->nslabs || !h->slabs[r->slab].live ||
+                           r->chunk >= h->slabs[r->slab].nchunks))) {
+            r->state = S_FREE;
+            r->next = (uint32_t)h->free_rec;
+            h->free_rec = i + 1;
+            r->gen++;
+            continue;
+        }
+        h->nrecs++;
+        if (holds && used[r->slab])
+            used[r->slab][r->chunk / 8] |= (uint8_t)(1 << (r->chunk % 8));
+        if (holds && r->meta_len > INLINE_META && r->mslab < h->nslabs && used[r->mslab])
+            used[r->mslab][r->mchunk / 8] |= (uint8_t)(1 << (r->mchunk % 8));
+        if (r->state != S_ZOMBIE)
+            h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen), i);
+        if (r->state == S_HOST) {
+            h->count[C_HOST_BLOCKS]++;
+            h->count[C_HOST_BYTES] += r->nbytes;
+            if (r->pins)
+                h->count[C_PINNED]++;
+            else
+                q_push(s, Q_SMALL, i);
+        } else if (r->state == S_DISK) {
+            h->count[C_DISK_BLOCKS]++;
+            h->count[C_DISK_BYTES] += r->nbytes;
+            if (r->pins)
+                h->count[C_PINNED]++;
+            q_push(s, Q_DISK, i);
+        } else if (r->state == S_GHOST) {
+            q_push(s, Q_GHOST, i);
+        }
+    }
+    for (uint32_t k = 0; k < h->nslabs; k++) {
+        slab_t *sl = &h->slabs[k];
+        if (!sl->live || used[k] == NULL)
+            continue;
+        char *base = slab_base(s, k);
+        sl->used = 0;
+        sl->free_head = 0;
+        for (uint32_t c = sl->bump; c-- > 0;) {
+            if (used[k][c / 8] >> (c % 8) & 1) {
+                sl->used++;
+            } else if (base != NULL) {
+                memcpy(base + (size_t)c * sl->csize, &sl->free_head, 4);
+                sl->free_head = c + 1;
+            }
+        }
+        free(used[k]);
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* the Python type: arguments */
+
+typedef struct {
+    uint8_t (*keys)[KEYMAX + 1]; /* [0]: length */
+    Py_ssize_t n;
+} keyset_t;
+
+static int parse_keys(PyObject *seq, keyset_t *ks) {
+    PyObject *fast = PySequence_Fast(seq, "keys must be a sequence of bytes");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    ks->n = n;
+    ks->keys = PyMem_Malloc((size_t)(n ? n : 1) * (KEYMAX + 1));
+    if (ks->keys == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *p;
+        Py_ssize_t len;
+        if (!PyBytes_Check(items[i]) || PyBytes_AsStringAndSize(items[i], &p, &len) < 0 ||
+                len < 1 || len > KEYMAX) {
+            PyErr_Format(PyExc_ValueError, "key %zd must be 1 to %d bytes", i, KEYMAX);
+            PyMem_Free(ks->keys);
+            Py_DECREF(fast);
+            return -1;
+        }
+        ks->keys[i][0] = (uint8_t)len;
+        memset(ks->keys[i] + 1, 0, KEYMAX);
+        memcpy(ks->keys[i] + 1, p, (size_t)len);
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static void free_keys(keyset_t *ks) { PyMem_Free(ks->keys); }
+
+static int u64_buffer(PyObject *obj, Py_buffer *b, Py_ssize_t n, const char *what) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (b->len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd uint64 values, not %zd bytes",
+                     what, n, b->len);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* a batch's arguments: its keys, and a uint64 address and size per key */
+static int parse_batch(PyObject *keys_o, PyObject *addrs_o, PyObject *sizes_o,
+                       keyset_t *ks, Py_buffer *ab, Py_buffer *sb) {
+    if (parse_keys(keys_o, ks) < 0)
+        return -1;
+    if (u64_buffer(addrs_o, ab, ks->n, "addrs") < 0) {
+        free_keys(ks);
+        return -1;
+    }
+    if (u64_buffer(sizes_o, sb, ks->n, "sizes") < 0) {
+        PyBuffer_Release(ab);
+        free_keys(ks);
+        return -1;
+    }
+    return 0;
+}
+
+static int usable(Idx *s) {
+    if (s->hdr == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the block index is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *lock_error(void) {
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* open and close */
+
+static void Idx_dealloc(Idx *s);
+
+static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
+    static char *names[] = {"root", "capacity", "slab_bytes", "eviction", "pid", "start",
+                            NULL};
+    const char *root;
+    unsigned long long capacity, slab_bytes, start;
+    int eviction, pid;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sKKiiK", names, &root, &capacity,
+                                     &slab_bytes, &eviction, &pid, &start))
+        return -1;
+    for (int i = 0; i < MAX_SLABS; i++)
+        s->maps[i].fd = -1;
+    s->slot = -1;
+    s->root = strdup(root);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/index.kvx", root);
+    int created = 0;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT) {
+        /* made under a temporary name, then linked into place: the others never see a
+         * header that is not ready */
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s/index.%d.tmp", root, getpid());
+        int tfd = create_file(tmp, sizeof(hdr_t));
+        if (tfd < 0) {
+            PyErr_SetFromErrnoWithFilename(PyExc_OSError, tmp);
+            return -1;
+        }
+        hdr_t *h = mmap(NULL, sizeof(hdr_t), PROT_READ | PROT_WRITE, MAP_SHARED, tfd, 0);
+        if (h == MAP_FAILED) {
+            close(tfd);
+            unlink(tmp);
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        memset(h, 0, sizeof *h);
+        pthread_mutexattr_t a;
+        pthread_mutexattr_init(&a);
+        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+        pthread_mutex_init(&h->lock, &a);
+        pthread_mutexattr_destroy(&a);
+        uint64_t seeds[2] = {0, 0};
+        int ufd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+        if (ufd >= 0) {
+            if (read(ufd, seeds, sizeof seeds) != sizeof seeds)
+                seeds[0] = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+            close(ufd);
+        }
+        h->seed0 = seeds[0];
+        h->seed1 = seeds[1];
+        h->capacity = capacity;
+        h->slab_bytes = slab_bytes;
+        h->eviction = (uint32_t)eviction;
+        h->nbuckets = INITIAL_RECS * 2;
+        h->cap = INITIAL_RECS;
+        h->table_gen = 1;
+        char tpath[4096];
+        table_path(s, 1, tpath, sizeof tpath);
+        int t = create_file(tpath, table_bytes(h->nbuckets, h->cap));
+        if (t < 0) {
+            munmap(h, sizeof *h);
+            close(tfd);
+            unlink(tmp);
+            PyErr_SetFromErrnoWithFilename(PyExc_OSError, tpath);
+            return -1;
+        }
+        close(t);
+        h->version = KV_VERSION;
+        h->magic = KV_MAGIC;
+        h->ready = 1;
+        munmap(h, sizeof *h);
+        if (link(tmp, path) == 0)
+            created = 1;
+        else
+            unlink(tpath); /* another process made it first: use theirs */
+        unlink(tmp);
+        close(tfd);
+        fd = open(path, O_RDWR | O_CLOEXEC);
+    }
+    if (fd < 0) {
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || (size_t)st.st_size < sizeof(hdr_t)) {
+        close(fd);
+        PyErr_Format(PyExc_ValueError, "damaged: %s is %lld bytes, not an index", path,
+                     (long long)st.st_size);
+        return -1;
+    }
+    hdr_t *h = mmap(NULL, sizeof(hdr_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (h == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (h->magic != KV_MAGIC || h->version != KV_VERSION || !h->ready ||
+            h->nbuckets == 0 || (h->nbuckets & (h->nbuckets - 1)) || h->cap == 0 ||
+            h->nslabs > MAX_SLABS || h->bump > h->cap || h->eviction > EV_S3FIFO) {
+        munmap(h, sizeof *h);
+        PyErr_Format(PyExc_ValueError, "damaged: %s is not a block index of this version",
+                     path);
+        return -1;
+    }
+    s->hdr = h;
+    (void)created;
+    int r, slot = -1;
+    /* never wait for the GIL while holding the lock: another thread of this process may
+     * hold the GIL while it waits for the lock */
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        /* a process slot: a free one, or a dead process's (whose leases go first) */
+        for (int p = 0; p < MAX_PROCS && slot < 0; p++)
+            if (!h->procs[p].used)
+                slot = p;
+        if (slot < 0 && reclaim_dead(s))
+            for (int p = 0; p < MAX_PROCS && slot < 0; p++)
+                if (!h->procs[p].used)
+                    slot = p;
+        if (slot >= 0) {
+            /* a slot freed by a clean close has no bits left; one taken from the dead
+             * was cleared by reclaim_dead */
+            h->procs[slot].pid = pid;
+            h->procs[slot].start = start;
+            h->procs[slot].used = 1;
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (slot < 0) {
+        PyErr_Format(PyExc_OverflowError, "%d processes have this block store open: no "
+                     "slot for another", MAX_PROCS);
+        return -1;
+    }
+    s->slot = slot;
+    return 0;
+}
+
+static void close_handle(Idx *s) {
+    if (s->hdr == NULL)
+        return;
+    if (s->slot >= 0 && lock(s) == 0) {
+        hdr_t *h = s->hdr;
+        uint64_t bit = 1ULL << s->slot;
+        for (uint64_t j = 0; j < h->bump; j++) {
+            rec_t *r = R(s, (uint32_t)j);
+            if (r->readers & bit) {
+                r->readers &= ~bit;
+                if (r->state == S_ZOMBIE && !r->readers) {
+                    release_chunk(s, r->slab, r->chunk);
+                    meta_free(s, r);
+                    rec_free(s, (uint32_t)j);
+                }
+            }
+        }
+        h->procs[s->slot].used = 0;
+        unlock(s);
+    }
+    for (int i = 0; i < MAX_SLABS; i++)
+        unmap_slab(s, (uint32_t)i);
+    if (s->table != NULL)
+        munmap(s->table, s->table_size);
+    munmap(s->hdr, sizeof(hdr_t));
+    s->hdr = NULL;
+    s->table = NULL;
+}
+
+static PyObject *Idx_close(Idx *s, PyObject *unused) {
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    close_handle(s);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* after a fork: the child drops the parent's handle without touching the shared state */
+static PyObject *Idx_abandon(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (s->hdr != NULL) {
+        for (int i = 0; i < MAX_SLABS; i++)
+            unmap_slab(s, (uint32_t)i);
+        if (s->table != NULL)
+            munmap(s->table, s->table_size);
+        munmap(s->hdr, sizeof(hdr_t));
+    }
+    s->hdr = NULL;
+    s->table = NULL;
+    Py_RETURN_NONE;
+}
+
+static void Idx_dealloc(Idx *s) {
+    Py_BEGIN_ALLOW_THREADS
+    close_handle(s);
+    Py_END_ALLOW_THREADS
+    free(s->root);
+    free(s->disk_root);
+    free(s->pool_dir);
+    free(s->left);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *Idx_set_spill(Idx *s, PyObject *args) {
+    PyObject *root;
+    unsigned long long cap;
+    if (!PyArg_ParseTuple(args, "OK", &root, &cap))
+        return NULL;
+    free(s->disk_root);
+    s->disk_root = NULL;
+    if (root != Py_None) {
+        const char *p = PyUnicode_AsUTF8(root);
+        if (p == NULL)
+            return NULL;
+        s->disk_root = strdup(p);
+    }
+    s->disk_capacity = cap;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Idx_set_pool(Idx *s, PyObject *arg) {
+    free(s->pool_dir);
+    s->pool_dir = NULL;
+    if (arg != Py_None) {
+        const char *p = PyUnicode_AsUTF8(arg);
+        if (p == NULL)
+            return NULL;
+        s->pool_dir = strdup(p);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Idx_mark_gpu(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    s->hdr->gpu_seen = 1;
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* put */
+
+typedef struct {
+    uint32_t idx, gen, slab, chunk;
+    Py_ssize_t i;
+    uint32_t untouched; /* a chunk of a fresh slab never written: its pages not made yet */
+} res_t;
+
+static void set_meta(Idx *s, rec_t *r, const char *meta, size_t len, uint32_t mslab,
+                     uint32_t mchunk) {
+    r->meta_len = (uint32_t)len;
+    if (len <= INLINE_META) {
+        memcpy(r->meta, meta, len);
+    } else {
+        r->mslab = mslab;
+        r->mchunk = mchunk;
+        char *base = slab_base(s, mslab);
+        if (base != NULL)
+            memcpy(base + (size_t)mchunk * s->hdr->slabs[mslab].csize, meta, len);
+    }
+}
+
+/* put(keys, addrs, sizes, metas, after_reserve=None) -> (stored: bytes, error, needed)
+ * metas: one bytes for every block, or a sequence of bytes, one per key. The sources
+ * are sizes[i] bytes at the raw addresses addrs[i]; the caller keeps them alive. On an
+ * error nothing of the batch is stored. after_reserve, when given, is called between
+ * the reservation and the copies (a test's way to stop a writer there). */
+static PyObject *Idx_put(Idx *s, PyObject *args) {
+    PyObject *keys_o, *addrs_o, *sizes_o, *metas_o, *after = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOO|O", &keys_o, &addrs_o, &sizes_o, &metas_o, &after))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    if (!xxh_bound()) {
+        PyErr_SetString(PyExc_RuntimeError, "the xxhash functions are not bound");
+        return NULL;
+    }
+    keyset_t ks;
+    Py_buffer ab, sb;
+    if (parse_batch(keys_o, addrs_o, sizes_o, &ks, &ab, &sb) < 0)
+        return NULL;
+    Py_ssize_t n = ks.n;
+    const uint64_t *addrs = ab.buf, *sizes = sb.buf;
+    PyObject *metas_fast = NULL;
+    const char *one_meta = NULL;
+    Py_ssize_t one_len = 0;
+    const char **mptr = NULL;
+    Py_ssize_t *mlen = NULL;
+    PyObject *result = NULL;
+    res_t *res = PyMem_Malloc(sizeof(res_t) * (size_t)(n ? n : 1));
+    uint8_t *stored = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    uint64_t *sums = PyMem_Malloc(8 * (size_t)(n ? n : 1));
+    if (res == NULL || stored == NULL || sums == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (PyBytes_Check(metas_o)) {
+        one_meta = PyBytes_AS_STRING(metas_o);
+        one_len = PyBytes_GET_SIZE(metas_o);
+    } else {
+        metas_fast = PySequence_Fast(metas_o, "metas must be bytes or a sequence of bytes");
+        if (metas_fast == NULL)
+            goto out;
+        if (PySequence_Fast_GET_SIZE(metas_fast) != n) {
+            PyErr_Format(PyExc_ValueError, "%zd keys but %zd metas", n,
+                         PySequence_Fast_GET_SIZE(metas_fast));
+            goto out;
+        }
+        mptr = PyMem_Malloc(sizeof(char *) * (size_t)(n ? n : 1));
+        mlen = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+        if (mptr == NULL || mlen == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *m = PySequence_Fast_GET_ITEM(metas_fast, i);
+            char *p;
+            if (!PyBytes_Check(m) || PyBytes_AsStringAndSize(m, &p, &mlen[i]) < 0) {
+                PyErr_Format(PyExc_ValueError, "meta %zd must be bytes", i);
+                goto out;
+            }
+            mptr[i] = p;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (sizes[i] == 0 || sizes[i] > 0xffffffffffULL) {
+            PyErr_Format(PyExc_ValueError, "block %zd: %llu bytes", i,
+                         (unsigned long long)sizes[i]);
+            goto out;
+        }
+    int err = E_OK;
+    uint64_t needed = 0;
+    Py_ssize_t nres = 0;
+    void *state = xxh_state_new();
+    if (state == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    int locked = 0;
+    Py_BEGIN_ALLOW_THREADS
+    hdr_t *h = s->hdr;
+    if (lock(s) < 0) {
+        err = E_IO;
+        goto unlocked;
+    }
+    int reclaimed = 0;
+    for (Py_ssize_t i = 0; i < n && err == E_OK; i++) {
+        uint8_t *k = ks.keys[i];
+        int64_t f = h_find(s, k + 1, k[0]);
+        int was_ghost = 0;
+        if (f >= 0) {
+            rec_t *r = R(s, (uint32_t)f);
+            if (r->state == S_HOST || r->state == S_DISK)
+                continue;
+            if (r->state == S_WRITING) {
+                if (r->writer == (uint32_t)s->slot + 1 ||
+                        proc_alive(&h->procs[r->writer - 1]))
+                    continue;
+                /* its writer died mid-put: the key is ours (claimed at once, so that
+                 * the reclaim pass of an allocation below leaves the record alone) */
+                release_chunk(s, r->slab, r->chunk);
+                meta_free(s, r);
+                r->writer = (uint32_t)s->slot + 1;
+                r->gen++;
+            } else if (r->state == S_GHOST) {
+                q_remove(s, (uint32_t)f);
+                was_ghost = 1;
+            }
+        }
+        size_t ml = one_meta ? (size_t)one_len : (size_t)mlen[i];
+        const char *mp = one_meta ? one_meta : mptr[i];
+        uint32_t slot, chunk, mslab = 0, mchunk = 0;
+        int untouched = 0;
+        err = allocate(s, size_class(sizes[i]), &slot, &chunk, &reclaimed, &untouched);
+        if (err == E_OK && ml > INLINE_META) {
+            err = allocate(s, size_class(ml), &mslab, &mchunk, &reclaimed, NULL);
+            if (err != E_OK)
+                release_chunk(s, slot, chunk);
+        }
+        if (err != E_OK) {
+            needed = sizes[i];
+            if (f >= 0 && was_ghost)
+                q_push(s, Q_GHOST, (uint32_t)f);
+            else if (f >= 0) { /* the dead writer's record, now empty */
+                h_delete(s, (uint32_t)f);
+                rec_free(s, (uint32_t)f);
+            }
+            break;
+        }
+        /* allocate may have moved records (eviction never frees a record we hold:
+         * ghosts and dead writers' records are not evictable) */
+        if (f < 0) {
+            f = rec_new(s);
+            if (f < 0) {
+                release_chunk(s, slot, chunk);
+                if (ml > INLINE_META)
+                    release_chunk(s, mslab, mchunk);
+                err = E_NOSPACE;
+                needed = sizes[i];
+                break;
+            }
+            rec_t *r = R(s, (uint32_t)f);
+            r->klen = k[0];
+            memcpy(r->key, k + 1, KEYMAX);
+            h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen), (uint32_t)f);
+        }
+        rec_t *r = R(s, (uint32_t)f);
+        r->slab = slot;
+        r->chunk = chunk;
+        r->nbytes = sizes[i];
+        r->pins = 0;
+        r->readers = 0;
+        r->freq = was_ghost; /* remembered: on_insert puts it in main */
+        r->writer = (uint32_t)s->slot + 1;
+        set_meta(s, r, mp, ml, mslab, mchunk);
+        r->state = S_WRITING;
+        res[nres].idx = (uint32_t)f;
+        res[nres].gen = r->gen;
+        res[nres].slab = slot;
+        res[nres].chunk = chunk;
+        res[nres].i = i;
+        res[nres].untouched = (uint32_t)untouched;
+        nres++;
+    }
+    if (err != E_OK) { /* all or nothing: give the batch's chunks back */
+        for (Py_ssize_t j = 0; j < nres; j++) {
+            rec_t *r = R(s, res[j].idx);
+            release_chunk(s, r->slab, r->chunk);
+            meta_free(s, r);
+            h_delete(s, res[j].idx);
+            rec_free(s, res[j].idx);
+        }
+        nres = 0;
+    }
+    /* the chunks' files are whole before anything is written through the mappings */
+    for (Py_ssize_t j = 0; j < nres && err == E_OK; j++)
+        if ((j == 0 || res[j].slab != res[j - 1].slab) && slab_check(s, res[j].slab) < 0)
+            err = E_IO;
+    if (err != E_OK) {
+        for (Py_ssize_t j = 0; j < nres; j++) {
+            rec_t *r = R(s, res[j].idx);
+            release_chunk(s, r->slab, r->chunk);
+            meta_free(s, r);
+            h_delete(s, res[j].idx);
+            rec_free(s, res[j].idx);
+        }
+        nres = 0;
+    }
+    unlock(s);
+    if (after != Py_None && nres) {
+        Py_BLOCK_THREADS
+        PyObject *r = PyObject_CallNoArgs(after);
+        if (r == NULL)
+            PyErr_WriteUnraisable(after);
+        Py_XDECREF(r);
+        Py_UNBLOCK_THREADS
+    }
+    /* chunks never written have no pages yet: make them in runs (the kernel fills a
+     * range at twice the rate the copies fault it in, page by page) */
+    for (Py_ssize_t j = 0; j < nres;) {
+        if (!res[j].untouched) {
+            j++;
+            continue;
+        }
+        Py_ssize_t k = j + 1;
+        while (k < nres && res[k].untouched && res[k].slab == res[j].slab &&
+               res[k].chunk == res[k - 1].chunk + 1)
+            k++;
+        uint64_t cs = h->slabs[res[j].slab].csize;
+        uintptr_t lo = (uintptr_t)(s->maps[res[j].slab].base + (size_t)res[j].chunk * cs);
+        uintptr_t hi = (uintptr_t)(s->maps[res[j].slab].base + (size_t)(res[k - 1].chunk + 1) * cs);
+        lo &= ~(uintptr_t)(PAGE - 1);
+        if (hi - lo >= 16 * PAGE)
+            madvise((void *)lo, hi - lo, 23 /* MADV_POPULATE_WRITE */);
+        j = k;
+    }
+    /* the copies, outside the lock: writers copy in parallel */
+    for (Py_ssize_t j = 0; j < nres; j++) {
+        slab_t *sl = &h->slabs[res[j].slab];
+        char *base = s->maps[res[j].slab].base;
+        Py_ssize_t i = res[j].i;
+        sums[j] = copy_hash_one(state, base + (size_t)res[j].chunk * sl->csize,
+                                (const char *)(uintptr_t)addrs[i], sizes[i]);
+    }
+    fence();
+    if (nres && lock(s) == 0) {
+        locked = 1;
+        for (Py_ssize_t j = 0; j < nres; j++) {
+            rec_t *r = R(s, res[j].idx);
+            if (r->state != S_WRITING || r->gen != res[j].gen ||
+                    r->writer != (uint32_t)s->slot + 1)
+                continue; /* taken from us: we were thought dead */
+            r->csum = sums[j];
+            r->writer = 0;
+            r->state = S_HOST;
+            int was_ghost = r->freq;
+            on_insert(s, res[j].idx, was_ghost);
+            h->count[C_HOST_BLOCKS]++;
+            h->count[C_HOST_BYTES] += r->nbytes;
+            stored[res[j].i] = 1;
+        }
+        unlock(s);
+    }
+    (void)locked;
+unlocked:
+    xxh_state_free(state);
+    Py_END_ALLOW_THREADS
+    if (err == E_IO) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto out;
+    }
+    result = Py_BuildValue("(y#iK)", (const char *)stored, n, err,
+                           (unsigned long long)needed);
+out:
+    PyMem_Free(res);
+    PyMem_Free(stored);
+    PyMem_Free(sums);
+    PyMem_Free(mptr);
+    PyMem_Free(mlen);
+    Py_XDECREF(metas_fast);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&sb);
+    free_keys(&ks);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* reads of the index */
+
+static inline int readable(rec_t *r) { return r->state == S_HOST || r->state == S_DISK; }
+
+static PyObject *Idx_match(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    Py_ssize_t n = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        for (; n < ks.n; n++) {
+            int64_t f = h_find(s, ks.keys[n] + 1, ks.keys[n][0]);
+            if (f < 0 || !readable(R(s, (uint32_t)f)))
+                break;
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    free_keys(&ks);
+    if (r < 0)
+        return lock_error();
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ks.n);
+    if (out == NULL) {
+        free_keys(&ks);
+        return NULL;
+    }
+    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        for (Py_ssize_t i = 0; i < ks.n; i++) {
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            o[i] = f >= 0 && readable(R(s, (uint32_t)f));
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    free_keys(&ks);
+    if (r < 0) {
+        Py_DECREF(out);
+        return lock_error();
+    }
+    return out;
+}
+
+/* a spilled block back into the arena (under the lock): 1 now HOST, 0 no room (it stays
+ * on disk: a miss), -1 corrupt or missing (dropped) */
+static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    if (s->disk_root == NULL)
+        return 0;
+    uint32_t slot, chunk;
+    /* allocation may evict (and spill) others, never this record: it is not HOST, and
+     * out of the disk queue meanwhile, so a trim of the disk cannot drop it */
+    q_remove(s, i);
+    if (allocate(s, size_class(r->nbytes), &slot, &chunk, reclaimed, NULL) != E_OK) {
+        q_push(s, Q_DISK, i);
+        return 0;
+    }
+    r = R(s, i);
+    char path[4096];
+    spill_path(s, r, path, sizeof path);
+    char *base = slab_base(s, slot);
+    int ok = 0;
+    if (base != NULL) {
+        char *dst = base + (size_t)chunk * h->slabs[slot].csize;
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            size_t got = 0;
+            while (got < r->nbytes) {
+                ssize_t m = pread(fd, dst + got, r->nbytes - got, (off_t)got);
+                if (m <= 0)
+                    break;
+                got += (size_t)m;
+            }
+            close(fd);
+            ok = got == r->nbytes && hash_only(state, dst, r->nbytes) == r->csum;
+        }
+    }
+    if (!ok) {
+        release_chunk(s, slot, chunk);
+        drop_disk(s, i, 1);
+        h->count[C_CORRUPT]++;
+        return -1;
+    }
+    unlink(path);
+    h->count[C_DISK_BLOCKS]--;
+    h->count[C_DISK_BYTES] -= r->nbytes;
+    r->slab = slot;
+    r->chunk = chunk;
+    r->state = S_HOST;
+    r->gen++;
+    on_insert(s, i, 0);
+    h->count[C_HOST_BLOCKS]++;
+    h->count[C_HOST_BYTES] += r->nbytes;
+    return 1;
+}
+
+/* read_into(keys, addrs, sizes, verify) -> (status: bytes, error_index)
+ * status per key: 0 absent, 1 copied, 2 corrupt (dropped). error_index >= 0: that
+ * key's block has another size than its buffer; nothing was copied. */
+enum { RD_ABSENT = 0, RD_OK = 1, RD_CORRUPT = 2, RD_COPY = 3 };
+
+static PyObject *Idx_read_into(Idx *s, PyObject *args) {
+    PyObject *keys_o, *addrs_o, *sizes_o;
+    int verify;
+    if (!PyArg_ParseTuple(args, "OOOp", &keys_o, &addrs_o, &sizes_o, &verify))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    Py_buffer ab, sb;
+    if (parse_batch(keys_o, addrs_o, sizes_o, &ks, &ab, &sb) < 0)
+        return NULL;
+    Py_ssize_t n = ks.n;
+    const uint64_t *addrs = ab.buf, *sizes = sb.buf;
+    PyObject *result = NULL;
+    PyObject *status_o = PyBytes_FromStringAndSize(NULL, n);
+    res_t *res = PyMem_Malloc(sizeof(res_t) * (size_t)(n ? n : 1));
+    uint64_t *sums = PyMem_Malloc(8 * (size_t)(n ? n : 1));
+    uint64_t *want = PyMem_Malloc(8 * (size_t)(n ? n : 1));
+    void *state = xxh_state_new();
+    if (status_o == NULL || res == NULL || sums == NULL || want == NULL || state == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint8_t *st = (uint8_t *)PyBytes_AS_STRING(status_o);
+    memset(st, RD_ABSENT, (size_t)n);
+    Py_ssize_t bad_size = -1;
+    int ioerr = 0;
+    Py_BEGIN_ALLOW_THREADS
+    hdr_t *h = s->hdr;
+    /* round 0 reads every key; later rounds only those whose record moved meanwhile */
+    for (int round = 0; round < 4 && !ioerr && bad_size < 0; round++) {
+        if (lock(s) < 0) {
+            ioerr = 1;
+            break;
+        }
+        int reclaimed = 0;
+        Py_ssize_t nres = 0, hits = 0, asked = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (round > 0 && st[i] != RD_COPY)
+                continue;
+            st[i] = RD_ABSENT;
+            asked++;
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f < 0)
+                continue;
+            rec_t *r = R(s, (uint32_t)f);
+            if (r->state == S_DISK) {
+                if (r->nbytes != sizes[i]) {
+                    bad_size = i;
+                    break;
+                }
+                int p = promote(s, (uint32_t)f, state, &reclaimed);
+                if (p < 0)
+                    st[i] = RD_CORRUPT;
+                if (p <= 0)
+                    continue;
+                r = R(s, (uint32_t)f);
+            }
+            if (r->state != S_HOST)
+                continue;
+            if (r->nbytes != sizes[i]) {
+                bad_size = i;
+                break;
+            }
+            if (round == 0)
+                on_access(s, (uint32_t)f);
+            res[nres].idx = (uint32_t)f;
+            res[nres].gen = r->gen;
+            res[nres].slab = r->slab;
+            res[nres].chunk = r->chunk;
+            res[nres].i = i;
+            want[nres] = r->csum;
+            if (slab_check(s, r->slab) < 0) {
+                ioerr = 1;
+                break;
+            }
+            nres++;
+            hits++;
+            st[i] = RD_COPY;
+        }
+        if (bad_size >= 0 || ioerr) {
+            for (Py_ssize_t i = 0; i < n; i++)
+                st[i] = RD_ABSENT;
+            unlock(s);
+            break;
+        }
+        if (round == 0) {
+            h->count[C_HITS] += (uint64_t)hits;
+            h->count[C_MISSES] += (uint64_t)(asked - hits);
+        }
+        unlock(s);
+        for (Py_ssize_t j = 0; j < nres; j++) {
+            char *src = s->maps[res[j].slab].base +
+                        (size_t)res[j].chunk * h->slabs[res[j].slab].csize;
+            Py_ssize_t i = res[j].i;
+            if (verify)
+                sums[j] = copy_hash_cached(state, (char *)(uintptr_t)addrs[i], src, sizes[i]);
+            else
+                memcpy((char *)(uintptr_t)addrs[i], src, sizes[i]);
+        }
+        if (nres == 0)
+            break;
+        if (lock(s) < 0) {
+            ioerr = 1;
+            break;
+        }
+        int again = 0;
+        for (Py_ssize_t j = 0; j < nres; j++) {
+            rec_t *r = R(s, res[j].idx);
+            Py_ssize_t i = res[j].i;
+            if (r->state != S_HOST || r->gen != res[j].gen) {
+                again = 1; /* it moved while we copied: read it again */
+                continue;
+            }
+            if (verify && sums[j] != want[j]) {
+                remove_host(s, res[j].idx);
+                h->count[C_CORRUPT]++;
+                st[i] = RD_CORRUPT;
+                continue;
+            }
+            st[i] = RD_OK;
+        }
+        unlock(s);
+        if (!again)
+            break;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (st[i] == RD_COPY)
+            st[i] = RD_ABSENT; /* moved four times while we read it: a miss */
+    Py_END_ALLOW_THREADS
+    if (ioerr) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto out;
+    }
+    result = Py_BuildValue("(On)", status_o, bad_size);
+out:
+    Py_XDECREF(status_o);
+    PyMem_Free(res);
+    PyMem_Free(sums);
+    PyMem_Free(want);
+    if (state != NULL)
+        xxh_state_free(state);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&sb);
+    free_keys(&ks);
+    return result;
+}
+
+/* lease(keys) -> list of None (absent), -1 (corrupt: dropped) or
+ * (idx, gen, slab, slab_gen, offset, nbytes, csum, meta): a read lease on each present
+ * block (this process's bit in its record) for a zero-copy view, given back by release */
+typedef struct {
+    uint32_t idx, gen, slab, slab_gen;
+    uint64_t offset, nbytes, csum;
+    size_t meta_at, meta_len;
+    int status; /* 1 leased, 0 absent, -1 corrupt */
+} leased_t;
+
+static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    Py_ssize_t n = ks.n;
+    leased_t *ls = PyMem_Calloc((size_t)(n ? n : 1), sizeof(leased_t));
+    void *state = xxh_state_new();
+    PyObject *out = NULL;
+    char *metas = NULL;
+    size_t mused = 0, mcap = 0;
+    int r = 0, oom = 0;
+    if (ls == NULL || state == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        int reclaimed = 0;
+        Py_ssize_t hits = 0;
+        uint64_t bit = 1ULL << s->slot;
+        for (Py_ssize_t i = 0; i < n && !oom; i++) {
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f < 0)
+                continue;
+            rec_t *rr = R(s, (uint32_t)f);
+            if (rr->state == S_DISK) {
+                int p = promote(s, (uint32_t)f, state, &reclaimed);
+                if (p < 0)
+                    ls[i].status = -1;
+                if (p <= 0)
+                    continue;
+                rr = R(s, (uint32_t)f);
+            }
+            if (rr->state != S_HOST || slab_check(s, rr->slab) < 0)
+                continue;
+            const char *mp = (const char *)rr->meta;
+            if (rr->meta_len > INLINE_META)
+                mp = s->maps[rr->mslab].base != NULL || slab_base(s, rr->mslab) != NULL
+                         ? s->maps[rr->mslab].base + (size_t)rr->mchunk * h->slabs[rr->mslab].csize
+                         : NULL;
+            if (mused + rr->meta_len > mcap) {
+                size_t cap = (mcap + rr->meta_len) * 2 + 256;
+                char *m = realloc(metas, cap);
+                if (m == NULL) {
+                    oom = 1;
+                    break;
+                }
+                metas = m;
+                mcap = cap;
+            }
+            leased_t *l = &ls[i];
+            l->meta_at = mused;
+            l->meta_len = mp != NULL ? rr->meta_len : 0;
+            if (mp != NULL)
+                memcpy(metas + mused, mp, rr->meta_len);
+            mused += l->meta_len;
+            slab_t *sl = &h->slabs[rr->slab];
+            l->idx = (uint32_t)f;
+            l->gen = rr->gen;
+            l->slab = rr->slab;
+            l->slab_gen = sl->gen;
+            l->offset = (uint64_t)rr->chunk * sl->csize;
+            l->nbytes = rr->nbytes;
+            l->csum = rr->csum;
+            l->status = 1;
+            rr->readers |= bit;
+            on_access(s, (uint32_t)f);
+            hits++;
+        }
+        if (oom) /* give the leases back */
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (ls[i].status == 1)
+                    R(s, ls[i].idx)->readers &= ~bit;
+        h->count[C_HITS] += (uint64_t)hits;
+        h->count[C_MISSES] += (uint64_t)(n - hits);
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        lock_error();
+        goto done;
+    }
+    if (oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        leased_t *l = &ls[i];
+        PyObject *item;
+        if (l->status == 0) {
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else if (l->status < 0) {
+            item = PyLong_FromLong(-1);
+        } else {
+            item = Py_BuildValue("(IIIIKKKy#)", l->idx, l->gen, l->slab, l->slab_gen,
+                                 (unsigned long long)l->offset,
+                                 (unsigned long long)l->nbytes,
+                                 (unsigned long long)l->csum,
+                                 metas != NULL ? metas + l->meta_at : "",
+                                 (Py_ssize_t)l->meta_len);
+        }
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    /* on an error here the leases stay until this handle closes: no view was made */
+done:
+    PyMem_Free(ls);
+    free(metas);
+    if (state != NULL)
+        xxh_state_free(state);
+    free_keys(&ks);
+    return out;
+}
+
+/* release(idxs, gens): this process lets go of its leases (its last view of each) */
+static PyObject *Idx_release(Idx *s, PyObject *args) {
+    PyObject *io, *go;
+    if (!PyArg_ParseTuple(args, "OO", &io, &go))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    Py_buffer ib, gb;
+    if (PyObject_GetBuffer(io, &ib, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    Py_ssize_t n = ib.len / 8;
+    if (u64_buffer(go, &gb, n, "gens") < 0) {
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    const uint64_t *idx = ib.buf, *gen = gb.buf;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        uint64_t bit = 1ULL << s->slot;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (idx[j] >= s->hdr->bump)
+                continue;
+            rec_t *rr = R(s, (uint32_t)idx[j]);
+            if (rr->gen != (uint32_t)gen[j] || !(rr->readers & bit))
+                continue;
+            rr->readers &= ~bit;
+            if (rr->state == S_ZOMBIE && !rr->readers) {
+                release_chunk(s, rr->slab, rr->chunk);
+                meta_free(s, rr);
+                rec_free(s, (uint32_t)idx[j]);
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&gb);
+    if (r < 0)
+        return lock_error();
+    Py_RETURN_NONE;
+}
+
+/* drop_corrupt(idx, gen) -> bool: a leased block whose bytes failed their checksum */
+static PyObject *Idx_drop_corrupt(Idx *s, PyObject *args) {
+    unsigned idx, gen;
+    if (!PyArg_ParseTuple(args, "II", &idx, &gen))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    int r, dropped = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        if (idx < s->hdr->bump) {
+            rec_t *rr = R(s, idx);
+            if (rr->gen == gen && rr->state == S_HOST) {
+                remove_host(s, idx);
+                s->hdr->count[C_CORRUPT]++;
+                dropped = 1;
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return lock_error();
+    return PyBool_FromLong(dropped);
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* pins and deletes */
+
+static PyObject *Idx_pin(Idx *s, PyObject *args) {
+    PyObject *keys_o;
+    int delta;
+    if (!PyArg_ParseTuple(args, "Oi", &keys_o, &delta))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    Py_ssize_t changed = 0;
+    int r;
+    void *state = xxh_state_new();
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        int reclaimed = 0;
+        for (Py_ssize_t i = 0; i < ks.n; i++) {
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f < 0)
+                continue;
+            rec_t *rr = R(s, (uint32_t)f);
+            if (rr->state == S_DISK && delta > 0 && state != NULL)
+                promote(s, (uint32_t)f, state, &reclaimed); /* pinned: in memory if it fits */
+            f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f < 0)
+                continue;
+            rr = R(s, (uint32_t)f);
+            if (!readable(rr) || (int64_t)rr->pins + delta < 0)
+                continue;
+            uint32_t before = rr->pins;
+            rr->pins = (uint32_t)((int64_t)rr->pins + delta);
+            if (before == 0 && rr->pins > 0) {
+                h->count[C_PINNED]++;
+                if (rr->state == S_HOST)
+                    q_remove(s, (uint32_t)f);
+            } else if (before > 0 && rr->pins == 0) {
+                h->count[C_PINNED]--;
+                if (rr->state == S_HOST)
+                    q_push(s, Q_SMALL, (uint32_t)f);
+            }
+            changed++;
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (state != NULL)
+        xxh_state_free(state);
+    free_keys(&ks);
+    if (r < 0)
+        return lock_error();
+    return PyLong_FromSsize_t(changed);
+}
+
+static PyObject *Idx_delete(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    Py_ssize_t n = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        for (Py_ssize_t i = 0; i < ks.n; i++) {
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f < 0)
+                continue;
+            rec_t *rr = R(s, (uint32_t)f);
+            if (rr->state == S_HOST)
+                remove_host(s, (uint32_t)f);
+            else if (rr->state == S_DISK)
+                drop_disk(s, (uint32_t)f, 1);
+            else
+                continue;
+            n++;
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    free_keys(&ks);
+    if (r < 0)
+        return lock_error();
+    return PyLong_FromSsize_t(n);
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* what the store holds */
+
+static PyObject *Idx_stats(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    uint64_t c[NCOUNTERS], recs = 0, cap = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        memcpy(c, s->hdr->count, sizeof c);
+        recs = s->hdr->nrecs;
+        cap = s->hdr->cap;
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return lock_error();
+    PyObject *d = PyDict_New();
+    for (int i = 0; d != NULL && i < NCOUNTERS; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(c[i]);
+        if (v == NULL || PyDict_SetItemString(d, COUNTER_NAMES[i], v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    if (d != NULL) {
+        PyObject *a = PyLong_FromUnsignedLongLong(recs), *b = PyLong_FromUnsignedLongLong(cap);
+        PyDict_SetItemString(d, "records", a);
+        PyDict_SetItemString(d, "record_capacity", b);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+    }
+    return d;
+}
+
+/* bloom(nbits, k) -> bytes: the Bloom filter of the readable keys, positions as
+ * ``bloom_positions`` computes them (xxh3-128; h1 + i * h2 taken exactly, then mod) */
+static PyObject *Idx_bloom(Idx *s, PyObject *args) {
+    unsigned long long nbits;
+    int k;
+    if (!PyArg_ParseTuple(args, "Ki", &nbits, &k))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    if (xxh_oneshot128 == NULL || nbits == 0 || nbits % 8) {
+        PyErr_SetString(PyExc_ValueError, "bloom: no XXH3_128, or nbits not a multiple of 8");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nbits / 8));
+    if (out == NULL)
+        return NULL;
+    uint8_t *bits = (uint8_t *)PyBytes_AS_STRING(out);
+    memset(bits, 0, nbits / 8);
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        for (uint64_t j = 0; j < s->hdr->bump; j++) {
+            rec_t *rr = R(s, (uint32_t)j);
+            if (!readable(rr))
+                continue;
+            xxh128_t hh = xxh_oneshot128(rr->key, rr->klen);
+            unsigned __int128 h1 = hh.low64, h2 = hh.high64 | 1;
+            for (int i = 0; i < k; i++) {
+                uint64_t p = (uint64_t)((h1 + (unsigned __int128)i * h2) % nbits);
+                bits[p >> 3] |= (uint8_t)(1 << (p & 7));
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        Py_DECREF(out);
+        return lock_error();
+    }
+    return out;
+}
+
+/* locate(key) -> None or (tier, slab, slab_gen, offset, nbytes, spill_file, meta) */
+static PyObject *Idx_locate(Idx *s, PyObject *key) {
+    if (!usable(s))
+        return NULL;
+    PyObject *one = PyTuple_Pack(1, key);
+    if (one == NULL)
+        return NULL;
+    keyset_t ks;
+    int pr = parse_keys(one, &ks);
+    Py_DECREF(one);
+    if (pr < 0)
+        return NULL;
+    int r, state = S_FREE;
+    uint32_t slab = 0, gen = 0;
+    uint64_t offset = 0, nbytes = 0;
+    char path[4096];
+    char *meta = NULL;
+    size_t meta_len = 0;
+    path[0] = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        int64_t f = h_find(s, ks.keys[0] + 1, ks.keys[0][0]);
+        if (f >= 0 && readable(R(s, (uint32_t)f))) {
+            rec_t *rr = R(s, (uint32_t)f);
+            state = rr->state;
+            nbytes = rr->nbytes;
+            const char *mp = (const char *)rr->meta;
+            if (rr->meta_len > INLINE_META) {
+                char *b = slab_base(s, rr->mslab);
+                mp = b != NULL ? b + (size_t)rr->mchunk * s->hdr->slabs[rr->mslab].csize : NULL;
+            }
+            meta = mp != NULL ? malloc(rr->meta_len + 1) : NULL;
+            if (meta != NULL) {
+                memcpy(meta, mp, rr->meta_len);
+                meta_len = rr->meta_len;
+            }
+            if (state == S_HOST) {
+                slab_t *sl = &s->hdr->slabs[rr->slab];
+                slab = rr->slab;
+                gen = sl->gen;
+                offset = (uint64_t)rr->chunk * sl->csize;
+            } else if (s->disk_root != NULL) {
+                spill_path(s, rr, path, sizeof path);
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    free_keys(&ks);
+    PyObject *out = NULL;
+    if (r < 0)
+        out = lock_error();
+    else if (state == S_HOST)
+        out = Py_BuildValue("(sIIKKOy#)", "host", slab, gen, (unsigned long long)offset,
+                            (unsigned long long)nbytes, Py_None, meta ? meta : "",
+                            (Py_ssize_t)meta_len);
+    else if (state == S_DISK)
+        out = Py_BuildValue("(sIIKKsy#)", "disk", 0u, 0u, 0ULL, (unsigned long long)nbytes,
+                            path, meta ? meta : "", (Py_ssize_t)meta_len);
+    else {
+        Py_INCREF(Py_None);
+        out = Py_None;
+    }
+    free(meta);
+    return out;
+}
+
+/* quiescent() -> bool: no other live process has the store open and no view of a block
+ * is held (its slab files may be recycled once it is closed) */
+static PyObject *Idx_quiescent(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    int r, quiet = 1;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        for (int p = 0; p < MAX_PROCS && quiet; p++)
+            if (p != s->slot && h->procs[p].used && proc_alive(&h->procs[p]))
+                quiet = 0;
+        for (uint64_t j = 0; j < h->bump && quiet; j++)
+            if (R(s, (uint32_t)j)->readers)
+                quiet = 0;
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return lock_error();
+    return PyBool_FromLong(quiet);
+}
+
+/* settings() -> (capacity, slab_bytes, eviction, gpu_seen): the first process's, and
+ * whether any process gave the store a GPU tier */
+static PyObject *Idx_settings(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    return Py_BuildValue("(KKII)", (unsigned long long)s->hdr->capacity,
+                         (unsigned long long)s->hdr->slab_bytes, s->hdr->eviction,
+                         s->hdr->gpu_seen);
+}
+
+/* take_left() -> list of keys that left the store since the last call (GPU copies) */
+static PyObject *Idx_take_left(Idx *s, PyObject *unused) {
+    (void)unused;
+    PyObject *out = PyList_New((Py_ssize_t)s->nleft);
+    for (size_t i = 0; out != NULL && i < s->nleft; i++) {
+        uint8_t *e = s->left + i * (KEYMAX + 1);
+        PyObject *k = PyBytes_FromStringAndSize((const char *)e + 1, e[0]);
+        if (k == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, k);
+    }
+    s->nleft = 0;
+    return out;
+}
+
+/* files of the store that no record names (their creator died before publishing them):
+ * slab files of other generations, tables of old generations, spill files of no record */
+static PyObject *Idx_reclaim_orphans(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    int r;
+    Py_ssize_t removed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        char dir[4096], path[8192];
+        snprintf(dir, sizeof dir, "%s/slabs", s->root);
+        DIR *d = opendir(dir);
+        struct dirent *e;
+        while (d != NULL && (e = readdir(d)) != NULL) {
+            unsigned slot, gen;
+            char tail[8];
+            if (sscanf(e->d_name, "%x-%u.%7s", &slot, &gen, tail) != 3 ||
+                    strcmp(tail, "slab") != 0)
+                continue;
+            if (slot < h->nslabs && h->slabs[slot].live && h->slabs[slot].gen == gen)
+                continue;
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            removed += unlink(path) == 0;
+        }
+        if (d != NULL)
+            closedir(d);
+        d = opendir(s->root);
+        while (d != NULL && (e = readdir(d)) != NULL) {
+            unsigned gen;
+            if (sscanf(e->d_name, "table-%u.kvx", &gen) == 1 && gen != h->table_gen) {
+                snprintf(path, sizeof path, "%s/%s", s->root, e->d_name);
+                removed += unlink(path) == 0;
+            }
+        }
+        if (d != NULL)
+            closedir(d);
+        if (s->disk_root != NULL && (d = opendir(s->disk_root)) != NULL) {
+            while ((e = readdir(d)) != NULL) {
+                size_t len = strlen(e->d_name);
+                char *dash = strrchr(e->d_name, '-');
+                if (len < 5 || strcmp(e->d_name + len - 4, ".blk") != 0 || dash == NULL)
+                    continue;
+                uint8_t key[KEYMAX];
+                size_t klen = (size_t)(dash - e->d_name) / 2;
+                int ok = klen >= 1 && klen <= KEYMAX && (size_t)(dash - e->d_name) == 2 * klen;
+                for (size_t b = 0; ok && b < klen; b++) {
+                    unsigned v;
+                    ok = sscanf(e->d_name + 2 * b, "%2x", &v) == 1;
+                    key[b] = (uint8_t)v;
+                }
+                unsigned long long seq = strtoull(dash + 1, NULL, 16);
+                int64_t f = ok ? h_find(s, key, klen) : -1;
+                if (f >= 0 && R(s, (uint32_t)f)->state == S_DISK &&
+                        (((uint64_t)R(s, (uint32_t)f)->slab << 32) | R(s, (uint32_t)f)->chunk) == seq)
+                    continue;
+                snprintf(path, sizeof path, "%s/%s", s->disk_root, e->d_name);
+                removed += unlink(path) == 0;
+            }
+            closedir(d);
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return lock_error();
+    return PyLong_FromSsize_t(removed);
+}
+
+static PyObject *Idx_slab_file(Idx *s, PyObject *args) {
+    unsigned slot, gen;
+    if (!PyArg_ParseTuple(args, "II", &slot, &gen))
+        return NULL;
+    char path[4096];
+    slab_path(s, slot, gen, path, sizeof path);
+    return PyUnicode_FromString(path);
+}
+
+static PyObject *Idx_get_slot(Idx *s, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(s->slot);
+}
+
+static PyObject *py_size_class(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromUnsignedLongLong(size_class(n));
+}
+
+static PyMethodDef Idx_methods[] = {
+    {"put", (PyCFunction)Idx_put, METH_VARARGS, NULL},
+    {"match", (PyCFunction)Idx_match, METH_O, NULL},
+    {"contains", (PyCFunction)Idx_contains, METH_O, NULL},
+    {"read_into", (PyCFunction)Idx_read_into, METH_VARARGS, NULL},
+    {"lease", (PyCFunction)Idx_lease, METH_O, NULL},
+    {"release", (PyCFunction)Idx_release, METH_VARARGS, NULL},
+    {"drop_corrupt", (PyCFunction)Idx_drop_corrupt, METH_VARARGS, NULL},
+    {"pin", (PyCFunction)Idx_pin, METH_VARARGS, NULL},
+    {"delete", (PyCFunction)Idx_delete, METH_O, NULL},
+    {"stats", (PyCFunction)Idx_stats, METH_NOARGS, NULL},
+    {"bloom", (PyCFunction)Idx_bloom, METH_VARARGS, NULL},
+    {"locate", (PyCFunction)Idx_locate, METH_O, NULL},
+    {"settings", (PyCFunction)Idx_settings, METH_NOARGS, NULL},
+    {"take_left", (PyCFunction)Idx_take_left, METH_NOARGS, NULL},
+    {"reclaim_orphans", (PyCFunction)Idx_reclaim_orphans, METH_NOARGS, NULL},
+    {"slab_file", (PyCFunction)Idx_slab_file, METH_VARARGS, NULL},
+    {"set_spill", (PyCFunction)Idx_set_spill, METH_VARARGS, NULL},
+    {"set_pool", (PyCFunction)Idx_set_pool, METH_O, NULL},
+    {"quiescent", (PyCFunction)Idx_quiescent, METH_NOARGS, NULL},
+    {"mark_gpu", (PyCFunction)Idx_mark_gpu, METH_NOARGS, NULL},
+    {"close", (PyCFunction)Idx_close, METH_NOARGS, NULL},
+    {"abandon", (PyCFunction)Idx_abandon, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Idx_getset[] = {
+    {"slot", (getter)Idx_get_slot, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject IdxType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "storage_engine._stream.BlockIndex",
+    .tp_basicsize = sizeof(Idx),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The shared-memory index and arena of a KV block store (see _kvindex.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Idx_init,
+    .tp_dealloc = (destructor)Idx_dealloc,
+    .tp_methods = Idx_methods,
+    .tp_getset = Idx_getset,
+};
+
+/* chain_keys(prev, tokens, block_tokens) -> list of bytes: for each full block of the
+ * int64 tokens, the xxh3-128 (canonical, big-endian) of the previous key followed by
+ * the block's tokens: KeyChain.keys in one call (a Python hash per block was a quarter
+ * of a small block's put) */
+static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer prev, tok;
+    Py_ssize_t bt;
+    if (!PyArg_ParseTuple(args, "y*y*n", &prev, &tok, &bt))
+        return NULL;
+    PyObject *out = NULL;
+    if (xxh_oneshot128 == NULL || prev.len != 16 || bt < 1 || tok.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "chain_keys: a 16-byte key, int64 tokens and a "
+                                          "positive block size (and bound xxhash)");
+        goto done;
+    }
+    Py_ssize_t n = tok.len / 8 / bt;
+    out = PyList_New(n);
+    size_t len = 16 + (size_t)bt * 8;
+    uint8_t *buf = PyMem_Malloc(len);
+    if (out == NULL || buf == NULL) {
+        Py_XDECREF(out);
+        out = PyErr_NoMemory();
+        PyMem_Free(buf);
+        goto done;
+    }
+    memcpy(buf, prev.buf, 16);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(buf + 16, (const char *)tok.buf + (size_t)i * bt * 8, (size_t)bt * 8);
+        xxh128_t h = xxh_oneshot128(buf, len);
+        for (int b = 0; b < 8; b++) {
+            buf[b] = (uint8_t)(h.high64 >> (56 - 8 * b));
+            buf[8 + b] = (uint8_t)(h.low64 >> (56 - 8 * b));
+        }
+        PyObject *k = PyBytes_FromStringAndSize((const char *)buf, 16);
+        if (k == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, k);
+    }
+    PyMem_Free(buf);
+done:
+    PyBuffer_Release(&prev);
+    PyBuffer_Release(&tok);
+    return out;
+}
+
+static PyMethodDef kv_functions[] = {
+    {"size_class", py_size_class, METH_O, "size_class(nbytes) -> the chunk size of a block"},
+    {"chain_keys", py_chain_keys, METH_VARARGS,
+     "chain_keys(prev, tokens, block_tokens) -> the chained xxh3-128 key of each block"},
+    {NULL, NULL, 0, NULL},
+};
+
+HIDDEN int kvindex_add_type(void *module) {
+    PyObject *m = (PyObject *)module;
+    if (PyType_Ready(&IdxType) < 0)
+        return -1;
+    Py_INCREF(&IdxType);
+    if (PyModule_AddObject(m, "BlockIndex", (PyObject *)&IdxType) < 0) {
+        Py_DECREF(&IdxType);
+        return -1;
+    }
+    if (PyModule_AddFunctions(m, kv_functions) < 0)
+        return -1;
+    PyModule_AddIntConstant(m, "E_OK", E_OK);
+    PyModule_AddIntConstant(m, "E_FULL", E_FULL);
+    PyModule_AddIntConstant(m, "E_TOO_BIG", E_TOO_BIG);
+    PyModule_AddIntConstant(m, "E_NOSPACE", E_NOSPACE);
+    PyModule_AddIntConstant(m, "KEYMAX", KEYMAX);
+    PyModule_AddIntConstant(m, "MAX_PROCS", MAX_PROCS);
+    return 0;
+}

@@ -1,0 +1,32 @@
+/* What the two C files of storage_engine._stream share: the one-pass copy + xxh3 of
+ * _stream.c, and the XXH3 functions it binds from the xxhash package's extension. */
+#ifndef TENSORDB_STREAM_H
+#define TENSORDB_STREAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define HIDDEN __attribute__((visibility("hidden")))
+
+typedef struct { uint64_t low64, high64; } xxh128_t;
+typedef xxh128_t (*oneshot128_fn)(const void *, size_t);
+
+/* the XXH3 functions of the xxhash package (NULL until bind_xxhash) */
+HIDDEN extern oneshot128_fn xxh_oneshot128;
+HIDDEN void *xxh_state_new(void);
+HIDDEN void xxh_state_free(void *state);
+HIDDEN int xxh_bound(void);
+
+/* copy n bytes from s to d and return the xxh3-64 of s, in one pass (streamed around
+ * the cache from 64 KiB up); fence() once after a run of them */
+HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n);
+/* the same, with ordinary stores: the destination is read soon (a reader's buffer) */
+HIDDEN uint64_t copy_hash_cached(void *state, char *d, const char *s, size_t n);
+/* the xxh3-64 of n bytes at s */
+HIDDEN uint64_t hash_only(void *state, const char *s, size_t n);
+HIDDEN void fence(void);
+
+/* the block index type (_kvindex.c), added to the module by its init */
+HIDDEN int kvindex_add_type(void *module);
+
+#endif

@@ -1,0 +1,270 @@
+"""The KV store's batch paths (``put_batch``, ``read_into``, a batch given as one tensor)
+against its one-block path, and the store's invariants under the batch paths, across
+processes: first writer wins, a corrupt block is never served, pinned blocks and blocks
+being read are never evicted, StoreFull at once when nothing can go."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import flip_byte, open_store
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from storage_engine import BlockStore, KVCorrupt
+from tensordb import KVCache
+from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
+
+KiB = 1 << 10
+CTX = mp.get_context("spawn")
+
+# -- the batch path and the one-block path agree ------------------------------------------
+KEYS = [b"key-%03d" % i for i in range(24)]
+SIZES = (512, 1000, 4096, 8192)
+OPS = st.one_of(
+    st.tuples(st.just("put"), st.lists(st.tuples(st.sampled_from(KEYS),
+                                                 st.sampled_from(SIZES),
+                                                 st.integers(0, 255)), min_size=1, max_size=12)),
+    st.tuples(st.just("read"), st.lists(st.sampled_from(KEYS), min_size=1, max_size=12)),
+    st.tuples(st.just("delete"), st.lists(st.sampled_from(KEYS), min_size=1, max_size=6)),
+    st.tuples(st.just("pin"), st.lists(st.sampled_from(KEYS[:4]), min_size=1, max_size=3)),
+    st.tuples(st.just("unpin"), st.lists(st.sampled_from(KEYS[:4]), min_size=1, max_size=3)),
+    st.tuples(st.just("match"), st.lists(st.sampled_from(KEYS), min_size=1, max_size=12)),
+)
+
+
+def _block(size: int, value: int) -> np.ndarray:
+    return np.full(size, value, np.uint8)
+
+
+def _apply_batch(store: BlockStore, op: str, arg: list) -> object:
+    if op == "put":
+        blocks = [_block(s, v) for _, s, v in arg]
+        addrs = np.array([b.ctypes.data for b in blocks], np.uint64)
+        sizes = np.array([b.size for b in blocks], np.uint64)
+        return store.put_batch([k for k, _, _ in arg], addrs, sizes,
+                               [b"m%d" % s for _, s, _ in arg]).tolist()
+    if op == "read":
+        return _read(store, arg)
+    if op == "delete":
+        return store.delete(arg)
+    if op in ("pin", "unpin"):
+        return getattr(store, op)(arg)
+    return store.match(arg)
+
+
+def _apply_one(store: BlockStore, op: str, arg: list) -> object:
+    if op == "put":
+        return [store.put([k], [_block(s, v)], [b"m%d" % s])[0] for k, s, v in arg]
+    if op == "read":
+        out: list = []
+        for k in arg:
+            out += _read(store, [k])
+        return out
+    if op == "delete":
+        return sum(store.delete([k]) for k in arg)
+    if op in ("pin", "unpin"):
+        return sum(getattr(store, op)([k]) for k in arg)
+    n = 0
+    for k in arg:  # the leading run, key by key
+        if store.match([k]) != 1:
+            break
+        n += 1
+    return n
+
+
+def _read(store: BlockStore, keys: list[bytes]) -> list:
+    """Each key's bytes (read_into a buffer of its size), or None where absent."""
+    metas = [store.meta(k) for k in keys]
+    sizes = [int(m.decode()[1:]) if m else 1 for m in metas]
+    outs = [np.zeros(s, np.uint8) for s in sizes]
+    status = store.read_into(keys, np.array([o.ctypes.data for o in outs], np.uint64),
+                             np.array(sizes, np.uint64))
+    return [bytes(o) if s == 1 else None for o, s in zip(outs, status, strict=True)]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(OPS, min_size=1, max_size=25), st.sampled_from(["lru", "s3fifo"]))
+def test_the_batch_path_and_the_one_block_path_agree(tmp_path: Path, ops: list,
+                                                     eviction: str) -> None:
+    """The same random workload, once in batches and once a block a call, into two
+    stores of 128 KiB (evicting: 24 keys of up to 8 KiB do not fit): every result, the
+    bytes read and the counters agree."""
+    roots = [tmp_path / f"{eviction}-{len(ops)}-{i}-{id(ops)}" for i in range(2)]
+    stores = [BlockStore(r, capacity_bytes=128 * KiB, slab_bytes=32 * KiB, eviction=eviction)
+              for r in roots]
+    try:
+        for op, arg in ops:
+            got = _apply_batch(stores[0], op, arg), _apply_one(stores[1], op, arg)
+            assert got[0] == got[1], (op, arg)
+            assert [stores[0].contains(KEYS), stores[0].stats().pinned] == \
+                [stores[1].contains(KEYS), stores[1].stats().pinned]
+        a, b = stores[0].stats(), stores[1].stats()
+        assert (a.blocks, a.nbytes, a.evictions, a.bloom) == \
+            (b.blocks, b.nbytes, b.evictions, b.bloom)
+    finally:
+        for s in stores:
+            s.close()
+
+
+# -- a batch given as one tensor --------------------------------------------------------------
+@pytest.fixture
+def kv(sqlite_db: object) -> KVCache:
+    c = KVCache(sqlite_db, "batch", block_tokens=4, capacity_bytes=1 << 20,  # type: ignore
+                slab_bytes=256 * KiB)
+    yield c
+    c.destroy()
+
+
+def test_a_batch_tensor_round_trips_like_a_list(kv: KVCache) -> None:
+    keys = kv.keys(list(range(4 * 10)))
+    batch = torch.arange(10 * 2 * 4 * 8, dtype=torch.float32).view(10, 2, 4, 8)
+    assert kv.put(keys[:5], batch[:5]) == 5
+    assert kv.put(keys, list(batch.unbind(0))) == 5  # the first five were there already
+    out = torch.zeros_like(batch)
+    assert kv.get_into(keys, out) == 10 and torch.equal(out, batch)
+    got = kv.get_batch(keys)
+    assert got.dtype == torch.float32 and got.shape == (10, 2, 4, 8)
+    assert torch.equal(got, batch)
+    assert all(torch.equal(v, b) for v, b in zip(kv.get(keys), batch, strict=True))
+    strided = torch.zeros(2, 10, 2, 4, 8).transpose(0, 1)[:, 0]  # not contiguous
+    assert kv.get_into(keys, strided) == 10 and torch.equal(strided, batch)
+
+
+def test_bad_batches_are_typed_errors_and_change_nothing(kv: KVCache) -> None:
+    keys = kv.keys(list(range(4 * 4)))
+    before = kv.stats()
+    with pytest.raises(InvalidInput, match="first dimension"):
+        kv.put(keys, torch.zeros(3, 8))  # 3 blocks for 4 keys
+    with pytest.raises(InvalidInput, match="first dimension"):
+        kv.put(keys, torch.tensor(1.0))
+    with pytest.raises(InvalidInput, match="empty"):
+        kv.put(keys, torch.zeros(4, 0))
+    with pytest.raises(StoreFull, match="more than the arena"):
+        kv.put(keys, torch.zeros(4, 1 << 19))  # 2 MiB blocks, a 1 MiB arena
+    assert kv.stats().blocks == before.blocks == 0
+    kv.put(keys, torch.ones(4, 8))
+    with pytest.raises(InvalidInput, match="holds 32 bytes; its output buffer 64"):
+        kv.get_into(keys, torch.zeros(4, 16))
+    with pytest.raises(NotFound):
+        kv.get_batch(kv.keys(list(range(100, 104))))
+    with pytest.raises(NotFound):
+        kv.get_into(keys + kv.keys(list(range(100, 104))), torch.zeros(5, 8))
+    with pytest.raises(InvalidInput, match="no keys"):
+        kv.get_batch([])
+    assert kv.stats().blocks == 4 and kv.match(keys) == 4
+
+
+# -- invariants under the batch paths, across processes --------------------------------------
+def _batch_writer(home: str, keys: list[bytes], value: float, barrier: object,
+                  out: mp.queues.Queue) -> None:
+    db = open_store(Path(home))
+    kv = KVCache(db, "race", block_tokens=4, capacity_bytes=8 << 20, slab_bytes=1 << 20)
+    barrier.wait()  # type: ignore[attr-defined]
+    stored = 0
+    for lo in range(0, len(keys), 16):
+        stored += kv.put(keys[lo:lo + 16], torch.full((len(keys[lo:lo + 16]), 2048), value))
+    out.put(stored)
+    kv.close()
+    db.close()
+
+
+def test_first_writer_wins_between_batch_writers(sqlite_db: object, store_home: Path) -> None:
+    """Three processes put overlapping batches of the same keys at once: each key is stored
+    once, by one of them, whole (its block holds one writer's value throughout)."""
+    kv = KVCache(sqlite_db, "race", block_tokens=4, capacity_bytes=8 << 20,  # type: ignore
+                 slab_bytes=1 << 20)
+    try:
+        keys = [bytes([i % 256, i // 256]) * 8 for i in range(300)]
+        barrier = CTX.Barrier(3)
+        out = CTX.Queue()
+        procs = [CTX.Process(target=_batch_writer, args=(str(store_home), keys[s:], float(v),
+                                                        barrier, out))
+                 for v, s in ((1, 0), (2, 100), (3, 50))]
+        for p in procs:
+            p.start()
+        stored = [out.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        assert sum(stored) == len(keys) and kv.match(keys) == len(keys)
+        got = kv.get_batch(keys)
+        firsts = got[:, 0]
+        assert bool((got == firsts[:, None]).all())  # no block mixes two writers
+        assert set(firsts.tolist()) <= {1.0, 2.0, 3.0}
+    finally:
+        kv.destroy()
+
+
+def test_a_corrupt_block_is_never_served_by_a_batch_read(kv: KVCache) -> None:
+    keys = kv.keys(list(range(4 * 8)))
+    kv.put(keys, torch.arange(8 * 256, dtype=torch.float32).view(8, 256))
+    _, path, offset, nbytes = kv.store.locate(keys[3])  # type: ignore[misc]
+    flip_byte(path, offset + nbytes // 2)
+    out = torch.zeros(8, 256)
+    with pytest.raises(CorruptData) as info:
+        kv.get_into(keys, out)
+    assert keys[3].hex() in str(info.value)
+    assert kv.contains(keys) == [True] * 3 + [False] + [True] * 4  # dropped
+    with pytest.raises(NotFound):
+        kv.get_batch(keys)
+    assert kv.stats().corrupt == 1
+
+
+def test_pinned_and_leased_blocks_survive_batches_into_a_full_arena(sqlite_db: object) -> None:
+    kv = KVCache(sqlite_db, "full", block_tokens=4, capacity_bytes=256 * KiB,  # type: ignore
+                 slab_bytes=64 * KiB, spill=False)
+    try:
+        keys = kv.keys(list(range(4 * 32)))
+        kv.put(keys, torch.ones(32, 2048))  # 8 KiB each: the arena is full
+        assert kv.pin(keys[:4]) == 4
+        view = kv.get(keys[4:6])  # being read
+        every = list(keys)
+        for r in range(4):  # every block of these batches evicts another
+            more = kv.keys(list(range(1000 + r * 64, 1000 + (r + 1) * 64)))
+            assert kv.put(more, torch.full((16, 2048), float(r))) == 16
+            every += more
+        assert kv.contains(keys[:6]) == [True] * 6
+        assert float(view[0][0]) == 1.0
+        present = [k for k, c in zip(every, kv.contains(every), strict=True) if c]
+        assert len(present) == 32 and kv.pin(present) == 32  # now nothing can go
+        survivors = kv.stats()
+        with pytest.raises(StoreFull):  # at once, and nothing of the batch stored
+            kv.put(kv.keys(list(range(5000, 5000 + 16 * 4))), torch.zeros(16, 2048))
+        assert kv.stats().blocks == survivors.blocks
+    finally:
+        kv.destroy()
+
+
+def test_the_index_holds_long_keys_by_their_digest(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path / "long", capacity_bytes=1 << 20)
+    try:
+        long_keys = [b"x" * 64 + bytes([i]) for i in range(3)]
+        assert store.put(long_keys, [_block(100, i) for i in range(3)]) == [True] * 3
+        assert store.match(long_keys) == 3 and store.match([b"x" * 64]) == 0
+        (v,) = store.get(long_keys[1:2])
+        assert v is not None and bytes(v.data) == bytes(_block(100, 1))
+        with pytest.raises(ValueError, match="1 to 255 bytes"):
+            store.match([b"y" * 256])
+        with pytest.raises(ValueError, match="1 to 255 bytes"):
+            store.put([b""], [_block(1, 0)])
+    finally:
+        store.close()
+
+
+def test_corrupt_reads_through_views_and_batches_name_the_key(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path / "c", capacity_bytes=1 << 20)
+    try:
+        store.put([b"a", b"b"], [_block(5000, 1), _block(5000, 2)])
+        _, path, offset, _ = store.locate(b"b")  # type: ignore[misc]
+        flip_byte(path, offset + 10)
+        with pytest.raises(KVCorrupt) as info:
+            store.get([b"a", b"b"])
+        assert info.value.keys == [b"b"] and store.contains([b"a", b"b"]) == [True, False]
+    finally:
+        store.close()
