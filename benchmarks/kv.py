@@ -97,6 +97,9 @@ GOAL_GET_BPS = 800_000
 GOAL_FULL_X = 0.8
 GOAL_COLD_X = 1.25
 GOAL_LOOKUP_MS = 1.0
+#: keys per Mooncake batch call: its TCP transfers of thousands of small objects in one
+#: call fail (TRANSFER_FAIL) on this host; batches of this many succeed
+MOONCAKE_BATCH = 256
 
 
 def tokens_for(nbytes: int) -> int:
@@ -367,7 +370,8 @@ def measure_scale(tmp: str, nblocks: int) -> dict[str, float]:
     """A store of ``nblocks`` blocks of 1-8 KiB (random sizes, 1,024 a batch)."""
     rng = random.Random(7)
     sizes = [rng.choice((1, 2, 4, 8)) * KiB for _ in range(nblocks)]
-    cap = int(sum(_size_class(s) for s in sizes) * 1.05) + 64 * MiB
+    # room for every block, and a partly filled slab (64 MiB) of each of the 4 classes
+    cap = sum(_size_class(s) for s in sizes) + 5 * 64 * MiB
     home = os.path.join(tmp, "scale")
     db = tensordb.connect(home=home, data_dir=os.path.join(home, "data"))
     kv = db.kv("scale", block_tokens=16, capacity_bytes=cap, spill=False)
@@ -380,6 +384,7 @@ def measure_scale(tmp: str, nblocks: int) -> dict[str, float]:
             kv.put(keys[lo:lo + 1024], [pool[s] for s in part])
         fill = time.perf_counter() - t0
         st = kv.stats()
+        assert st.evictions == 0 and st.blocks == nblocks, "the scale run's arena overflowed"
         sample = rng.sample(range(nblocks), 1000)
         probe = [keys[i] for i in sample]
         run = keys[nblocks // 2: nblocks // 2 + 1000]
@@ -677,10 +682,16 @@ def measure_mooncake(mc: _Mooncake, blocks: list[torch.Tensor], reps: int, tag: 
         for rep in range(reps + 1):  # the first opens the TCP connections: not counted
             keys = [f"bench:{tag}:{rep}:{i}" for i in range(len(blocks))]
             t0 = time.perf_counter()
-            rc = mc.store.batch_put_from(keys, src, sizes)
+            rc = [c for lo in range(0, len(keys), MOONCAKE_BATCH) for c in
+                  mc.store.batch_put_from(keys[lo:lo + MOONCAKE_BATCH],
+                                          src[lo:lo + MOONCAKE_BATCH],
+                                          sizes[lo:lo + MOONCAKE_BATCH])]
             put = time.perf_counter() - t0
             t0 = time.perf_counter()
-            got = mc.store.batch_get_into(keys, dst, sizes)
+            got = [c for lo in range(0, len(keys), MOONCAKE_BATCH) for c in
+                   mc.store.batch_get_into(keys[lo:lo + MOONCAKE_BATCH],
+                                           dst[lo:lo + MOONCAKE_BATCH],
+                                           sizes[lo:lo + MOONCAKE_BATCH])]
             get = time.perf_counter() - t0
             mc.store.batch_remove(keys, True)
             if set(rc) != {0} or set(got) != {nbytes}:

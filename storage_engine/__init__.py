@@ -27,7 +27,7 @@ from ._io import (
     pack,
 )
 from ._kv import BlockStore, chain_keys
-from ._kv_eviction import Eviction, LRUEviction, S3FIFOEviction
+from ._kv_eviction import Eviction, LRUEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import (
     BlockView,
@@ -67,7 +67,6 @@ __all__ = [
     "Marks",
     "Pooling",
     "Prefaulting",
-    "S3FIFOEviction",
     "STREAMING",
     "SegmentMissing",
     "SegmentView",

@@ -449,6 +449,15 @@ class BlockStore:
             found = self._ix.lease(keys)
             self._forget_left()
             bad: list[bytes] = [k for k, f in zip(keys, found, strict=True) if f == -1]
+            if -2 in found:  # a spilled block, and no room to map it back
+                self._release_now([f for f in found if isinstance(f, tuple)])
+                n = found.count(-2)
+                raise KVStoreFull(
+                    f"{n} of the {len(keys)} blocks asked for are spilled to disk and the "
+                    f"arena under {self.root} ({self.capacity} bytes) has no room to map "
+                    f"them back: everything in it is pinned or being read (read blocks "
+                    f"into buffers of your own with get_into, which needs no room)",
+                    capacity=self.capacity)
             arrs: list[np.ndarray | None] = []
             try:
                 for f in found:

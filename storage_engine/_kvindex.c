@@ -676,13 +676,33 @@ static int drop_empty_slab(Idx *s, uint64_t keep) {
 /* ---------------------------------------------------------------------------------- */
 /* spill files */
 
-static void spill_path(Idx *s, rec_t *r, char *out, size_t n) {
+static void spill_file(Idx *s, const uint8_t *key, size_t klen, uint64_t seq, char *out,
+                       size_t n) {
     char hex[2 * KEYMAX + 1];
-    for (int i = 0; i < r->klen; i++)
-        snprintf(hex + 2 * i, 3, "%02x", r->key[i]);
-    hex[2 * r->klen] = 0;
-    uint64_t seq = ((uint64_t)r->slab << 32) | r->chunk;
+    for (size_t i = 0; i < klen; i++)
+        snprintf(hex + 2 * i, 3, "%02x", key[i]);
+    hex[2 * klen] = 0;
     snprintf(out, n, "%s/%s-%llx.blk", s->disk_root, hex, (unsigned long long)seq);
+}
+
+static void spill_path(Idx *s, rec_t *r, char *out, size_t n) {
+    spill_file(s, r->key, r->klen, ((uint64_t)r->slab << 32) | r->chunk, out, n);
+}
+
+/* read a spilled block's file into dst: 0, or -1 (missing or short) */
+static int read_spill(const char *path, char *dst, uint64_t nbytes) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t got = 0;
+    while (got < nbytes) {
+        ssize_t m = pread(fd, dst + got, nbytes - got, (off_t)got);
+        if (m <= 0)
+            break;
+        got += (size_t)m;
+    }
+    close(fd);
+    return got == nbytes ? 0 : -1;
 }
 
 static void note_left(Idx *s, rec_t *r) {
@@ -1782,8 +1802,8 @@ static PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
     return out;
 }
 
-/* a spilled block back into the arena (under the lock): 1 now HOST, 0 no room (it stays
- * on disk: a miss), -1 corrupt or missing (dropped) */
+/* a spilled block back into the arena (under the lock): 1 now HOST, 0 no spill here,
+ * -2 no room in the arena (it stays on disk), -1 corrupt or missing (dropped) */
 static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, i);
@@ -1795,7 +1815,7 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     q_remove(s, i);
     if (allocate(s, size_class(r->nbytes), &slot, &chunk, reclaimed, NULL) != E_OK) {
         q_push(s, Q_DISK, i);
-        return 0;
+        return -2;
     }
     r = R(s, i);
     char path[4096];
@@ -1804,18 +1824,8 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     int ok = 0;
     if (base != NULL) {
         char *dst = base + (size_t)chunk * h->slabs[slot].csize;
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            size_t got = 0;
-            while (got < r->nbytes) {
-                ssize_t m = pread(fd, dst + got, r->nbytes - got, (off_t)got);
-                if (m <= 0)
-                    break;
-                got += (size_t)m;
-            }
-            close(fd);
-            ok = got == r->nbytes && hash_only(state, dst, r->nbytes) == r->csum;
-        }
+        ok = read_spill(path, dst, r->nbytes) == 0 &&
+             hash_only(state, dst, r->nbytes) == r->csum;
     }
     if (!ok) {
         release_chunk(s, slot, chunk);
@@ -1887,17 +1897,24 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             if (f < 0)
                 continue;
             rec_t *r = R(s, (uint32_t)f);
-            if (r->state == S_DISK) {
+            if (r->state == S_DISK && s->disk_root != NULL) {
+                /* straight from its file into the caller's buffer: a read never evicts
+                 * (a batch larger than the arena reads whole) */
                 if (r->nbytes != sizes[i]) {
                     bad_size = i;
                     break;
                 }
-                int p = promote(s, (uint32_t)f, state, &reclaimed);
-                if (p < 0)
-                    st[i] = RD_CORRUPT;
-                if (p <= 0)
-                    continue;
-                r = R(s, (uint32_t)f);
+                res[nres].idx = (uint32_t)f;
+                res[nres].gen = r->gen;
+                res[nres].slab = r->slab;
+                res[nres].chunk = r->chunk;
+                res[nres].i = i;
+                res[nres].untouched = 2; /* on disk */
+                want[nres] = r->csum;
+                nres++;
+                hits++;
+                st[i] = RD_COPY;
+                continue;
             }
             if (r->state != S_HOST)
                 continue;
@@ -1912,6 +1929,7 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             res[nres].slab = r->slab;
             res[nres].chunk = r->chunk;
             res[nres].i = i;
+            res[nres].untouched = 0;
             want[nres] = r->csum;
             if (slab_check(s, r->slab) < 0) {
                 ioerr = 1;
@@ -1933,9 +1951,20 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
         }
         unlock(s);
         for (Py_ssize_t j = 0; j < nres; j++) {
+            Py_ssize_t i = res[j].i;
+            if (res[j].untouched == 2) {
+                char path[4096];
+                char *dst = (char *)(uintptr_t)addrs[i];
+                spill_file(s, ks.keys[i] + 1, ks.keys[i][0],
+                           ((uint64_t)res[j].slab << 32) | res[j].chunk, path, sizeof path);
+                if (read_spill(path, dst, sizes[i]) < 0)
+                    sums[j] = ~want[j]; /* missing or short: corrupt, if it did not move */
+                else
+                    sums[j] = verify ? hash_only(state, dst, sizes[i]) : want[j];
+                continue;
+            }
             char *src = s->maps[res[j].slab].base +
                         (size_t)res[j].chunk * h->slabs[res[j].slab].csize;
-            Py_ssize_t i = res[j].i;
             if (verify)
                 sums[j] = copy_hash_cached(state, (char *)(uintptr_t)addrs[i], src, sizes[i]);
             else
@@ -1951,12 +1980,16 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
         for (Py_ssize_t j = 0; j < nres; j++) {
             rec_t *r = R(s, res[j].idx);
             Py_ssize_t i = res[j].i;
-            if (r->state != S_HOST || r->gen != res[j].gen) {
+            int on_disk = res[j].untouched == 2;
+            if (r->state != (on_disk ? S_DISK : S_HOST) || r->gen != res[j].gen) {
                 again = 1; /* it moved while we copied: read it again */
                 continue;
             }
-            if (verify && sums[j] != want[j]) {
-                remove_host(s, res[j].idx);
+            if ((verify || on_disk) && sums[j] != want[j]) {
+                if (on_disk)
+                    drop_disk(s, res[j].idx, 1);
+                else
+                    remove_host(s, res[j].idx);
                 h->count[C_CORRUPT]++;
                 st[i] = RD_CORRUPT;
                 continue;
@@ -1989,7 +2022,8 @@ out:
     return result;
 }
 
-/* lease(keys) -> list of None (absent), -1 (corrupt: dropped) or
+/* lease(keys) -> list of None (absent), -1 (corrupt: dropped), -2 (spilled, and the arena
+ * has no room to bring it back: every block in it is pinned or being read) or
  * (idx, gen, slab, slab_gen, offset, nbytes, csum, meta): a read lease on each present
  * block (this process's bit in its record) for a zero-copy view, given back by release */
 typedef struct {
@@ -2031,7 +2065,7 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
             if (rr->state == S_DISK) {
                 int p = promote(s, (uint32_t)f, state, &reclaimed);
                 if (p < 0)
-                    ls[i].status = -1;
+                    ls[i].status = p == -2 ? -2 : -1;
                 if (p <= 0)
                     continue;
                 rr = R(s, (uint32_t)f);
@@ -2097,7 +2131,7 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
             Py_INCREF(Py_None);
             item = Py_None;
         } else if (l->status < 0) {
-            item = PyLong_FromLong(-1);
+            item = PyLong_FromLong(l->status);
         } else {
             item = Py_BuildValue("(IIIIKKKy#)", l->idx, l->gen, l->slab, l->slab_gen,
                                  (unsigned long long)l->offset,

@@ -20,7 +20,7 @@ from conftest import flip_byte, open_store
 from sqlalchemy import select
 
 import tensordb
-from storage_engine import BlockStore, Eviction, KVStoreFull, LRUEviction, S3FIFOEviction
+from storage_engine import BlockStore, Eviction, KVStoreFull, LRUEviction
 from storage_engine._kv_types import size_class
 from tensordb import KVCache
 from tensordb.catalog.schema import kv_namespaces
@@ -479,8 +479,21 @@ class TestLRUEviction(EvictionContract):
     eviction_cls = LRUEviction
 
 
-class TestS3FIFOEviction(EvictionContract):
-    eviction_cls = S3FIFOEviction
+def test_s3fifo_sends_a_key_seen_again_to_its_main_queue(make_store: object) -> None:
+    """A key evicted from S3-FIFO's small queue is remembered (its ghost): put again, it
+    goes to the main queue and outlives the one-hit wonders put after it."""
+    store: BlockStore = make_store(capacity_bytes=16 * KiB,  # type: ignore[operator]
+                                   slab_bytes=16 * KiB, eviction="s3fifo")
+    buf = np.zeros(4 * KiB, np.uint8)
+    a, *rest = (bytes([x]) * 16 for x in b"ABCDEFGHIJ")
+    store.put([a, *rest[:3]], [buf] * 4)
+    store.put(rest[3:4], [buf])  # the arena holds four: A, the oldest in small, goes
+    assert store.contains([a]) == [False]
+    store.put([a], [buf])  # a ghost hit: into main
+    for k in rest[4:]:
+        store.put([k], [buf])  # each evicts from the small queue, never A
+    assert store.contains([a]) == [True]
+    assert store.contains(rest[:3]) == [False] * 3
 
 
 def test_spill_to_disk_and_read_back(kv: KVCache) -> None:

@@ -268,3 +268,57 @@ def test_corrupt_reads_through_views_and_batches_name_the_key(tmp_path: Path) ->
         assert info.value.keys == [b"b"] and store.contains([b"a", b"b"]) == [True, False]
     finally:
         store.close()
+
+
+# -- cold memory --------------------------------------------------------------------------
+def test_a_new_namespace_takes_the_pages_a_destroyed_one_gave_back(sqlite_db: object) -> None:
+    """A namespace destroyed while nobody reads it gives its slabs to the store's pool; a
+    new namespace's slabs are those files (their pages exist: no page faults), and a
+    namespace destroyed while a view is held keeps its pages from the pool."""
+    import os
+
+    db = sqlite_db
+    pool = Path(db.config.shm_dir) / "pool"  # type: ignore[attr-defined]
+    a = db.kv("cold-a", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    a.put(a.keys(list(range(4 * 64))), torch.ones(64, 4096))  # 1 MiB: one slab
+    inodes = {p.stat().st_ino for p in a.store.slab_files()}
+    a.destroy()
+    pooled = {p.stat().st_ino: p.stat().st_blocks * 512 for p in pool.iterdir()
+              if not p.name.startswith(".")}
+    assert inodes and inodes <= set(pooled) and all(pooled[i] >= 1 << 20 for i in inodes)
+    b = db.kv("cold-b", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    b.put(b.keys(list(range(4 * 8))), torch.full((8, 4096), 2.0))
+    taken = {p.stat().st_ino for p in b.store.slab_files()}
+    assert taken & inodes  # the new slab is a pooled file
+    assert not any(p.stat().st_ino in taken for p in pool.iterdir())
+    assert os.stat(b.store.slab_files()[0]).st_mode & 0o777 == 0o600
+    assert torch.equal(b.get_batch(b.keys(list(range(4 * 8)))), torch.full((8, 4096), 2.0))
+    view = b.get(b.keys(list(range(4))))
+    b.destroy()  # a view is held: the pages must not be handed to another writer
+    assert not any(p.stat().st_ino in taken for p in pool.iterdir())
+    assert float(view[0][0]) == 2.0
+
+
+def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
+                                                                     ) -> None:
+    """get_into reads spilled blocks straight from their files (a read never evicts), so
+    a batch larger than the arena reads whole; zero-copy views of it cannot all be
+    mapped at once: StoreFull, saying to read into buffers instead."""
+    kv = KVCache(sqlite_db, "big-read", block_tokens=4,  # type: ignore[arg-type]
+                 capacity_bytes=64 * KiB, slab_bytes=64 * KiB)
+    try:
+        keys = kv.keys(list(range(4 * 8)))
+        for i in range(8):  # 16 KiB each: four in the arena, four spilled
+            kv.put(keys[i:i + 1], torch.full((1, 4096), float(i)))
+        assert kv.stats().disk_blocks == 4
+        out = torch.zeros(8, 4096)
+        assert kv.get_into(keys, out) == 8
+        assert out[:, 0].tolist() == [float(i) for i in range(8)]
+        assert kv.stats().disk_blocks == 4 and kv.stats().evictions == 4  # nothing moved
+        with pytest.raises(StoreFull, match="get_into"):
+            kv.get(keys)
+        assert torch.equal(kv.get_batch(keys[4:]), out[4:])
+    finally:
+        kv.destroy()

@@ -33,11 +33,12 @@ from storage_engine import (
     KVCorrupt,
     KVIndexDamaged,
     KVStats,
+    KVStoreFull,
     bloom_may_hold,
 )
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
-from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
+from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, StoreFull
 
 from ._inputs import check_name
 
@@ -231,13 +232,16 @@ class KVNamespace:
 
 @contextmanager
 def typed_errors(namespace: str, node: str) -> Iterator[None]:
-    """The block store's errors as the client's: a corrupt block is CorruptData, a bad
-    buffer InvalidInput, a failed GPU tier NodeUnavailable."""
+    """The block store's errors as the client's: a corrupt block is CorruptData, no room
+    StoreFull, a bad buffer InvalidInput, a failed GPU tier NodeUnavailable."""
     try:
         yield
     except KVCorrupt as exc:
         raise CorruptData(f"KV namespace {namespace!r}: {exc}",
                           collection=namespace, node=node) from exc
+    except KVStoreFull as exc:
+        raise StoreFull(f"KV namespace {namespace!r}: {exc}", collection=namespace,
+                        node=node) from exc
     except ValueError as exc:
         raise InvalidInput(str(exc), collection=namespace) from exc
     except GpuError as exc:  # as a snapshot's GPU reads report it
