@@ -11,6 +11,7 @@ first failure. Run by hand, not in CI: a full run takes about an hour on 2 cores
 
     python tools/mutate.py                      # every target
     python tools/mutate.py --module tensordb/catalog/_groups.py --limit 20
+    python tools/mutate.py --sample 20          # 20 mutants a module, evenly spread
     python tools/mutate.py --list               # the mutants, without running them
 
 Writes ``.mutate/report.json`` (every mutant: module, line, change, outcome) and prints
@@ -208,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--module", action="append", help="only these modules (repeatable)")
     ap.add_argument("--limit", type=int, default=0, help="at most this many mutants each")
+    ap.add_argument("--sample", type=int, default=0,
+                    help="at most this many mutants each, spread evenly over the module "
+                         "(a score to estimate in less time; --limit takes the first)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
     ap.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     args = ap.parse_args(argv)
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     todo: list[Mutant] = []
     for module, (functions, _) in chosen.items():
         found = mutants(module, functions)
+        if args.sample and len(found) > args.sample:
+            found = [found[i * len(found) // args.sample] for i in range(args.sample)]
         todo.extend(found[: args.limit] if args.limit else found)
     if args.list:
         for m in todo:
