@@ -312,6 +312,12 @@ def test_the_catalog_refuses_a_delete_of_a_name_its_head_lacks(db: tensordb.Data
     assert db.history("cn")[0].version == head
     with db.snapshot("cn") as s:
         assert sorted(s) == ["a"]  # the delete of "a" rolled back with it
+    # a delete as a new collection's first version: NotFound, and no collection
+    with pytest.raises(NotFound) as info:
+        db.catalog.commit("fresh", 0, [], unchanged=[], deletes=["x"], segment=None,
+                          message=None)
+    assert (info.value.collection, info.value.tensor) == ("fresh", "x")
+    assert "fresh" not in db.collections()
 
 
 def test_concurrent_threads_disjoint(db: tensordb.Database) -> None:
