@@ -49,7 +49,7 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("tests/test_shards.py",)),
     # checksums and verification
     "tensordb/client/_read.py": (
-        ("check_bytes", "refuse", "checked_bytes", "_check_extent", "read_into"),
+        ("refuse", "checked_bytes", "_check_extent", "read_into"),
         ("tests/test_client.py", "tests/test_shards.py", "tests/test_integrity.py", "-k",
          "(corrupt or verify or flip or read_into or slice or marked) and not postgres")),
     "transport/_pull.py": (
