@@ -535,6 +535,28 @@ def test_a_pinned_block_on_disk_survives_a_trim_past_disk_capacity(
         kv.destroy()
 
 
+def test_the_disk_stays_within_its_capacity_over_many_spills(
+        sqlite_db: tensordb.Database) -> None:
+    # An arena of 4 blocks of 16 KiB and a disk of 2: 40 puts spill 36 blocks, and each
+    # spill past the disk's capacity drops the oldest spill (sequence numbers past 15
+    # included: the trim matches each queued spill to its file by its number).
+    kv = sqlite_db.kv("many", block_tokens=4, capacity_bytes=64 * KiB, slab_bytes=64 * KiB,
+                      eviction="lru", disk_capacity=32 * KiB)
+    try:
+        keys = kv.keys(list(range(4 * 40)))
+        for i in range(40):
+            kv.put(keys[i : i + 1], [_block(float(i), 16 * KiB)])
+            s = kv.stats()
+            assert s.disk_bytes <= 32 * KiB and s.disk_blocks <= 2, i
+        s = kv.stats()
+        assert (s.host_blocks, s.disk_blocks, s.disk_bytes) == (4, 2, 32 * KiB)
+        assert s.spills == 36
+        assert kv.contains(keys[:40]) == [False] * 34 + [True] * 6
+        assert [float(t[0]) for t in kv.get(keys[36:40])] == [36.0, 37.0, 38.0, 39.0]
+    finally:
+        kv.destroy()
+
+
 # -- corruption ----------------------------------------------------------------------
 @pytest.mark.parametrize("reader", ["get", "get_into", "disk"])
 def test_corrupt_block_is_detected_and_never_served(kv: KVCache, reader: str) -> None:
