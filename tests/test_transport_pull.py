@@ -301,7 +301,10 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput):
         transport.require_token_for("0.0.0.0", None)
     transport.require_token_for("127.0.0.1", None)
+    transport.require_token_for("localhost", None)  # a name that resolves to loopback only
     transport.require_token_for("0.0.0.0", "t")  # its strength is checked at start
+    assert [transport.is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0",
+                                               "10.1.2.3")] == [True, True, True, False, False]
     db = open_store(tmp_path / "s")
     try:
         with pytest.raises(InvalidInput):

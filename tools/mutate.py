@@ -62,8 +62,10 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "storage_engine/_kv_spill.py": (
         ("spill", "_trim"), ("tests/test_kv.py", "-k", "spill or disk or pin")),
     # auth
-    "transport/_auth.py": ((), ("tests/test_transport.py", "tests/test_hardening.py", "-k",
-                                "(token or auth or unauthorized) and not postgres")),
+    "transport/_auth.py": ((), ("tests/test_transport.py", "tests/test_hardening.py",
+                                "tests/test_transport_pull.py", "-k",
+                                "(token or auth or unauthorized or bad_settings) "
+                                "and not postgres")),
     # safetensors validation (the header, its entries, their extents)
     "tensordb/client/_safetensors_format.py": (
         ("_read_raw_header", "_parse_entry", "_parse_header", "_check_extents",
