@@ -279,6 +279,9 @@ def test_split_ranges_cut_at_extent_starts() -> None:
     assert [(lo, hi) for lo, hi, _ in parts] == [(0, 300), (300, 500), (500, 800), (800, 1000)]
     assert sum(len(e) for _, _, e in parts) == 10
     assert [(lo, hi) for lo, hi, _ in split_ranges([(0, 1000, "x")], 1000, 4)] == [(0, 1000)]
+    # any extent start past 0 may be a cut, the smallest too
+    assert split_ranges([(0, 1, "a"), (1, 1, "b")], 2, 2) == [(0, 1, [(0, 1, "a")]),
+                                                             (1, 2, [(1, 1, "b")])]
 
 
 def test_extent_hasher_checks_in_order() -> None:
