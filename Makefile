@@ -33,8 +33,9 @@ lint: $(LINT_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-# mutation testing of the modules that keep the promises (by hand, not in CI: about an
-# hour on 2 cores; tools/mutate.py --help for one module or a few mutants)
+# mutation testing of the modules that keep the promises (by hand, not in CI: every
+# mutant takes hours on 2 cores; ARGS="--sample 10" about half an hour; tools/mutate.py
+# --help for one module or a few mutants)
 mutate: $(STAMP)
 	$(BIN)/python tools/mutate.py $(ARGS)
 

@@ -5,7 +5,9 @@ What it measures, all in one run on one host (timestamps are ``time.time()`` of 
 processes, compared across a pipe):
 
 * ``memcpy``: numpy ``copyto`` of the model's byte count into a pre-touched
-  destination, 1 thread, best of ``--reps``: the physical limit of moving the bytes once;
+  destination, 1 thread and 2 threads, best of ``--reps``: the physical limit of moving
+  the bytes once (the commit and the copy mode's apply copy on the store's 2 I/O
+  threads, so their bound is the 2-thread figure);
   beside it, what writing into the store's shared memory allows (``_common.
   measure_shm_write``: from torch tensors into a pre-faulted shared-memory file on two
   threads, a plain copy and the store's copy + checksum, the bound of a commit);
@@ -24,12 +26,14 @@ processes, compared across a pipe):
 The publisher is a trainer that commits every step: the collection keeps 2 versions
 (``db.set_retention``) and the publisher runs ``db.gc()`` between steps, which hands the
 files of dropped versions to the store's pool; later commits reuse them, so in the steady
-state no page is faulted in. The first versions (``--cold``, default 3) are printed
-apart: they pay the page faults of fresh memory.
+state no page is faulted in. The first versions (``--cold``, default 3) of each path,
+the disk round trip's included, are printed apart: they pay the page faults of fresh
+memory (the disk's, of fresh page-cache pages); every path is judged on the same
+number of steady versions.
 
 Each subscriber checks, after every apply, that every tensor holds the version's value
 (first and last element). Goals printed beside, on the steady versions: copy mode <= 2 x
-memcpy; >= 10 x faster than the disk round trip; swap mode <= 10 ms (commit visible to
+memcpy on 2 threads; >= 10 x faster than the disk round trip; swap mode <= 10 ms (commit visible to
 applied: the publisher's own copy into the store is a memcpy of the model in any mode).
 Without the disk round trip (``--skip-disk``) its two goals print "not measured" and
 fail (``_verdict``); the script exits 1 unless every goal is met.
@@ -161,8 +165,8 @@ def disk_subscriber(spec: Spec, conn: mp.connection.Connection) -> None:
 
 
 # -- publisher ------------------------------------------------------------------------------
-def measure_memcpy(nbytes: int, reps: int) -> float:
-    return _common.measure_memcpy(nbytes, reps + 1)["memcpy_1t_s"]
+def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:
+    return _common.measure_memcpy(nbytes, reps + 1)
 
 
 def run_store_mode(ctx: Any, db: tensordb.Database, home: str, spec: Spec,
@@ -208,7 +212,7 @@ def run_store_mode(ctx: Any, db: tensordb.Database, home: str, spec: Spec,
 
 
 def run_disk(ctx: Any, spec: Spec, sd: dict[str, torch.Tensor], reps: int,
-             disk_dir: str) -> dict[str, Any]:
+             disk_dir: str, cold: int) -> dict[str, Any]:
     try:
         from safetensors.torch import save_file
         how = "safetensors save_file -> load_file + load_state_dict"
@@ -248,7 +252,10 @@ def run_disk(ctx: Any, spec: Spec, sd: dict[str, torch.Tensor], reps: int,
             proc.join(10)
         if old is not None and os.path.exists(old):
             os.unlink(old)
-    out = summarise(runs)
+    out = summarise(runs[cold:] or runs)  # its steady versions, as the store's are
+    out["cold_runs"] = runs[:cold]
+    out["runs"] = runs
+    out["values_ok"] = all(r["values_ok"] for r in runs)
     out["how"] = how
     return out
 
@@ -271,7 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"tensors": len(sd), "bytes": nbytes,
                            "dtypes": sorted({d for _, d, _ in spec}),
                            "loadavg_before": os.getloadavg()[0]}
-    res["memcpy_s"] = measure_memcpy(nbytes, args.reps)
+    mc = measure_memcpy(nbytes, args.reps)
+    res["memcpy_s"], res["memcpy_2t_s"] = mc["memcpy_1t_s"], mc["memcpy_2t_s"]
     res["shm_write"] = _common.measure_shm_write(nbytes, args.reps + 1)
     ctx = mp.get_context("spawn")
     home = tempfile.mkdtemp(prefix="tensordb-bench-sync-", dir=args.tmp_dir)
@@ -289,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["pool"] = db.tier("host").pool_counters()  # type: ignore[attr-defined]
         db.gc()
         if not args.skip_disk:
-            res["disk"] = run_disk(ctx, spec, sd, args.reps, disk_dir)
+            res["disk"] = run_disk(ctx, spec, sd, args.reps, disk_dir, cold)
             res["disk_dir"] = disk_dir
     finally:
         db.close()
@@ -300,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mc = res["memcpy_s"]
     res["copy"]["x_memcpy"] = res["copy"]["end_to_end_median_s"] / mc
     res["swap"]["x_memcpy"] = res["swap"]["end_to_end_median_s"] / mc
+    # the commit and the copy apply both copy on the I/O threads (2): their bound
+    res["copy"]["x_memcpy_2t"] = res["copy"]["end_to_end_median_s"] / res["memcpy_2t_s"]
     if "disk" in res:
         for mode in ("copy", "swap"):
             res[mode]["x_faster_than_disk"] = (res["disk"]["end_to_end_median_s"]
@@ -312,11 +322,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def goals(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each goal's verdict (``_verdict`` JSON) by key; without the disk round trip its
     goals are not measured."""
-    x = res["copy"]["x_memcpy"]
+    x = res["copy"]["x_memcpy_2t"]
     swap_ms = res["swap"]["visible_to_applied_median_s"] * 1e3
     out: dict[str, Verdict] = {
         "copy_x_memcpy": _verdict.at_most(
-            f"copy mode end to end <= {GOAL_COPY_X_MEMCPY:g} x memcpy", x,
+            f"copy mode end to end <= {GOAL_COPY_X_MEMCPY:g} x memcpy 2 threads", x,
             GOAL_COPY_X_MEMCPY, f"{x:.2f} x"),
         "swap_visible_to_applied": _verdict.at_most(
             f"swap mode visible -> applied <= {GOAL_SWAP_MS:g} ms", swap_ms, GOAL_SWAP_MS,
@@ -354,6 +364,9 @@ def print_report(res: dict[str, Any]) -> None:
         t.add_column(col, justify="left" if col in ("path", "goal") else "right")
     t.add_row("memcpy of the model's bytes, 1 thread", f"{mc * 1e3:.1f} ms", "", "", "",
               "1.00", "", f"{res['bytes'] / mc / GB:.2f} GB/s")
+    mc2 = res["memcpy_2t_s"]
+    t.add_row("memcpy, 2 threads (the copy mode's bound)", f"{mc2 * 1e3:.1f} ms", "", "", "",
+              f"{mc2 / mc:.2f}", "", f"{res['bytes'] / mc2 / GB:.2f} GB/s")
     w = res.get("shm_write")
     if w:
         for key, label in (("shm_copy_2t_s", "copy into shared memory, 2 threads"),
@@ -370,7 +383,8 @@ def print_report(res: dict[str, Any]) -> None:
         r = res[key]
         disk_x = f"{r['x_faster_than_disk']:.1f}" if "x_faster_than_disk" in r else ""
         if key == "copy":
-            goal = f"<= {GOAL_COPY_X_MEMCPY} x memcpy {g['copy_x_memcpy'].mark()}"
+            goal = (f"<= {GOAL_COPY_X_MEMCPY} x memcpy 2t ({r['x_memcpy_2t']:.2f} x) "
+                    f"{g['copy_x_memcpy'].mark()}")
         else:
             goal = (f"visible->applied <= {GOAL_SWAP_MS:g} ms "
                     f"{g['swap_visible_to_applied'].mark()}")
@@ -393,9 +407,11 @@ def print_report(res: dict[str, Any]) -> None:
                   f"{r['runs'][0]['bytes_copied']:,}; tensors changed {r['runs'][0]['changed']}")
     con.print(f"every applied module held exactly its version's values: {g['values_ok'].met}")
     con.print(f"cold: the first commit into the fresh store {ms(res['first_commit_s'])}; "
-              "the first versions of each mode (end to end / commit), before the pool "
-              "holds freed files:")
-    for key in ("copy", "swap"):
+              "the first versions of each path (end to end / commit or save), before the "
+              "pool holds freed files (and the disk's page cache the files' pages), apart:")
+    for key in ("copy", "swap", "disk"):
+        if key not in res:
+            continue
         con.print(f"  {key}: " + ", ".join(
             f"v{r['version']} {ms(r['end_to_end_s'])} / {ms(r['commit_s'])}"
             for r in res[key]["cold_runs"]))

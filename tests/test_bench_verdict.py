@@ -1,10 +1,13 @@
 """The benchmarks' shared goal verdict (benchmarks/_verdict.py): three states, a goal
-whose figure or peer did not run fails with its reason, and kv.py judges every peer at
-every size (a missing peer is listed, not dropped)."""
+whose figure or peer did not run fails with its reason, and the scripts judge like with
+like: kv.py every peer at every size, weights.py every peer asked for (a missing peer
+is listed, not dropped), weight_sync.py against the 2-thread memcpy, query.py every
+backend."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -117,4 +120,99 @@ def test_checkpoint_judges_first_and_steady_saves(monkeypatch: pytest.MonkeyPatc
     vs = ckpt.goals(res)
     assert vs[0].state == NOT_MEASURED and "fs_shm" in vs[0].detail
     assert vs[-1].goal == "every value read back is the one saved" and vs[-1].state == MISSED
+    assert _verdict.exit_code(vs) == 1
+
+
+def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
+    """A benchmark script imported as it runs (its folder first on the path)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+def _weights_size(child: dict[str, object] | None = None) -> dict[str, object]:
+    """One size of weights.py's results: steady 10 ms against memcpy 2t 9 ms (0.9 x),
+    cold 300 ms against safetensors' cold 250 ms; safetensors 20 ms best (2 x), its
+    pread backend 12 ms (1.2 x), tensorizer asked for but not installed."""
+    def peer(best: float, first: float) -> dict[str, float]:
+        return {"best_s": best, "median_s": best, "first_s": first}
+
+    return {"bytes": 1 << 30, "memcpy_2t_s": 0.009,
+            "tensordb": {"cold": {"median_s": 0.300}, "steady": {"best_s": 0.010}},
+            "peers": {"safetensors": peer(0.020, 0.250),
+                      "safetensors-pread": peer(0.012, 0.200)},
+            "peers_asked": ["safetensors", "safetensors-pread", "tensorizer"],
+            "skipped": {"tensorizer": "No module named 'tensorizer'"},
+            "child": child or {"materialize_ms_median": 4.0, "all_zero_copy": True,
+                               "values_ok": True}}
+
+
+def test_weights_judges_every_peer_asked_and_the_plain_child(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer asked for that did not run is listed as not measured and fails (it used to
+    vanish, the best of the rest standing in for "the best peer"); the cold goal is
+    judged on medians of fresh processes; the 5 ms goal needs zero-copy and the values."""
+    weights = _script(monkeypatch, "weights")
+    got = [(row, v.goal.split(" (")[0].split(",")[0], v.state)
+           for row, v in weights.goals(_weights_size())]
+    assert got == [
+        ("cold", "cold", MISSED),                                     # 300 > 250 ms
+        ("steady", ">= 0.8 x memcpy 2 threads", MET),                 # 0.9 x
+        ("steady", ">= 1.5 x safetensors load_file + clone", MET),    # 2 x
+        ("steady", ">= 1.5 x safetensors load_file", MISSED),         # pread: 1.2 x
+        ("steady", ">= 1.5 x tensorizer TensorDeserializer", NOT_MEASURED),
+        ("child", "<= 5 ms", MET)]
+    absent = weights.goals(_weights_size())[4][1]
+    assert "No module named 'tensorizer'" in absent.detail
+    # fast but not zero-copy, or with wrong values: missed
+    for broken in ({"all_zero_copy": False}, {"values_ok": False}):
+        child = {"materialize_ms_median": 1.0, "all_zero_copy": True, "values_ok": True,
+                 **broken}
+        (_, v), = [g for g in weights.goals(_weights_size(child)) if g[0] == "child"]
+        assert v.state == MISSED, broken
+    # without safetensors the cold goal is not measured, not dropped
+    s = _weights_size()
+    del s["peers"]["safetensors"]  # type: ignore[attr-defined]
+    cold = weights.goals(s)[0][1]
+    assert cold.state == NOT_MEASURED and cold.detail == "the peer was not run"
+
+
+def test_weight_sync_copy_mode_against_two_threads_and_disk_alike(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy mode is judged against the 2-thread memcpy (the commit and the apply copy on
+    the I/O threads); without the disk round trip its goals are not measured."""
+    sync = _script(monkeypatch, "weight_sync")
+    res = {"memcpy_s": 0.010, "memcpy_2t_s": 0.006,
+           "copy": {"x_memcpy": 1.8, "x_memcpy_2t": 3.0, "values_ok": True,
+                    "x_faster_than_disk": 12.0},
+           "swap": {"visible_to_applied_median_s": 0.004, "values_ok": True,
+                    "x_faster_than_disk": 20.0},
+           "disk": {"values_ok": True}}
+    got = {k: v["state"] for k, v in sync.goals(res).items()}
+    assert got == {"copy_x_memcpy": MISSED, "swap_visible_to_applied": MET,  # 3 x the 2t
+                   "copy_x_disk": MET, "swap_x_disk": MET, "values_ok": MET}
+    del res["disk"]
+    for mode in ("copy", "swap"):
+        del res[mode]["x_faster_than_disk"]  # type: ignore[attr-defined]
+    got = {k: v["state"] for k, v in sync.goals(res).items()}
+    assert got["copy_x_disk"] == got["swap_x_disk"] == NOT_MEASURED
+
+
+def test_query_lists_a_backend_not_run_as_not_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PostgreSQL part that did not run, or was left out of --backends, is not a met
+    goal: it is listed as not measured, and the run fails."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    # query.py takes its own folder off the path (it is named like the query package)
+    spec = importlib.util.spec_from_file_location("bench_query", BENCH / "query.py")
+    assert spec is not None and spec.loader is not None
+    query = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(query)
+    assert list(query.BACKENDS) == ["sqlite", "postgresql"]
+    vs = query.goals({"sqlite": {"ratio": 1.1},
+                      "postgresql": {"skipped": "not asked for (--backends)"}})
+    assert [(v.goal, v.state) for v in vs] == [
+        ("sqlite: db.query <= 1.2 x direct", MET),
+        ("postgresql: db.query <= 1.2 x direct", NOT_MEASURED)]
+    assert vs[1].detail == "not asked for (--backends)"
     assert _verdict.exit_code(vs) == 1

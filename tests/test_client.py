@@ -274,6 +274,52 @@ def test_disjoint_deletes_and_puts_land_after_the_base_moved(db: tensordb.Databa
         assert sorted(s) == ["c"]
 
 
+def test_a_conflict_over_many_names_shows_five_and_counts_the_rest(
+        db: tensordb.Database) -> None:
+    names = [f"w{i}" for i in range(7)]
+    db.commit("cm", {n: torch.zeros(2) for n in names})
+    first, second = _open_two(db, "cm")
+    first.put_many({n: torch.ones(2) for n in names})
+    second.put_many({n: torch.full((2,), 2.0) for n in names})
+    first.__exit__(None, None, None)
+    with pytest.raises(CommitConflict) as info:
+        second.__exit__(None, None, None)
+    assert info.value.names == names  # every name, in order
+    message = str(info.value)
+    assert "both changed 'w0', 'w1', 'w2', 'w3', 'w4' and 2 more" in message
+    assert "'w5'" not in message
+    # five names exactly: all shown, no count
+    db.commit("c5", {n: torch.zeros(2) for n in names[:5]})
+    first, second = _open_two(db, "c5")
+    first.put_many({n: torch.ones(2) for n in names[:5]})
+    second.put_many({n: torch.full((2,), 2.0) for n in names[:5]})
+    first.__exit__(None, None, None)
+    with pytest.raises(CommitConflict) as info:
+        second.__exit__(None, None, None)
+    assert str(info.value).endswith("both changed 'w0', 'w1', 'w2', 'w3', 'w4'")
+
+
+def test_the_catalog_refuses_a_delete_of_a_name_its_head_lacks(db: tensordb.Database) -> None:
+    # the client checks deletes against the base first; the catalog's own commit is the
+    # last line (its callers include tools and benchmarks): NotFound, nothing published
+    db.commit("cn", {"a": torch.zeros(2)})
+    head = db.history("cn")[0].version
+    with pytest.raises(NotFound) as info:
+        db.catalog.commit("cn", head, [], unchanged=[], deletes=["a", "nope"], segment=None,
+                          message=None)
+    assert info.value.tensor == "nope" and info.value.collection == "cn"
+    assert "'nope'" in str(info.value)
+    assert db.history("cn")[0].version == head
+    with db.snapshot("cn") as s:
+        assert sorted(s) == ["a"]  # the delete of "a" rolled back with it
+    # a delete as a new collection's first version: NotFound, and no collection
+    with pytest.raises(NotFound) as info:
+        db.catalog.commit("fresh", 0, [], unchanged=[], deletes=["x"], segment=None,
+                          message=None)
+    assert (info.value.collection, info.value.tensor) == ("fresh", "x")
+    assert "fresh" not in db.collections()
+
+
 def test_concurrent_threads_disjoint(db: tensordb.Database) -> None:
     errors: list[BaseException] = []
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
@@ -516,29 +516,74 @@ def test_spill_to_disk_and_read_back(kv: KVCache) -> None:
     assert [float(o[0]) for o in out] == [10.0, 11.0, 12.0, 13.0]
 
 
-def test_a_pinned_block_on_disk_survives_a_trim_past_disk_capacity(
-        sqlite_db: tensordb.Database) -> None:
-    # an arena of 4 blocks of 16 KiB, a disk of one: the disk is full with one spill
-    kv = KVCache(sqlite_db, "pins", block_tokens=4, capacity_bytes=64 * KiB,
-                 slab_bytes=64 * KiB, eviction="lru", disk_capacity=16 * KiB)
+@pytest.fixture
+def spilling(sqlite_db: tensordb.Database) -> Iterator[Callable[..., KVCache]]:
+    """KV namespaces of an arena of 4 blocks of 16 KiB and a disk of ``disk_blocks``,
+    used through the public API only (db.kv, put, pin, stats, contains, get): where a
+    block lies is read from the counters, so the tests hold whatever the block store's
+    internals become."""
+    made: list[KVCache] = []
+
+    def make(name: str, disk_blocks: int) -> KVCache:
+        kv = sqlite_db.kv(name, block_tokens=4, capacity_bytes=64 * KiB, slab_bytes=64 * KiB,
+                          eviction="lru", disk_capacity=disk_blocks * 16 * KiB)
+        made.append(kv)
+        return kv
+
     try:
-        keys = kv.keys(list(range(4 * 6)))
-        for i in range(5):
-            kv.put(keys[i : i + 1], [_block(float(i), 16 * KiB)])
-        assert kv.store.locate(keys[0])[0] == "disk"  # type: ignore[index]
-        # with the arena all pinned, pinning the spilled block leaves it on disk
-        assert kv.pin(keys[1:5]) == 4 and kv.pin(keys[:1]) == 1
-        assert kv.store.locate(keys[0])[0] == "disk"  # type: ignore[index]
-        kv.unpin(keys[4:5])
-        kv.put(keys[5:6], [_block(5.0, 16 * KiB)])  # spills block 4: the disk is over
-        s = kv.stats()
-        assert s.disk_blocks == 1 and s.disk_bytes == 16 * KiB and s.pinned == 4
-        assert kv.store.locate(keys[0])[0] == "disk"  # type: ignore[index]
-        assert kv.store.locate(keys[4]) is None  # the trim took the unpinned spill
-        (got,) = kv.get(keys[:1])
-        assert got is not None and torch.equal(got, _block(0.0, 16 * KiB))
+        yield make
     finally:
-        kv.destroy()
+        for kv in made:
+            kv.destroy()
+
+
+def _put_one_by_one(kv: KVCache, keys: list[bytes], n: int,
+                    each: Callable[[int], None] = lambda i: None) -> None:
+    """Blocks 0..n-1 (block i holds i), one put each; ``each(i)`` after each."""
+    for i in range(n):
+        kv.put(keys[i : i + 1], [_block(float(i), 16 * KiB)])
+        each(i)
+
+
+def test_a_pinned_block_on_disk_survives_a_trim_past_disk_capacity(
+        spilling: Callable[..., KVCache]) -> None:
+    kv = spilling("pins", disk_blocks=1)  # the disk is full with one spill
+    keys = kv.keys(list(range(4 * 6)))
+    _put_one_by_one(kv, keys, 5)
+    s = kv.stats()  # the least recent, block 0, went to disk
+    assert (s.host_blocks, s.disk_blocks, s.disk_bytes) == (4, 1, 16 * KiB)
+    # with the arena all pinned, pinning the spilled block leaves it on disk
+    assert kv.pin(keys[1:5]) == 4 and kv.pin(keys[:1]) == 1
+    s = kv.stats()
+    assert (s.host_blocks, s.disk_blocks, s.pinned) == (4, 1, 5)
+    kv.unpin(keys[4:5])
+    kv.put(keys[5:6], [_block(5.0, 16 * KiB)])  # spills block 4: the disk is over
+    s = kv.stats()
+    assert s.disk_blocks == 1 and s.disk_bytes == 16 * KiB and s.pinned == 4
+    # the trim took the unpinned spill (block 4), not the older pinned one (block 0)
+    assert kv.contains(keys[:6]) == [True, True, True, True, False, True]
+    (got,) = kv.get(keys[:1])
+    assert torch.equal(got, _block(0.0, 16 * KiB))
+
+
+def test_the_disk_stays_within_its_capacity_over_many_spills(
+        spilling: Callable[..., KVCache]) -> None:
+    # 40 puts spill 36 blocks, and each spill past the disk's capacity drops the oldest
+    # spill (sequence numbers past 15 included: the trim matches each queued spill to
+    # its file by its number)
+    kv = spilling("many", disk_blocks=2)
+    keys = kv.keys(list(range(4 * 40)))
+
+    def within(i: int) -> None:
+        s = kv.stats()
+        assert s.disk_bytes <= 32 * KiB and s.disk_blocks <= 2, i
+
+    _put_one_by_one(kv, keys, 40, within)
+    s = kv.stats()
+    assert (s.host_blocks, s.disk_blocks, s.disk_bytes) == (4, 2, 32 * KiB)
+    assert s.spills == 36
+    assert kv.contains(keys[:40]) == [False] * 34 + [True] * 6
+    assert [float(t[0]) for t in kv.get(keys[36:40])] == [36.0, 37.0, 38.0, 39.0]
 
 
 # -- corruption ----------------------------------------------------------------------

@@ -259,12 +259,28 @@ def test_parameters(filled: tensordb.Database) -> None:
     for value, kind in (("7", "an integer"), (True, "an integer"), (1.5, "an integer")):
         with pytest.raises(QueryError, match=f"parameter :n must be {kind}"):
             db.query("SELECT * FROM tensors WHERE nbytes > :n", {"n": value})
+    # an integer parameter is a 64-bit one: the largest passes, one more does not
+    assert db.query("SELECT * FROM tensors WHERE nbytes > :n", {"n": 2**63 - 1}).num_rows == 0
+    for big in (2**63, -(2**63) - 1):
+        with pytest.raises(QueryError, match="parameter :n is out of range"):
+            db.query("SELECT * FROM tensors WHERE nbytes > :n", {"n": big})
     with pytest.raises(QueryError, match="must be a list"):
         db.query("SELECT * FROM tensors WHERE name IN :names", {"names": "step"})
     with pytest.raises(QueryError, match="not a timestamp"):
         db.query("SELECT * FROM commits WHERE created_at > :t", {"t": "yesterday"})
-    with pytest.raises(QueryError, match="must be a number, string"):
+    # a number compared with a number that is not an integer (an average): an int or a
+    # float, never a bool
+    avg = "SELECT dtype FROM tensors GROUP BY dtype HAVING avg(nbytes) > :x ORDER BY dtype"
+    assert rows(db.query(avg, {"x": 0.5})) == rows(db.query(avg, {"x": 0})) != []
+    assert rows(db.query(avg, {"x": 1e12})) == []
+    with pytest.raises(QueryError, match="parameter :x must be a number, not bool"):
+        db.query(avg, {"x": True})
+    with pytest.raises(QueryError, match="must be a number, string") as exc:
         db.query("SELECT * FROM tensors WHERE name = :n", {"n": [1]})
+    assert exc.value.expected == ["a string"]  # what it is compared with
+    with pytest.raises(QueryError, match="must be a number, string") as exc:
+        db.query("SELECT * FROM tensors WHERE name IN :n", {"n": [[1]]})
+    assert exc.value.expected == ["a string"]
     with pytest.raises(InvalidInput):
         db.query("SELECT * FROM tensors", ["not", "a", "mapping"])  # type: ignore[arg-type]
 

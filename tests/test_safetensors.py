@@ -375,6 +375,32 @@ def test_a_header_over_the_cap_fails_on_the_cap_not_on_truncation(
         import_safetensors(db, "victim", liar)
 
 
+def test_hostile_files_name_what_is_wrong(sqlite_db: tensordb.Database,
+                                          tmp_path: Path) -> None:
+    """The error says what is wrong, not only that something is: the size a tensor spans
+    against the size its dtype and shape need, F4's even last dimension, a file no
+    longer than its header length (8 bytes hold the length: the empty header is read)."""
+    cases: dict[str, tuple[bytes, type[TensorDBError], str]] = {
+        "spans": (_st_file({"a": _entry("F32", [1], 0, 4), "b": _entry("F32", [1], 4, 12)},
+                           bytes(12)),
+                  CorruptData, "tensor 'b' spans 8 bytes but F32 x [1] needs 4"),
+        "f4-odd": (_st_file({"a": _entry("F4", [3], 0, 2)}, bytes(2)), InvalidInput,
+                   "tensor 'a' is F4 with shape [3]: torch packs F4 in pairs"),
+        "f4-0d": (_st_file({"a": _entry("F4", [], 0, 1)}, bytes(1)), InvalidInput,
+                  "tensor 'a' is F4 with shape []: torch packs F4 in pairs"),
+        "length-only": (struct.pack("<Q", 0), CorruptData, "header is not valid JSON"),
+        "seven-bytes": (bytes(7), CorruptData,
+                        "7 bytes is too small for a safetensors file"),
+    }
+    for case, (content, error, says) in cases.items():
+        bad = tmp_path / f"{case}.safetensors"
+        bad.write_bytes(content)
+        with pytest.raises(error) as info:
+            import_safetensors(sqlite_db, "victim", bad)
+        assert type(info.value) is error and says in str(info.value), (case, info.value)
+    assert sqlite_db.collections() == []
+
+
 def test_file_truncated_during_import(db: tensordb.Database, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A file cut short while its tensors are being read (another process rewriting it):

@@ -279,6 +279,9 @@ def test_split_ranges_cut_at_extent_starts() -> None:
     assert [(lo, hi) for lo, hi, _ in parts] == [(0, 300), (300, 500), (500, 800), (800, 1000)]
     assert sum(len(e) for _, _, e in parts) == 10
     assert [(lo, hi) for lo, hi, _ in split_ranges([(0, 1000, "x")], 1000, 4)] == [(0, 1000)]
+    # any extent start past 0 may be a cut, the smallest too
+    assert split_ranges([(0, 1, "a"), (1, 1, "b")], 2, 2) == [(0, 1, [(0, 1, "a")]),
+                                                             (1, 2, [(1, 1, "b")])]
 
 
 def test_extent_hasher_checks_in_order() -> None:
@@ -301,7 +304,10 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput):
         transport.require_token_for("0.0.0.0", None)
     transport.require_token_for("127.0.0.1", None)
+    transport.require_token_for("localhost", None)  # a name that resolves to loopback only
     transport.require_token_for("0.0.0.0", "t")  # its strength is checked at start
+    assert [transport.is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0",
+                                               "10.1.2.3")] == [True, True, True, False, False]
     db = open_store(tmp_path / "s")
     try:
         with pytest.raises(InvalidInput):

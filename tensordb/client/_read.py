@@ -22,7 +22,7 @@ from ._cluster import Cluster
 from ._inputs import check_name, torch_dtype
 from ._placement import Tiers, source_changed
 
-__all__ = ["Reader", "check_bytes", "truncated"]
+__all__ = ["Reader", "truncated"]
 
 
 def _corrupt(collection: str, tensor: str, expected: str, found: str) -> CorruptData:
@@ -30,13 +30,6 @@ def _corrupt(collection: str, tensor: str, expected: str, found: str) -> Corrupt
     return CorruptData(f"{collection}/{tensor}: stored bytes fail their checksum (expected "
                        f"{expected}, found {found}); not served", collection=collection,
                        tensor=tensor)
-
-
-def check_bytes(collection: str, row: TensorRow, data: memoryview | np.ndarray) -> None:
-    """CorruptData unless ``data`` (the row's bytes, read in place) has its checksum."""
-    got = se.checksum(data)
-    if got != row.checksum:
-        raise _corrupt(collection, row.name, row.checksum, got)
 
 
 def truncated(collection: str, tensor: str, segment_id: str, end: int,
