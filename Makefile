@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test lint e2e e2e-vllm mutate clean
+.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,7 +51,24 @@ $(VLLM_CPU_STAMP): pyproject.toml storage_engine/_stream.c
 e2e-vllm: $(VLLM_CPU_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(VLLM_CPU)/bin/python -m pytest tests/engines -q --durations=0
 
-e2e: e2e-vllm
+# SGLang serves the same Llama (its scheduler in a process of its own) and its HiCache
+# controller runs with the store: the recipe's venv (torch 2.14.1 and torchvision
+# 0.29.1, CUDA builds that run on a CPU: several GB, from local disk where they lie)
+SGLANG := .venv-sglang
+SGLANG_STAMP := $(SGLANG)/.installed
+
+$(SGLANG_STAMP): pyproject.toml storage_engine/_stream.c
+	test -x $(SGLANG)/bin/python || $(PY) -m venv $(SGLANG)
+	$(SGLANG)/bin/pip install -q --upgrade pip
+	$(SGLANG)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGLANG)/bin/pip install -q -e '.[test,engines]' openai==2.8.0 xgrammar==0.2.7 triton
+	$(SGLANG)/bin/pip install -q --no-deps sglang==0.5.23 vllm==0.33.0
+	touch $(SGLANG_STAMP)
+
+e2e-sglang: $(SGLANG_STAMP)
+	$(SGLANG)/bin/python -m pytest tests/engines -q --durations=0
+
+e2e: e2e-vllm e2e-sglang
 
 # mutation testing of the modules that keep the promises (by hand, not in CI: about an
 # hour on 2 cores; tools/mutate.py --help for one module or a few mutants)
@@ -59,4 +76,4 @@ mutate: $(STAMP)
 	$(BIN)/python tools/mutate.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_CPU) .tensordb
+	rm -rf $(VENV) $(VLLM_CPU) $(SGLANG) .tensordb

@@ -18,8 +18,9 @@ the repository root)::
     .venv-sglang/bin/pip install --no-deps sglang==0.5.23 vllm==0.33.0
     .venv-sglang/bin/python -m pytest tests/engines -q
 
-vLLM's CPU build runs forward passes on a CPU host (test_vllm_e2e.py; ``make e2e``
-makes this venv and runs the tests in it)::
+vLLM's CPU build runs forward passes on a CPU host (test_vllm_e2e.py; ``make e2e-vllm``
+makes this venv and runs the tests in it, ``make e2e-sglang`` the SGLang one, ``make
+e2e`` both)::
 
     python3 -m venv .venv-vllm-cpu
     .venv-vllm-cpu/bin/pip install torch==2.13.0

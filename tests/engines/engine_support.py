@@ -11,7 +11,10 @@ import importlib.util
 import json
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -235,3 +238,36 @@ def engine_version(engine: str) -> str:
     """The installed release of ``engine`` ("vllm", "sglang"), for test reports."""
     module = importlib.import_module(engine)
     return str(getattr(module, "__version__", "?"))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def sglang_rank(server_args: Any) -> Iterator[None]:
+    """SGLang's process config (``server_args``) and distributed state for one CPU rank
+    (gloo), as a scheduler publishes them; undone on leaving."""
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+
+    reset_context()
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+    initialize_model_parallel()
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        reset_context()
