@@ -81,18 +81,21 @@ class Engine:
     FlashAttention backends' standardized view; ``layout="NHD"`` stores it token-major
     underneath, as FlashAttention's NHD layout does)."""
 
-    def __init__(self, vllm_config: Any, layout: str = "HND") -> None:
+    def __init__(self, vllm_config: Any, layout: str = "HND",
+                 scheduler: str = "Scheduler") -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.config = vllm_config
         vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what profiling would set
         kv_cache_config = _cache_config()
-        self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(
-                                       vllm_config), block_size=BLOCK, log_stats=False)
+        cls = {"Scheduler": Scheduler, "AsyncScheduler": AsyncScheduler}[scheduler]
+        self.scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                             structured_output_manager=StructuredOutputManager(vllm_config),
+                             block_size=BLOCK, log_stats=False)
         self.worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER,
                                                           kv_cache_config)
         if layout == "NHD":

@@ -49,8 +49,8 @@ class LoopEngine(Engine):
     runner's do: ``update_from_output`` with the sampled tokens and the connector's
     output."""
 
-    def __init__(self, vllm_config: Any) -> None:
-        super().__init__(vllm_config)
+    def __init__(self, vllm_config: Any, scheduler: str = "Scheduler") -> None:
+        super().__init__(vllm_config, scheduler=scheduler)
         self.seeds: dict[str, int] = {}
         self.finished: dict[str, Any] = {}
 
@@ -130,12 +130,16 @@ def _keys(engine: LoopEngine, prompt: list[int]) -> list[bytes]:
     return engine.worker.caches[0].keys(prompt)
 
 
-def test_chunked_prefill_decode_and_finish(store: tensordb.Database, model_dir: Path) -> None:
+@pytest.mark.parametrize("scheduler", ["Scheduler", "AsyncScheduler"])
+def test_chunked_prefill_decode_and_finish(store: tensordb.Database, model_dir: Path,
+                                           scheduler: str) -> None:
     """A 55-token prompt in chunks of 24: each step saves the blocks its chunk
     completed (1, then 2, then none: the tail is not a block); decode steps save
     nothing; the request finishes after its tokens and nothing is left behind. A
-    second engine then loads all three blocks, as the first engine computed them."""
-    a = LoopEngine(_config(model_dir, _extra(store), chunk=CHUNK))
+    second engine then loads all three blocks, as the first engine computed them.
+    Under vLLM's scheduler and its async one (which schedules a step ahead of the
+    previous step's output)."""
+    a = LoopEngine(_config(model_dir, _extra(store), chunk=CHUNK), scheduler)
     _request(a, "r1", PROMPT, seed=3)
     steps = [step for step in a.run() if step.num_scheduled_tokens]
     saves = [[len(s.keys) for s in step.kv_connector_metadata.saves] for step in steps]
@@ -146,7 +150,7 @@ def test_chunked_prefill_decode_and_finish(store: tensordb.Database, model_dir: 
     _assert_empty(a)
     assert a.worker.caches[0].match(_keys(a, PROMPT)) == 3
 
-    b = LoopEngine(_config(model_dir, _extra(store), chunk=CHUNK))
+    b = LoopEngine(_config(model_dir, _extra(store), chunk=CHUNK), scheduler)
     _request(b, "r2", PROMPT, seed=99)  # its own forward would write other values
     first = b.run_step()
     (load,) = first.kv_connector_metadata.loads
