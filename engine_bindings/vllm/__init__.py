@@ -6,6 +6,10 @@
 * ``--worker-extension-cls engine_bindings.vllm.TensorDBWorkerExtension`` adds
   ``update_weights_from_tensordb(collection, version=None, tag=None)``, called on every
   worker with ``llm.collective_rpc("update_weights_from_tensordb", args=(...))``.
+* ``weight_transfer_config={"backend": "tensordb"}``: vLLM's weight-transfer flow
+  (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+  ``finish_weight_update``) reads each update from the store
+  (``TensorDBWeightTransferEngine``).
 * ``--kv-transfer-config '{"kv_connector": "TensorDBConnector",
   "kv_connector_module_path": "engine_bindings.vllm", "kv_role": "kv_both"}'`` shares
   prefix KV blocks between engines through the store (``TensorDBConnector``).
@@ -26,8 +30,16 @@ from ._kv_connector import (
     TensorDBConnectorMetadata,
     kv_transfer_config,
 )
-from ._loader import LOAD_FORMAT, LoadSource, TensorDBModelLoader, parallel_ranks, register
-from ._worker import TensorDBWorkerExtension
+from ._loader import (
+    LOAD_FORMAT,
+    WEIGHT_TRANSFER_BACKEND,
+    LoadSource,
+    TensorDBModelLoader,
+    parallel_ranks,
+    register,
+    register_weight_transfer,
+)
+from ._worker import TensorDBWorkerExtension, repacked_parameters
 
 __all__ = [
     "CONNECTOR_NAME",
@@ -42,6 +54,21 @@ __all__ = [
     "kv_transfer_config",
     "parallel_ranks",
     "register",
+    "register_weight_transfer",
+    "repacked_parameters",
+    "WEIGHT_TRANSFER_BACKEND",
 ]
+
+try:  # vLLM's weight-transfer API (0.32 and later)
+    from ._weight_transfer import (
+        TensorDBWeightTransferEngine,
+        TensorDBWeightTransferInitInfo,
+        TensorDBWeightTransferUpdateInfo,
+    )
+except ImportError:  # an older vLLM: the rest of the binding works without it
+    pass
+else:
+    __all__ += ["TensorDBWeightTransferEngine", "TensorDBWeightTransferInitInfo",
+                "TensorDBWeightTransferUpdateInfo"]
 
 register()

@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = [
@@ -215,6 +216,8 @@ class TensorDBConnector(KVConnectorBase_V1):
             self._kv: list[torch.Tensor] = []
             self._ratio = 1
             self._failed: set[int] = set()
+            self._failed_reqs: set[str] = set()  # this step's requests whose load failed
+            self._step_saves: list[KVSave] = []
             self._staging: torch.Tensor | None = None
             self._saved_layers: set[int] = set()
 
@@ -308,15 +311,17 @@ class TensorDBConnector(KVConnectorBase_V1):
                 t.block_ids.extend(new_ids[0])
             t.num_computed = cached.num_computed_tokens[i]
         if self._saves:
+            step: set[bytes] = set()  # two requests of one prefix in a step save it once
             for req_id, n in scheduled.items():
                 t = self._tracked.get(req_id)
                 if t is not None:
-                    save = self._save_of(req_id, t, t.num_computed + n)
+                    save = self._save_of(req_id, t, t.num_computed + n, step)
                     if save is not None:
                         meta.saves.append(save)
         return meta
 
-    def _save_of(self, req_id: str, t: _Tracked, computed: int) -> KVSave | None:
+    def _save_of(self, req_id: str, t: _Tracked, computed: int, step: set[bytes]
+                 ) -> KVSave | None:
         full = min(computed, len(t.prompt), len(t.block_ids) * self.block_size) \
             // self.block_tokens
         if full <= t.saved:
@@ -326,12 +331,25 @@ class TensorDBConnector(KVConnectorBase_V1):
         lo, t.saved = t.saved, full
         keys = t.keys[lo:full]
         present = [all(c) for c in zip(*(kv.contains(keys) for kv in self.caches), strict=True)]
-        todo = [lo + i for i, p in enumerate(present) if not p]
+        todo = [lo + i for i, p in enumerate(present) if not p and keys[i] not in step]
         if not todo:
             return None
+        step.update(t.keys[i] for i in todo)
         m = self.per_key
         return KVSave(req_id=req_id, keys=[t.keys[i] for i in todo],
                       block_ids=[b for i in todo for b in t.block_ids[i * m:(i + 1) * m]])
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Blocks that failed to load on a worker: a request holding one saved nothing
+        that step (the workers skip it), so its saves start again from the stored block
+        holding the first failed one, once vLLM has recomputed it (``recompute``)."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for t in self._tracked.values():
+            hit = [i for i, b in enumerate(t.block_ids) if b in invalid]
+            if hit:
+                t.saved = min(t.saved, hit[0] // self.per_key)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -391,6 +409,13 @@ class TensorDBConnector(KVConnectorBase_V1):
             ids = (ids[:, None] * r + torch.arange(r)).reshape(-1)
         return ids.to(device)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A new step: no request of it has failed a load yet. (vLLM calls
+        ``start_load_kv`` after the forward in a step without loads, so the step's
+        state cannot be reset there.)"""
+        super().bind_connector_metadata(connector_metadata)
+        self._failed_reqs = set()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's stored blocks into the paged caches, every layer. A block
         that is gone or damaged leaves its vLLM blocks (and the request's later ones)
@@ -411,12 +436,14 @@ class TensorDBConnector(KVConnectorBase_V1):
             except (NotFound, CorruptData) as exc:
                 logger.warning("KV load of %s failed: %s", load.req_id, exc)
                 self._failed.update(load.block_ids)
+                self._failed_reqs.add(load.req_id)
                 continue
             if any(v.shape != self.block_shape or v.dtype != self._kv[0].dtype
                    for v in views):
                 logger.warning("KV load of %s: stored blocks are not %s %s", load.req_id,
                                self.block_shape, self._kv[0].dtype)
                 self._failed.update(load.block_ids)
+                self._failed_reqs.add(load.req_id)
                 continue
             r = self._ratio
             lo = load.skip * r
@@ -438,7 +465,9 @@ class TensorDBConnector(KVConnectorBase_V1):
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         """Gather this layer's part of every block saved this step into a staging
         tensor on the cache's device (asynchronous there); ``wait_for_save`` stores
-        them. Layers that are not the worker's registered ones are ignored."""
+        them. Layers that are not the worker's registered ones are ignored. A request
+        whose load failed in this step saves nothing: its new KV was computed against
+        prefix blocks that never arrived."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, TensorDBConnectorMetadata)
         if not meta.saves or not self._ensure_registered(_forward_context()):
@@ -448,10 +477,13 @@ class TensorDBConnector(KVConnectorBase_V1):
         except ValueError:
             return
         if self._staging is None:
-            count = sum(len(s.keys) for s in meta.saves)
+            self._step_saves = [s for s in meta.saves if s.req_id not in self._failed_reqs]
+            if not self._step_saves:
+                return
+            count = sum(len(s.keys) for s in self._step_saves)
             self._staging = torch.empty((count, *self.block_shape), dtype=self._kv[0].dtype,
                                         device=kv_layer.device)
-            self._save_rows = self._rows([b for s in meta.saves for b in s.block_ids],
+            self._save_rows = self._rows([b for s in self._step_saves for b in s.block_ids],
                                          kv_layer.device)
             self._saved_layers = set()
         dst = self._staging[:, layer]
@@ -461,17 +493,17 @@ class TensorDBConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Store this step's gathered blocks (first writer wins), then return: vLLM
         may reuse their vLLM blocks at once. Blocks whose layers were not all gathered
-        are not stored; a full store is logged (a future miss, not an error)."""
+        are not stored, nor those of a request whose load failed this step; a full
+        store is logged (a future miss, not an error)."""
         staging, self._staging = self._staging, None
+        saves, self._step_saves = self._step_saves, []
         if staging is None:
             return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TensorDBConnectorMetadata)
         if len(self._saved_layers) != len(self._layers):
             logger.warning("KV save skipped: %d of %d layers gathered",
                            len(self._saved_layers), len(self._layers))
             return
-        keys = [k for s in meta.saves for k in s.keys]
+        keys = [k for s in saves for k in s.keys]
         kv = self.caches[0]
         # with a GPU tier the device blocks go in as they are (put copies each down, and
         # keeps a device-to-device copy); else one copy down of them all

@@ -36,12 +36,16 @@ from tensordb.errors import InvalidInput
 
 from .._engines import LoadSource, Tally, named_tensors
 
-__all__ = ["LOAD_FORMAT", "LoadSource", "TensorDBModelLoader", "parallel_ranks", "register"]
+__all__ = ["LOAD_FORMAT", "WEIGHT_TRANSFER_BACKEND", "LoadSource", "TensorDBModelLoader",
+           "parallel_ranks", "register", "register_weight_transfer"]
 
 logger = logging.getLogger(__name__)
 
 #: the name of the load format: ``--load-format tensordb``
 LOAD_FORMAT = "tensordb"
+#: the weight-transfer backend: ``weight_transfer_config={"backend": "tensordb"}``
+WEIGHT_TRANSFER_BACKEND = "tensordb"
+
 
 def parallel_ranks() -> dict[str, int]:
     """This worker's tensor- and pipeline-parallel rank and size from vLLM's parallel
@@ -106,11 +110,30 @@ class TensorDBModelLoader(BaseModelLoader):
 
 
 def register() -> None:
-    """Make ``--load-format tensordb`` resolve to ``TensorDBModelLoader`` in this
-    process. Idempotent; usable as a ``vllm.general_plugins`` entry point."""
+    """Make ``--load-format tensordb`` resolve to ``TensorDBModelLoader``, and the
+    ``tensordb`` weight-transfer backend to ``TensorDBWeightTransferEngine`` (where
+    vLLM has the weight-transfer API), in this process. Idempotent; usable as a
+    ``vllm.general_plugins`` entry point."""
     from vllm.model_executor import model_loader
 
+    register_weight_transfer()
     registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
     if registry is not None and registry.get(LOAD_FORMAT) is TensorDBModelLoader:
         return
     register_model_loader(LOAD_FORMAT)(TensorDBModelLoader)
+
+
+def register_weight_transfer() -> bool:
+    """Make ``weight_transfer_config={"backend": "tensordb"}`` resolve to
+    ``TensorDBWeightTransferEngine`` in this process, lazily (its module is imported
+    when vLLM makes an engine). False where the installed vLLM has no weight-transfer
+    API (before 0.32). Idempotent."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return False
+    if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            WEIGHT_TRANSFER_BACKEND, "engine_bindings.vllm._weight_transfer",
+            "TensorDBWeightTransferEngine")
+    return True

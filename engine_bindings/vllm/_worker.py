@@ -38,11 +38,19 @@ from .._engines import (
 )
 from ._loader import LOAD_FORMAT, parallel_ranks
 
-__all__ = ["TensorDBWorkerExtension"]
+__all__ = ["TensorDBWorkerExtension", "repacked_parameters"]
 
 logger = logging.getLogger(__name__)
 
-_VIA = ("load_weights", "reload_weights")
+_VIA = ("auto", "load_weights", "reload_weights")
+
+
+def repacked_parameters(model: torch.nn.Module) -> list[str]:
+    """Parameters a backend emptied after loading because it moved their values into
+    kernel-format buffers of its own (vLLM's CPU backend does so for linear layers:
+    their ``weight`` reads as a tensor of size 0). ``model.load_weights`` cannot copy
+    into them; vLLM's in-place reload restores them and re-runs the repacking."""
+    return [n for n, p in model.named_parameters() if p.numel() == 0]
 
 
 class TensorDBWorkerExtension:
@@ -66,32 +74,37 @@ class TensorDBWorkerExtension:
     def update_weights_from_tensordb(self, collection: str, version: int | None = None,
                                      tag: str | None = None, *,
                                      location: LocationLike = None, names: NameFilter = None,
-                                     via: str = "load_weights") -> dict[str, Any]:
+                                     via: str = "auto") -> dict[str, Any]:
         """Load ``version`` (or ``tag``; the head by default) of ``collection`` into this
         worker's model, in place. Returns what was loaded: ``collection``, ``version``,
         ``tensors``, ``bytes`` (as stored, before tensor-parallel slicing), ``seconds``
         and, inside an engine, this worker's ``tp_rank``/``pp_rank``.
 
         ``names``: only these tensors (names or a predicate), e.g. the ones a trainer
-        changed. ``via="reload_weights"``: through vLLM's in-place reload
-        (``model_runner.reload_weights``), which re-runs weight post-processing (needed
-        for quantized models) and resets LoRA and encoder caches; it expects every
-        tensor of the model. Blocks the worker until the copy is done; call it between
-        steps (``collective_rpc`` does). Raises NotFound for a missing collection,
-        version or tag, before the model is touched.
+        changed. ``via``: ``"load_weights"`` copies into the parameters in place
+        (``model.load_weights``); ``"reload_weights"`` goes through vLLM's in-place
+        reload (``model_runner.reload_weights``), which re-runs weight post-processing
+        (needed for quantized models and for backends that repack weights, such as
+        vLLM's CPU backend) and resets LoRA and encoder caches; it expects every tensor
+        of the model. ``"auto"`` (the default) takes the reload where the backend
+        repacked parameters (``repacked_parameters``), else ``load_weights``. The
+        summary says which ran (``via``). Blocks the worker until the copy is done;
+        call it between steps (``collective_rpc`` does). Raises NotFound for a missing
+        collection, version or tag, and InvalidInput for a ``via`` or ``names`` the
+        model cannot take, before the model is touched.
         """
         check_ref(collection, version, tag)
         if via not in _VIA:
             raise InvalidInput(f"via must be one of {list(_VIA)}, not {via!r}",
                                collection=collection)
+        via = self._tensordb_via(collection, via, names)
         db = open_store(self._tensordb_location(location))
         tally = Tally()
         with db.snapshot(collection, version=version, tag=tag) as snap:
             got = snap.version
             weights = tally.wrap(named_tensors(snap, names))
             if via == "reload_weights":
-                self.model_runner.reload_weights(  # type: ignore[attr-defined]
-                    weights_iterator=weights, is_checkpoint_format=True)
+                self._tensordb_reload(weights)
             else:
                 model = self._tensordb_model()
                 with torch.no_grad():
@@ -101,10 +114,40 @@ class TensorDBWorkerExtension:
         tally.stop()
         self._tensordb_loaded = (collection, got)
         summary = {"collection": collection, "version": got, "tensors": tally.tensors,
-                   "bytes": tally.nbytes, "seconds": tally.seconds, **parallel_ranks()}
+                   "bytes": tally.nbytes, "seconds": tally.seconds, "via": via,
+                   **parallel_ranks()}
         logger.info("updated weights from tensordb %s v%d: %d tensors, %.1f MiB in %.2f s",
                     collection, got, tally.tensors, tally.nbytes / 2**20, tally.seconds)
         return summary
+
+    def _tensordb_reload(self, weights: Any) -> None:
+        """vLLM's in-place reload: the model runner's (which also resets LoRA and
+        encoder caches), else vLLM's own function on the model."""
+        reload = getattr(self.model_runner, "reload_weights", None)  # type: ignore[attr-defined]
+        if callable(reload):
+            reload(weights_iterator=weights, is_checkpoint_format=True)
+            return
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        config = self.vllm_config  # type: ignore[attr-defined]
+        with set_current_vllm_config(config):
+            reload_weights(config, self._tensordb_model(), weights_iterator=weights,
+                           weights_path=None, is_checkpoint_format=True)
+
+    def _tensordb_via(self, collection: str, via: str, names: NameFilter) -> str:
+        """The path an update takes; InvalidInput where the model cannot take it."""
+        repacked = repacked_parameters(self._tensordb_model())
+        if not repacked:
+            return "load_weights" if via == "auto" else via
+        if via == "load_weights" or names is not None:
+            what = "via='load_weights'" if via == "load_weights" else "names=..."
+            raise InvalidInput(
+                f"{what} copies into the parameters in place, but this backend repacked "
+                f"{len(repacked)} of them into kernel buffers (e.g. {repacked[0]!r}); "
+                f"update every tensor through via='reload_weights' (or 'auto')",
+                collection=collection)
+        return "reload_weights"
 
     def tensordb_weights_version(self) -> dict[str, Any] | None:
         """The collection and version the last ``update_weights_from_tensordb`` loaded

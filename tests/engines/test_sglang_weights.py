@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -20,15 +19,15 @@ import torch
 import tensordb
 from tensordb.errors import InvalidInput, NotFound
 
-from .engine_support import checkpoint, expected_params, mismatches, write_config
+from .engine_support import (
+    checkpoint,
+    expected_params,
+    mismatches,
+    sglang_rank,
+    write_config,
+)
 
 pytestmark = pytest.mark.engine("sglang")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _undo_reduction_patch() -> None:
@@ -66,12 +65,6 @@ def sglang_cpu(mstore: tensordb.Database, tmp_path_factory: pytest.TempPathFacto
     """SGLang's process config and distributed state for one CPU rank, as a scheduler
     publishes them: the server loads the "llama" collection with TensorDBModelLoader and
     accepts pull updates. Yields the ServerArgs."""
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-    )
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     from engine_bindings._engines import StoreLocation
@@ -82,17 +75,10 @@ def sglang_cpu(mstore: tensordb.Database, tmp_path_factory: pytest.TempPathFacto
         model_path=str(write_config(tmp_path_factory.mktemp("tiny-llama"))), device="cpu",
         dtype="float32", skip_tokenizer_init=True, load_format=TensorDBModelLoader,
         model_loader_extra_config=json.dumps(extra), custom_weight_loader=[PULL_LOADER])
-    reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-    initialize_model_parallel()
     try:
-        yield server_args
+        with sglang_rank(server_args):
+            yield server_args
     finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
-        reset_context()
         _undo_reduction_patch()
 
 

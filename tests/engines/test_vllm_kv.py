@@ -41,7 +41,11 @@ def _extra(db: tensordb.Database, **more: Any) -> dict[str, Any]:
     return {**StoreLocation.of(db).as_dict(), "capacity_bytes": CAPACITY, **more}
 
 
-def _config(model_dir: Path, extra: dict[str, Any], role: str = "kv_both") -> Any:
+def _config(model_dir: Path, extra: dict[str, Any], role: str = "kv_both", *,
+            policy: str = "fail", chunk: int = 512) -> Any:
+    """vLLM's config of an engine with the connector; ``chunk``: tokens per step (a
+    prompt longer than that is prefilled in chunks), ``policy``: what vLLM does with a
+    block that failed to load."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -54,11 +58,12 @@ def _config(model_dir: Path, extra: dict[str, Any], role: str = "kv_both") -> An
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
                                  dtype="float32", enforce_eager=True, max_model_len=128),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8,
-                                         max_model_len=128, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8,
+                                         max_model_len=128, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TensorDBConnector", kv_connector_module_path="engine_bindings.vllm",
-            kv_role=role, kv_connector_extra_config=extra))
+            kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy))
 
 
 def _cache_config() -> Any:
@@ -76,18 +81,21 @@ class Engine:
     FlashAttention backends' standardized view; ``layout="NHD"`` stores it token-major
     underneath, as FlashAttention's NHD layout does)."""
 
-    def __init__(self, vllm_config: Any, layout: str = "HND") -> None:
+    def __init__(self, vllm_config: Any, layout: str = "HND",
+                 scheduler: str = "Scheduler") -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.config = vllm_config
         vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what profiling would set
         kv_cache_config = _cache_config()
-        self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(
-                                       vllm_config), block_size=BLOCK, log_stats=False)
+        cls = {"Scheduler": Scheduler, "AsyncScheduler": AsyncScheduler}[scheduler]
+        self.scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                             structured_output_manager=StructuredOutputManager(vllm_config),
+                             block_size=BLOCK, log_stats=False)
         self.worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER,
                                                           kv_cache_config)
         if layout == "NHD":
@@ -110,13 +118,14 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def step(self, compute: dict[str, int] | None = None) -> Any:
-        """One engine step: the scheduler's output, then the worker's connector calls
-        in the model runner's order around a forward that writes, for each scheduled
-        request, KV values derived from its tokens (``compute`` gives a seed)."""
+    def step(self, compute: dict[str, int] | None = None, out: Any = None) -> Any:
+        """One engine step: the scheduler's output (``out``, else a new schedule), then
+        the worker's connector calls in the model runner's order around a forward that
+        writes, for each scheduled request, KV values derived from its tokens
+        (``compute`` gives a seed)."""
         from vllm.forward_context import set_forward_context
 
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule() if out is None else out
         w = self.worker
         w.bind_connector_metadata(out.kv_connector_metadata)
         with set_forward_context({n: object() for n in LAYERS}, self.config):
