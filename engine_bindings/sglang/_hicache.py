@@ -132,13 +132,24 @@ class TensorDBHiCacheStorage(HiCacheStorage):
     def _key(key: object) -> bytes:
         if not isinstance(key, str) or not key:
             raise InvalidInput(f"a HiCache key must be a non-empty str, not {key!r:.60}")
+        if len(key) == 64:  # SGLang's keys: 64 hex digits, held as their 32 bytes
+            try:
+                return bytes.fromhex(key)
+            except ValueError:
+                pass
         raw = key.encode()
-        # SGLang's keys are 64 hex digits; a longer one is named by its hash
+        # a longer key is named by its hash
         return raw if len(raw) <= _MAX_KEY else xxhash.xxh3_128_digest(raw)
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
             raise InvalidInput(f"keys must be a list of str, not {type(keys).__name__}")
+        try:  # the usual batch: SGLang's hex keys, one conversion each, no other check
+            out = [bytes.fromhex(k) for k in keys]
+            if all(len(b) == 32 for b in out) and all(len(k) == 64 for k in keys):
+                return out
+        except (TypeError, ValueError):
+            pass
         return [self._key(k) for k in keys]
 
     def _pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[torch.Tensor]:

@@ -204,6 +204,9 @@ class TensorDBConnector(KVConnectorBase_V1):
             self.caches = [db.kv(self.rank_namespace(t, p), self.block_tokens, **self._opts)
                            for p in range(self.pp_size) for t in range(self.tp_size)]
             self._lookups: dict[str, tuple[int, list[bytes]]] = {}
+            #: the keys of a request's full blocks, hashed once: a waiting request is
+            #: looked up again at every step, and hashing its tokens was the lookup's cost
+            self._keys_of: dict[str, list[bytes]] = {}
             self._pending: dict[str, KVLoad] = {}
             self._tracked: dict[str, _Tracked] = {}
         else:
@@ -263,11 +266,23 @@ class TensorDBConnector(KVConnectorBase_V1):
         (an index lookup per rank); loads are synchronous (second value False)."""
         if not self._loads or not self._cacheable(request):
             return 0, False
-        tokens = request.all_token_ids[:request.num_tokens - 1]
-        keys = self.caches[0].keys(tokens, parent=self._parent(request))
+        keys = self._request_keys(request)
         hits = min(kv.match(keys) for kv in self.caches) if keys else 0
         self._lookups[request.request_id] = (num_computed_tokens, keys[:hits])
         return max(0, hits * self.block_tokens - num_computed_tokens), False
+
+    def _request_keys(self, request: Request) -> list[bytes]:
+        """The keys of the request's full blocks of all tokens but the last, extended
+        from those of its last lookup (its tokens only ever grow)."""
+        bt = self.block_tokens
+        full = (request.num_tokens - 1) // bt
+        keys = self._keys_of.get(request.request_id, [])
+        if len(keys) < full:
+            parent = keys[-1] if keys else self._parent(request)
+            keys = keys + self.caches[0].keys(
+                request.all_token_ids[len(keys) * bt:full * bt], parent=parent)
+            self._keys_of[request.request_id] = keys
+        return keys[:full]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -355,7 +370,7 @@ class TensorDBConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request. Saves finish within their step, so vLLM may free the
         request's blocks at once (False)."""
-        for d in (self._tracked, self._lookups, self._pending):
+        for d in (self._tracked, self._lookups, self._pending, self._keys_of):
             d.pop(request.request_id, None)
         return False, None
 
@@ -429,17 +444,23 @@ class TensorDBConnector(KVConnectorBase_V1):
         # with a GPU tier: views of the blocks' device copies (copied up once, shared by
         # the host's engines), so the copies below stay on the device
         where = device if device.type == "cuda" and kv.gpu_enabled else None
-        jobs = []
+        jobs: list[tuple[Any, slice, list[int]]] = []
         for load in meta.loads:
             try:
-                views = kv.get(load.keys, device=where)
-            except (NotFound, CorruptData) as exc:
+                if where is None:  # one batch read into one tensor: no object per block
+                    views: Any = torch.empty((len(load.keys), *self.block_shape),
+                                             dtype=self._kv[0].dtype)
+                    kv.get_into(load.keys, views)
+                else:
+                    views = kv.get(load.keys, device=where)
+            except (NotFound, CorruptData, InvalidInput) as exc:
                 logger.warning("KV load of %s failed: %s", load.req_id, exc)
                 self._failed.update(load.block_ids)
                 self._failed_reqs.add(load.req_id)
                 continue
-            if any(v.shape != self.block_shape or v.dtype != self._kv[0].dtype
-                   for v in views):
+            if not isinstance(views, torch.Tensor) and any(
+                    v.shape != self.block_shape or v.dtype != self._kv[0].dtype
+                    for v in views):
                 logger.warning("KV load of %s: stored blocks are not %s %s", load.req_id,
                                self.block_shape, self._kv[0].dtype)
                 self._failed.update(load.block_ids)
@@ -453,7 +474,8 @@ class TensorDBConnector(KVConnectorBase_V1):
         jobs = [(views, rows, self._rows(ids, device)) for views, rows, ids in jobs]
         for layer, cache in enumerate(self._kv):
             for views, rows, ids in jobs:
-                src = torch.cat([v[layer] for v in views])[rows]
+                src = views[:, layer].flatten(0, 1)[rows] if isinstance(views, torch.Tensor) \
+                    else torch.cat([v[layer] for v in views])[rows]
                 cache.index_copy_(0, ids, src.to(device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -510,7 +532,7 @@ class TensorDBConnector(KVConnectorBase_V1):
         blocks = staging if staging.device.type == "cuda" and kv.gpu_enabled \
             else staging.cpu()  # .cpu(): waits for the gathers
         try:
-            kv.put(keys, list(blocks))
+            kv.put(keys, blocks)  # the batch path: the blocks are rows of one tensor
         except StoreFull as exc:
             logger.warning("KV save of %d blocks skipped: %s", len(keys), exc)
 
