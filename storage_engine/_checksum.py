@@ -36,10 +36,12 @@ def _bind_copy_hash() -> Callable[[np.ndarray, np.ndarray], int] | None:
         from . import _stream
 
         _stream.bind_xxhash(impl.__file__)
-        probe = np.frombuffer(bytes(range(256)) * 1031, np.uint8)
-        out = np.empty_like(probe)
-        ok = (_stream.stream_copy_hash(out, probe) == xxhash.xxh3_64_intdigest(probe)
-              and np.array_equal(out, probe))
+        ok = True
+        for size in (256 * 1031, 8192, 100):  # the streamed and the one-shot paths
+            probe = np.frombuffer(bytes(range(256)) * (size // 256 + 1), np.uint8)[:size]
+            out = np.empty_like(probe)
+            ok = ok and (_stream.stream_copy_hash(out, probe) == xxhash.xxh3_64_intdigest(probe)
+                         and np.array_equal(out, probe))
     except (ImportError, AttributeError, OSError, TypeError):
         return None
     return _stream.stream_copy_hash if ok else None

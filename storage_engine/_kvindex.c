@@ -1463,6 +1463,97 @@ typedef struct {
     uint32_t untouched; /* a chunk of a fresh slab never written: its pages not made yet */
 } res_t;
 
+/* the copies of a batch step, outside the lock and the GIL: on two threads (or as many
+ * as the host has, at most four) when the batch is large enough to repay starting them
+ * (one core copies and hashes at about half the memory bus's rate) */
+#define PARALLEL_MIN (4u << 20)
+enum { CP_PUT = 0, CP_READ = 1, CP_READ_NOVERIFY = 2 };
+
+typedef struct {
+    Idx *s;
+    res_t *res;
+    uint64_t *sums;
+    const uint64_t *addrs, *sizes, *want;
+    uint8_t (*keys)[KEYMAX + 1];
+    int mode;
+    Py_ssize_t lo, hi;
+} copy_job_t;
+
+static void copy_range(copy_job_t *j) {
+    Idx *s = j->s;
+    hdr_t *h = s->hdr;
+    void *state = xxh_state_new();
+    for (Py_ssize_t k = j->lo; k < j->hi; k++) {
+        res_t *r = &j->res[k];
+        Py_ssize_t i = r->i;
+        char *ext = (char *)(uintptr_t)j->addrs[i];
+        uint64_t n = j->sizes[i];
+        if (j->mode != CP_PUT && r->untouched == 2) { /* a spilled block: from its file */
+            char path[4096];
+            spill_file(s, j->keys[i] + 1, j->keys[i][0],
+                       ((uint64_t)r->slab << 32) | r->chunk, path, sizeof path);
+            if (read_spill(path, ext, n) < 0)
+                j->sums[k] = ~j->want[k]; /* missing or short: corrupt, if it did not move */
+            else
+                j->sums[k] = j->mode == CP_READ && state != NULL ? hash_only(state, ext, n)
+                                                                  : j->want[k];
+            continue;
+        }
+        char *chunk = s->maps[r->slab].base + (size_t)r->chunk * h->slabs[r->slab].csize;
+        if (j->mode == CP_PUT)
+            j->sums[k] = state != NULL ? copy_hash_one(state, chunk, ext, n) : 0;
+        else if (j->mode == CP_READ)
+            j->sums[k] = state != NULL ? copy_hash_one(state, ext, chunk, n) : ~j->want[k];
+        else
+            stream_copy(ext, chunk, n);
+    }
+    fence();
+    if (state != NULL)
+        xxh_state_free(state);
+}
+
+static void *copy_thread(void *arg) {
+    copy_range((copy_job_t *)arg);
+    return NULL;
+}
+
+static void copy_all(copy_job_t job, Py_ssize_t n) {
+    if (n <= 0)
+        return;
+    uint64_t total = 0;
+    for (Py_ssize_t k = 0; k < n; k++)
+        total += job.sizes[job.res[k].i];
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int t = total < PARALLEL_MIN || n < 2 ? 1 : (int)(cpus < 2 ? 1 : cpus > 4 ? 4 : cpus);
+    if (t > n)
+        t = (int)n;
+    copy_job_t jobs[4];
+    pthread_t tid[4];
+    int started[4] = {0, 0, 0, 0};
+    /* runs of the batch of about equal bytes, one a thread */
+    Py_ssize_t lo = 0;
+    uint64_t acc = 0;
+    for (int w = 0; w < t; w++) {
+        Py_ssize_t hi = lo;
+        uint64_t goal = total * (uint64_t)(w + 1) / (uint64_t)t;
+        while (hi < n && (w == t - 1 || acc < goal))
+            acc += job.sizes[job.res[hi++].i];
+        jobs[w] = job;
+        jobs[w].lo = lo;
+        jobs[w].hi = hi;
+        lo = hi;
+    }
+    for (int w = 1; w < t; w++)
+        started[w] = pthread_create(&tid[w], NULL, copy_thread, &jobs[w]) == 0;
+    copy_range(&jobs[0]);
+    for (int w = 1; w < t; w++) {
+        if (started[w])
+            pthread_join(tid[w], NULL);
+        else
+            copy_range(&jobs[w]); /* no thread to be had: here */
+    }
+}
+
 static void set_meta(Idx *s, rec_t *r, const char *meta, size_t len, uint32_t mslab,
                      uint32_t mchunk) {
     r->meta_len = (uint32_t)len;
@@ -1548,11 +1639,6 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
     int err = E_OK;
     uint64_t needed = 0;
     Py_ssize_t nres = 0;
-    void *state = xxh_state_new();
-    if (state == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
     int locked = 0;
     Py_BEGIN_ALLOW_THREADS
     hdr_t *h = s->hdr;
@@ -1692,14 +1778,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         j = k;
     }
     /* the copies, outside the lock: writers copy in parallel */
-    for (Py_ssize_t j = 0; j < nres; j++) {
-        slab_t *sl = &h->slabs[res[j].slab];
-        char *base = s->maps[res[j].slab].base;
-        Py_ssize_t i = res[j].i;
-        sums[j] = copy_hash_one(state, base + (size_t)res[j].chunk * sl->csize,
-                                (const char *)(uintptr_t)addrs[i], sizes[i]);
-    }
-    fence();
+    copy_job_t job = {s, res, sums, addrs, sizes, NULL, ks.keys, CP_PUT, 0, 0};
+    copy_all(job, nres);
     if (nres && lock(s) == 0) {
         locked = 1;
         for (Py_ssize_t j = 0; j < nres; j++) {
@@ -1720,7 +1800,6 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
     }
     (void)locked;
 unlocked:
-    xxh_state_free(state);
     Py_END_ALLOW_THREADS
     if (err == E_IO) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -1869,8 +1948,7 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
     res_t *res = PyMem_Malloc(sizeof(res_t) * (size_t)(n ? n : 1));
     uint64_t *sums = PyMem_Malloc(8 * (size_t)(n ? n : 1));
     uint64_t *want = PyMem_Malloc(8 * (size_t)(n ? n : 1));
-    void *state = xxh_state_new();
-    if (status_o == NULL || res == NULL || sums == NULL || want == NULL || state == NULL) {
+    if (status_o == NULL || res == NULL || sums == NULL || want == NULL) {
         PyErr_NoMemory();
         goto out;
     }
@@ -1886,8 +1964,8 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             ioerr = 1;
             break;
         }
-        int reclaimed = 0;
         Py_ssize_t nres = 0, hits = 0, asked = 0;
+        uint32_t checked = UINT32_MAX;
         for (Py_ssize_t i = 0; i < n; i++) {
             if (round > 0 && st[i] != RD_COPY)
                 continue;
@@ -1931,10 +2009,12 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             res[nres].i = i;
             res[nres].untouched = 0;
             want[nres] = r->csum;
-            if (slab_check(s, r->slab) < 0) {
+            /* a batch's blocks sit in a few slabs: one fstat each, not one a block */
+            if (r->slab != checked && slab_check(s, r->slab) < 0) {
                 ioerr = 1;
                 break;
             }
+            checked = r->slab;
             nres++;
             hits++;
             st[i] = RD_COPY;
@@ -1950,26 +2030,9 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             h->count[C_MISSES] += (uint64_t)(asked - hits);
         }
         unlock(s);
-        for (Py_ssize_t j = 0; j < nres; j++) {
-            Py_ssize_t i = res[j].i;
-            if (res[j].untouched == 2) {
-                char path[4096];
-                char *dst = (char *)(uintptr_t)addrs[i];
-                spill_file(s, ks.keys[i] + 1, ks.keys[i][0],
-                           ((uint64_t)res[j].slab << 32) | res[j].chunk, path, sizeof path);
-                if (read_spill(path, dst, sizes[i]) < 0)
-                    sums[j] = ~want[j]; /* missing or short: corrupt, if it did not move */
-                else
-                    sums[j] = verify ? hash_only(state, dst, sizes[i]) : want[j];
-                continue;
-            }
-            char *src = s->maps[res[j].slab].base +
-                        (size_t)res[j].chunk * h->slabs[res[j].slab].csize;
-            if (verify)
-                sums[j] = copy_hash_cached(state, (char *)(uintptr_t)addrs[i], src, sizes[i]);
-            else
-                memcpy((char *)(uintptr_t)addrs[i], src, sizes[i]);
-        }
+        copy_job_t job = {s, res, sums, addrs, sizes, want, ks.keys,
+                          verify ? CP_READ : CP_READ_NOVERIFY, 0, 0};
+        copy_all(job, nres);
         if (nres == 0)
             break;
         if (lock(s) < 0) {
@@ -2014,8 +2077,6 @@ out:
     PyMem_Free(res);
     PyMem_Free(sums);
     PyMem_Free(want);
-    if (state != NULL)
-        xxh_state_free(state);
     PyBuffer_Release(&ab);
     PyBuffer_Release(&sb);
     free_keys(&ks);
@@ -2057,6 +2118,7 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
         int reclaimed = 0;
         Py_ssize_t hits = 0;
         uint64_t bit = 1ULL << s->slot;
+        uint32_t checked = UINT32_MAX;
         for (Py_ssize_t i = 0; i < n && !oom; i++) {
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
             if (f < 0)
@@ -2070,8 +2132,9 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
                     continue;
                 rr = R(s, (uint32_t)f);
             }
-            if (rr->state != S_HOST || slab_check(s, rr->slab) < 0)
+            if (rr->state != S_HOST || (rr->slab != checked && slab_check(s, rr->slab) < 0))
                 continue;
+            checked = rr->slab;
             const char *mp = (const char *)rr->meta;
             if (rr->meta_len > INLINE_META)
                 mp = s->maps[rr->mslab].base != NULL || slab_base(s, rr->mslab) != NULL

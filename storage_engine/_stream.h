@@ -20,11 +20,11 @@ HIDDEN int xxh_bound(void);
 /* copy n bytes from s to d and return the xxh3-64 of s, in one pass (streamed around
  * the cache from 64 KiB up); fence() once after a run of them */
 HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n);
-/* the same, with ordinary stores: the destination is read soon (a reader's buffer) */
-HIDDEN uint64_t copy_hash_cached(void *state, char *d, const char *s, size_t n);
 /* the xxh3-64 of n bytes at s */
 HIDDEN uint64_t hash_only(void *state, const char *s, size_t n);
 HIDDEN void fence(void);
+/* copy n bytes, streamed around the cache from 64 KiB up (fenced) */
+HIDDEN void stream_copy(char *d, const char *s, size_t n);
 
 /* the block index type (_kvindex.c), added to the module by its init */
 HIDDEN int kvindex_add_type(void *module);
