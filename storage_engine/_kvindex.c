@@ -138,6 +138,12 @@ typedef struct {
     uint32_t table_gen;
     int slot; /* this handle's process slot */
     uint32_t hint; /* the slab of the last allocation */
+    /* an eviction's chunk handed straight to the allocation that evicted for it (not
+     * chained into the free list and popped again: that write and read of the victim's
+     * memory were a quarter of a put into a full arena) */
+    uint64_t want_csize;
+    uint32_t hand_slot, hand_chunk;
+    int hand;
     char *root;
     char *disk_root;
     char *pool_dir; /* the store's pool of freed files, whose pages new slabs take */
@@ -542,6 +548,12 @@ static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
 
 static void release_chunk(Idx *s, uint32_t slot, uint32_t chunk) {
     slab_t *sl = &s->hdr->slabs[slot];
+    if (s->want_csize == sl->csize && !s->hand) {
+        s->hand = 1; /* still counted in use: the allocation takes it as it is */
+        s->hand_slot = slot;
+        s->hand_chunk = chunk;
+        return;
+    }
     char *base = slab_base(s, slot);
     sl->used--;
     if (base != NULL) {
@@ -1020,7 +1032,18 @@ static int allocate(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk, int
         int64_t v = victim(s);
         if (v < 0)
             return E_FULL;
+        s->want_csize = csize;
+        s->hand = 0;
         evict(s, (uint32_t)v);
+        s->want_csize = 0;
+        if (s->hand) {
+            s->hand = 0;
+            *slot = s->hand_slot;
+            *chunk = s->hand_chunk;
+            *untouched = 0;
+            s->hint = *slot;
+            return E_OK;
+        }
     }
 }
 
