@@ -49,8 +49,9 @@ class LoopEngine(Engine):
     runner's do: ``update_from_output`` with the sampled tokens and the connector's
     output."""
 
-    def __init__(self, vllm_config: Any, scheduler: str = "Scheduler") -> None:
-        super().__init__(vllm_config, scheduler=scheduler)
+    def __init__(self, vllm_config: Any, scheduler: str = "Scheduler",
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, scheduler=scheduler, kv_cache_config=kv_cache_config)
         self.seeds: dict[str, int] = {}
         self.finished: dict[str, Any] = {}
 
@@ -62,9 +63,14 @@ class LoopEngine(Engine):
             seed = self.seeds.get(req_id)
             if seed is None:
                 continue
-            ids = self.blocks_of(req_id)
+            ids = self.ids_of(req_id, name)
             for pos in range(start, start + out.num_scheduled_tokens[req_id]):
+                assert ids[pos // BLOCK] != 0, "a token computed into vLLM's null block"
                 self.caches[name][ids[pos // BLOCK], :, pos % BLOCK] = kv_value(seed, layer, pos)
+
+    def ids_of(self, req_id: str, layer: str) -> list[int]:
+        """The request's vLLM blocks of ``layer``'s KV cache group."""
+        return self.blocks_of(req_id)
 
     def run_step(self, out: Any = None, token: int = 7) -> Any:
         """One step (``out``: one already scheduled): the worker's calls, then the
