@@ -23,7 +23,9 @@ layers in several KV cache groups, one block pool): a stored block holds every g
 layers, each read from and written to its own group's vLLM blocks; a group's null block
 (a sliding-window block outside the window) is neither loaded nor saved, and a stored
 block that would need one is not saved. **MLA**: the latent cache is one page per
-block (``[block_size, kv_lora_rank + rope]``), stored the same way. Each
+block (``[block_size, kv_lora_rank + rope]``), stored the same way; vLLM's CPU build
+(MLA without its AMX kernels) cannot continue a request from a computed prefix, so
+there the connector saves and never loads. Each
 tensor-parallel / pipeline rank
 has its own namespace ``{namespace}/{layout}/tp{rank}of{size}-pp{rank}of{size}``
 (``layout`` fingerprints model, dtype and block geometry): the same token keys, the
@@ -228,6 +230,11 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         par = vllm_config.parallel_config
         self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
         self._loads = self._kv_transfer_config.is_kv_consumer
+        unusable = _why_no_loads(vllm_config)
+        if self._loads and unusable:
+            logger.warning("%s loads nothing on this engine (it still saves): %s",
+                           CONNECTOR_NAME, unusable)
+            self._loads = False
         self._saves = self._kv_transfer_config.is_kv_producer
         db = open_store(self.location)
         if role == KVConnectorRole.SCHEDULER:
@@ -630,6 +637,21 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         for kv in self.caches:
             kv.close()
+
+
+def _why_no_loads(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot start a request from a loaded prefix, or None. vLLM's
+    CPU build turns prefix caching off for MLA models (unless its AMX kernels run
+    them): its MLA prefill over an already computed prefix does not answer as a whole
+    prefill does, whoever loaded the prefix (vLLM's own example connector included),
+    so a loaded prefix would change the outputs."""
+    from vllm.platforms import current_platform
+
+    if vllm_config.model_config.use_mla and current_platform.is_cpu() \
+            and not vllm_config.cache_config.enable_prefix_caching:
+        return ("vLLM's CPU MLA backend cannot continue from a computed prefix (vLLM "
+                "turned prefix caching off for it)")
+    return None
 
 
 def _real(block_ids: tuple[list[int], ...]) -> set[int]:

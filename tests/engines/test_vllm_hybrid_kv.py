@@ -1,7 +1,9 @@
 """The connector with the models users run, on vLLM's real classes: a hybrid model
 (full-attention and sliding-window layers: two KV cache groups under vLLM's hybrid KV
-cache manager, ``SupportsHMA``) and tensor-parallel ranks of two engines (TP=2, each
-rank's worker connector in a process of its own with vLLM's real parallel state).
+cache manager, ``SupportsHMA``), an MLA model's latent cache as a GPU engine moves it
+(vLLM's CPU build never loads it: test_vllm_models_e2e.py), and tensor-parallel ranks
+of two engines (TP=2, each rank's worker connector in a process of its own with vLLM's
+real parallel state).
 
 The scheduler is vLLM's own and runs whole request lifetimes (schedule -> the worker's
 connector calls around a forward -> ``update_from_output``); the forward is a stand-in
@@ -164,6 +166,63 @@ def test_hybrid_namespace_is_apart_from_the_single_group_one(store: tensordb.Dat
                                    torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD)})
     for c in (hybrid, single, worker):
         c.shutdown()
+
+
+# -- MLA ------------------------------------------------------------------------------------
+LATENT = 576  # kv_lora_rank 512 + rope 64: one latent vector per token, all heads
+
+
+class MLAEngine(LoopEngine):
+    """An engine of an MLA model as a GPU runs it (prefix caching on): one KV cache
+    group of ``MLAAttentionSpec``, per layer a paged cache ``[blocks, block_size,
+    576]``; a token's latent vector is its KV stand-in, flattened."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT,
+                                dtype=torch.float32)
+        config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(list(TP_LAYERS), spec)])
+        super().__init__(vllm_config, kv_cache_config=config)
+        self.caches = {n: torch.zeros(NUM_BLOCKS, BLOCK, LATENT) for n in TP_LAYERS}
+        self.worker.register_kv_caches(self.caches)
+
+    def write_kv(self, layer: str, block: int, slot: int, value: torch.Tensor) -> None:
+        self.caches[layer][block, slot] = latent(value)
+
+
+def latent(value: torch.Tensor) -> torch.Tensor:
+    """A token's latent vector made from its KV stand-in (unique per seed, layer and
+    position, as the stand-in is)."""
+    flat = value.flatten()
+    return torch.cat([flat + 0.25 * k for k in range(LATENT // flat.numel())])
+
+
+def test_mla_latent_blocks_are_saved_and_loaded_block_for_block(
+        store: tensordb.Database, model_dir: Path) -> None:
+    """MLA's latent cache (one 576-wide page row per token, no K/V halves): engine A
+    prefills in chunks and saves each block once; engine B loads the four blocks into
+    its own blocks exactly as A computed them, and its request runs to its end."""
+    a = MLAEngine(_config(model_dir, _extra(store), chunk=24))
+    _request(a, "r1", PROMPT, seed=4, max_tokens=2)
+    a.run()
+    kv = a.worker.caches[0]
+    keys = kv.keys(PROMPT)[:4]
+    assert kv.match(keys) == 4 and kv.get(keys[:1])[0].shape == (3, 1, BLOCK, LATENT)
+    b = MLAEngine(_config(model_dir, _extra(store), chunk=128))
+    _request(b, "r2", PROMPT, seed=77, max_tokens=2)
+    first = b.run_step()
+    assert first.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+    for layer, name in enumerate(TP_LAYERS):
+        ids = b.ids_of("r2", name)
+        got = torch.stack([b.caches[name][ids[p // BLOCK], p % BLOCK] for p in range(4 * BLOCK)])
+        want = torch.stack([latent(kv_value(4, layer, p)) for p in range(4 * BLOCK)])
+        assert torch.equal(got, want), name
+    b.run()
+    assert {r: str(f) for r, f in b.finished.items()} == {"r2": "length"}
+    a.close()
+    b.close()
 
 
 # -- tensor parallelism ----------------------------------------------------------------------

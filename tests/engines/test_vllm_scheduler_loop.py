@@ -66,7 +66,11 @@ class LoopEngine(Engine):
             ids = self.ids_of(req_id, name)
             for pos in range(start, start + out.num_scheduled_tokens[req_id]):
                 assert ids[pos // BLOCK] != 0, "a token computed into vLLM's null block"
-                self.caches[name][ids[pos // BLOCK], :, pos % BLOCK] = kv_value(seed, layer, pos)
+                self.write_kv(name, ids[pos // BLOCK], pos % BLOCK, kv_value(seed, layer, pos))
+
+    def write_kv(self, layer: str, block: int, slot: int, value: torch.Tensor) -> None:
+        """Write one token's KV (``[heads, 2 * head_size]``) into its slot."""
+        self.caches[layer][block, :, slot] = value
 
     def ids_of(self, req_id: str, layer: str) -> list[int]:
         """The request's vLLM blocks of ``layer``'s KV cache group."""
