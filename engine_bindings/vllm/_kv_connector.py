@@ -22,7 +22,11 @@ cache manager: ``SupportsHMA``; full-attention and sliding-window or chunked-loc
 layers in several KV cache groups, one block pool): a stored block holds every group's
 layers, each read from and written to its own group's vLLM blocks; a group's null block
 (a sliding-window block outside the window) is neither loaded nor saved, and a stored
-block that would need one is not saved. **MLA**: the latent cache is one page per
+block that would need one is not saved. A hybrid engine's loads are asynchronous to
+vLLM (``get_num_new_matched_tokens`` says so: the request waits a step, in which the
+worker loads its blocks and reports it through ``get_transfer_results``), since vLLM's
+scheduler takes a failed load from a hybrid engine only as a failed request: it then
+recomputes the whole request or fails it. **MLA**: the latent cache is one page per
 block (``[block_size, kv_lora_rank + rope]``), stored the same way; vLLM's CPU build
 (MLA without its AMX kernels) cannot continue a request from a computed prefix, so
 there the connector saves and never loads. Each
@@ -227,6 +231,11 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
                                f"string, not {namespace!r}")
         self.location = StoreLocation.parse({k: extra[k] for k in LOCATION_KEYS if k in extra})
         self.namespace = f"{namespace}/{self._layout(vllm_config, groups)}"
+        #: several KV cache groups: loads are asynchronous to vLLM (done within the step
+        #: that issues them, reported through ``get_transfer_results``), since vLLM's
+        #: scheduler takes no block-level load failure from a hybrid engine, only a
+        #: failed request, and that only of a request waiting for its KV
+        self._async_loads = len(groups) > 1
         par = vllm_config.parallel_config
         self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
         self._loads = self._kv_transfer_config.is_kv_consumer
@@ -261,6 +270,8 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
             self._ratio = 1
             self._failed: set[int] = set()
             self._failed_reqs: set[str] = set()  # this step's requests whose load failed
+            self._received: set[str] = set()  # asynchronous loads done (or failed) ...
+            self._failed_received: set[str] = set()  # ... and those of them that failed
             self._step_saves: list[KVSave] = []
             self._staging: torch.Tensor | None = None
             self._saved_layers: set[int] = set()
@@ -323,7 +334,8 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         keys = self._request_keys(request)
         hits = min(kv.match(keys) for kv in self.caches) if keys else 0
         self._lookups[request.request_id] = (num_computed_tokens, keys[:hits])
-        return max(0, hits * self.block_tokens - num_computed_tokens), False
+        tokens = max(0, hits * self.block_tokens - num_computed_tokens)
+        return tokens, self._async_loads and tokens > 0
 
     def _request_keys(self, request: Request) -> list[bytes]:
         """The keys of the request's full blocks of all tokens but the last, extended
@@ -524,7 +536,12 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         to ``get_block_ids_with_load_errors``."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, TensorDBConnectorMetadata)
-        if not meta.loads or not self._ensure_registered(forward_context):
+        if not meta.loads:
+            return
+        if not self._ensure_registered(forward_context):  # nowhere to load to: failed
+            logger.warning("KV loads failed: no KV caches registered")
+            for load in meta.loads:
+                self._load_failed(load)
             return
         kv = self.caches[0]
         device = self._kv[0].device
@@ -542,17 +559,17 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
                     views = kv.get(load.keys, device=where)
             except (NotFound, CorruptData, InvalidInput) as exc:
                 logger.warning("KV load of %s failed: %s", load.req_id, exc)
-                self._failed.update(_real(load.block_ids))
-                self._failed_reqs.add(load.req_id)
+                self._load_failed(load)
                 continue
             if not isinstance(views, torch.Tensor) and any(
                     v.shape != self.block_shape or v.dtype != self._kv[0].dtype
                     for v in views):
                 logger.warning("KV load of %s: stored blocks are not %s %s", load.req_id,
                                self.block_shape, self._kv[0].dtype)
-                self._failed.update(_real(load.block_ids))
-                self._failed_reqs.add(load.req_id)
+                self._load_failed(load)
                 continue
+            if self._async_loads:
+                self._received.add(load.req_id)
             jobs.append((views, [self._load_rows(load.skip, ids, device)
                                  for ids in load.block_ids]))
         for layer, cache in enumerate(self._kv):
@@ -564,6 +581,17 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
                 src = views[:, layer].flatten(0, 1) if isinstance(views, torch.Tensor) \
                     else torch.cat([v[layer] for v in views])
                 cache.index_copy_(0, ids, src[rows.to(src.device)].to(device))
+
+    def _load_failed(self, load: KVLoad) -> None:
+        """A load that failed: its blocks (synchronous loads: vLLM recomputes them or
+        fails the request), or its request (asynchronous: vLLM recomputes all of it or
+        fails it)."""
+        if self._async_loads:
+            self._received.add(load.req_id)
+            self._failed_received.add(load.req_id)
+        else:
+            self._failed.update(_real(load.block_ids))
+            self._failed_reqs.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: ``start_load_kv`` issued every layer's copies on the
@@ -629,6 +657,18 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Nothing is in flight between steps: loads and saves end within theirs."""
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """The asynchronous loads (hybrid engines) this step did: every one finished,
+        and those that failed, which vLLM then recomputes from the start
+        (``recompute``) or fails."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        done, self._received = self._received, set()
+        failed, self._failed_received = self._failed_received, set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()

@@ -112,9 +112,11 @@ def test_hybrid_model_groups_are_saved_and_loaded_block_for_block(
 
     b = HybridEngine(_config(model_dir, _extra(store), chunk=128))
     _request(b, "r2", PROMPT, seed=99, max_tokens=2)  # its forward would write other values
+    # a hybrid engine's loads are asynchronous to vLLM: a step loads, the next computes
     first = b.run_step()
     (load,) = first.kv_connector_metadata.loads
-    assert len(load.keys) == 4 and first.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+    assert len(load.keys) == 4 and first.num_scheduled_tokens == {}
+    assert b.transfers.finished_recving == {"r2"} and not b.transfers.failed_recving
     full_ids, sliding_ids = load.block_ids
     # the window of the next token reaches back into block 2: blocks 0 and 1 are null
     assert 0 not in full_ids and sliding_ids[:2] == [0, 0] and 0 not in sliding_ids[2:]
@@ -126,7 +128,9 @@ def test_hybrid_model_groups_are_saved_and_loaded_block_for_block(
                 continue
             got = b.caches[name][ids[pos // BLOCK], :, pos % BLOCK]
             assert torch.equal(got, kv_value(3, layer, pos)), (name, pos)
-    assert first.kv_connector_metadata.saves == []  # its blocks are all stored
+    second = b.run_step()
+    assert second.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK
+    assert second.kv_connector_metadata.saves == []  # its blocks are all stored
     b.run()
     assert {r: str(f) for r, f in b.finished.items()} == {"r2": "length"}
     for e in (a, b):
@@ -134,6 +138,43 @@ def test_hybrid_model_groups_are_saved_and_loaded_block_for_block(
         assert e.scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks \
             == NUM_BLOCKS - 1
         e.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_hybrid_load_failure_fails_the_request_not_the_engine(
+        store: tensordb.Database, model_dir: Path, policy: str) -> None:
+    """A stored block deleted between the match and the load of a hybrid engine (whose
+    scheduler takes no failed blocks, only failed requests): the request's load is
+    reported failed and nothing of it is saved; ``recompute``: vLLM computes the whole
+    prompt again and its blocks are saved, the lost one too, as the first engine
+    computed it; ``fail``: the request ends with an error and the store keeps its hole."""
+    a = HybridEngine(_config(model_dir, _extra(store), chunk=128))
+    _request(a, "r1", PROMPT, seed=6, max_tokens=2)
+    a.run()
+    kv = a.worker.caches[0]
+    keys = kv.keys(PROMPT)[:4]
+    b = HybridEngine(_config(model_dir, _extra(store), policy=policy, chunk=128))
+    _request(b, "r2", PROMPT, seed=6, max_tokens=2)
+    out = b.scheduler.schedule()
+    assert [len(load.keys) for load in out.kv_connector_metadata.loads] == [4]
+    kv.delete(keys[1:2])  # as an eviction by another engine would
+    b.run_step(out)
+    assert b.transfers.failed_recving == {"r2"} and b.last[2] == set()
+    assert kv.contains(keys) == [True, False, True, True]
+    b.run()
+    if policy == "recompute":
+        assert {r: str(f) for r, f in b.finished.items()} == {"r2": "length"}
+        assert kv.contains(keys) == [True] * 4
+        block = kv.get(keys[1:2])[0]
+        for layer in range(len(LAYERS)):
+            want = torch.stack([kv_value(6, layer, p) for p in range(BLOCK, 2 * BLOCK)])
+            assert torch.equal(block[layer, 0].permute(1, 0, 2), want), layer
+    else:
+        assert {r: str(f) for r, f in b.finished.items()} == {"r2": "error"}
+        assert kv.contains(keys) == [True, False, True, True]
+    assert not b.scheduler.requests and not b.scheduler.connector._tracked
+    a.close()
+    b.close()
 
 
 def test_hybrid_namespace_is_apart_from_the_single_group_one(store: tensordb.Database,

@@ -142,6 +142,7 @@ class Engine:
                 w.save_kv_layer(name, self.caches[name], object())
             w.wait_for_save()
             finished = w.get_finished(out.finished_req_ids)
+            self.transfers = w.get_transfer_results(out.finished_req_ids)
             errors = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         self.last = (out, finished, errors)

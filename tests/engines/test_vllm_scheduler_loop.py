@@ -94,7 +94,9 @@ class LoopEngine(Engine):
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
             pooler_output=None,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=errors))
+            kv_connector_output=KVConnectorOutput(
+                invalid_block_ids=errors, finished_recving=self.transfers.finished_recving,
+                failed_recving=self.transfers.failed_recving))
         outputs = self.scheduler.update_from_output(out, runner)
         for eco in outputs.values():
             for o in eco.outputs:
