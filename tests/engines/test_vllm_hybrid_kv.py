@@ -140,6 +140,34 @@ def test_hybrid_model_groups_are_saved_and_loaded_block_for_block(
         e.close()
 
 
+def test_a_block_whose_window_kv_is_gone_is_not_saved(store: tensordb.Database,
+                                                      model_dir: Path) -> None:
+    """A request served from vLLM's own prefix cache holds vLLM's null block for the
+    sliding-window blocks left behind by the window: the stored blocks the store lacks
+    there are not saved (their sliding layers' KV is gone), those it can fill whole
+    are, as computed."""
+    a = HybridEngine(_config(model_dir, _extra(store), chunk=128))
+    _request(a, "r1", PROMPT, seed=3, max_tokens=2)
+    a.run()
+    kv = a.worker.caches[0]
+    longer = PROMPT[:4 * BLOCK] + list(range(8000, 8000 + 2 * BLOCK + 3))
+    keys = kv.keys(longer)
+    kv.delete(keys[:3])  # the store lost blocks 0-2; vLLM's prefix cache holds them
+    _request(a, "r3", longer, seed=3, max_tokens=2)
+    first = a.run_step()
+    assert first.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK  # a local hit
+    assert a.ids_of("r3", SLIDING[0])[:2] == [0, 0]
+    (save,) = first.kv_connector_metadata.saves
+    assert save.keys == [keys[2], keys[4], keys[5]]  # not blocks 0 and 1; 3 is stored
+    a.run()
+    assert kv.contains(keys) == [False, False, True, True, True, True]
+    block = kv.get(keys[2:3])[0]
+    for layer in range(len(LAYERS)):
+        want = torch.stack([kv_value(3, layer, p) for p in range(2 * BLOCK, 3 * BLOCK)])
+        assert torch.equal(block[layer, 0].permute(1, 0, 2), want), layer
+    a.close()
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_hybrid_load_failure_fails_the_request_not_the_engine(
         store: tensordb.Database, model_dir: Path, policy: str) -> None:
