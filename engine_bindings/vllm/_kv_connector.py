@@ -17,7 +17,20 @@ K and V: a tensor ``[layers, block_tokens // block_size * r, *page]`` where ``pa
 is one kernel block of vLLM's per-layer cache view (``[heads, block_size / r, 2 *
 head_size]`` for FlashAttention and the CPU backend, K then V on the last axis) and
 ``r`` the kernel blocks per vLLM block (1 unless the attention kernel splits blocks).
-Layers are in the natural order of their names. Each tensor-parallel / pipeline rank
+Layers are in the natural order of their names. **Hybrid models** (vLLM's hybrid KV
+cache manager: ``SupportsHMA``; full-attention and sliding-window or chunked-local
+layers in several KV cache groups, one block pool): a stored block holds every group's
+layers, each read from and written to its own group's vLLM blocks; a group's null block
+(a sliding-window block outside the window) is neither loaded nor saved, and a stored
+block that would need one is not saved. A hybrid engine's loads are asynchronous to
+vLLM (``get_num_new_matched_tokens`` says so: the request waits a step, in which the
+worker loads its blocks and reports it through ``get_transfer_results``), since vLLM's
+scheduler takes a failed load from a hybrid engine only as a failed request: it then
+recomputes the whole request or fails it. **MLA**: the latent cache is one page per
+block (``[block_size, kv_lora_rank + rope]``), stored the same way; vLLM's CPU build
+(MLA without its AMX kernels) cannot continue a request from a computed prefix, so
+there the connector saves and never loads. Each
+tensor-parallel / pipeline rank
 has its own namespace ``{namespace}/{layout}/tp{rank}of{size}-pp{rank}of{size}``
 (``layout`` fingerprints model, dtype and block geometry): the same token keys, the
 rank's own slice of the KV.
@@ -59,6 +72,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -97,23 +118,24 @@ _OPTION_KEYS = ("namespace", "block_tokens", "capacity_bytes", "gpu_capacity")
 @dataclass(frozen=True, slots=True)
 class KVLoad:
     """Stored blocks one request reads this step: sub-block ``skip`` of ``keys[0]``
-    onwards goes, in order, into vLLM blocks ``block_ids`` (the sub-blocks before
-    ``skip`` were already in vLLM's prefix cache)."""
+    onwards goes, in order, into vLLM blocks ``block_ids[g]`` of each KV cache group
+    ``g`` (the sub-blocks before ``skip`` were already in vLLM's prefix cache; a null
+    block, id 0, is one a sliding-window group does not need, and is not written)."""
 
     req_id: str
     keys: list[bytes]
     skip: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class KVSave:
     """Stored blocks one request writes this step: ``keys[i]`` is made of vLLM blocks
-    ``block_ids[i * per_key:(i + 1) * per_key]``."""
+    ``block_ids[g][i * per_key:(i + 1) * per_key]`` of each KV cache group ``g``."""
 
     req_id: str
     keys: list[bytes]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 @dataclass
@@ -130,7 +152,7 @@ class _Tracked:
 
     prompt: list[int]
     parent: bytes | None
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed: int = 0
     saved: int = 0  # leading prompt blocks already saved, or found in the store
     keys: list[bytes] | None = None
@@ -140,6 +162,15 @@ def _natural(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+#: vLLM's null block: the id a sliding-window group holds where a block left its window
+NULL_BLOCK = 0
+
+#: the KV cache specs whose blocks the connector stores: attention over token blocks
+#: (full, sliding-window, chunked-local; MLA's latent cache); not Mamba state
+_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec,
+          ChunkedLocalAttentionSpec)
+
+
 def _positive(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidInput(f"kv_connector_extra_config {what!r} must be a positive int, "
@@ -147,7 +178,7 @@ def _positive(value: object, what: str) -> int:
     return value
 
 
-class TensorDBConnector(KVConnectorBase_V1):
+class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
     """``KVConnectorBase_V1`` over a tensordb KV namespace (see the module docstring).
 
     ``kv_connector_extra_config`` keys: where the store is (``home``, or ``url`` with
@@ -172,11 +203,17 @@ class TensorDBConnector(KVConnectorBase_V1):
                                f"{CONNECTOR_NAME}; expected some of "
                                f"{list(_OPTION_KEYS + LOCATION_KEYS)}")
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        if len(groups) != 1 or not hasattr(groups[0].kv_cache_spec, "num_kv_heads"):
-            raise InvalidInput(f"{CONNECTOR_NAME} needs exactly one attention KV cache "
-                               f"group, not {len(groups)} (run with "
-                               f"--disable-hybrid-kv-cache-manager)")
         self.block_size = int(vllm_config.cache_config.block_size)
+        if not groups:
+            raise InvalidInput(f"{CONNECTOR_NAME} needs at least one attention KV cache "
+                               f"group, not none")
+        for g in groups:
+            spec = g.kv_cache_spec
+            if type(spec) not in _SPECS or spec.block_size != self.block_size:
+                raise InvalidInput(
+                    f"{CONNECTOR_NAME} stores attention KV cache groups of vLLM's block "
+                    f"size {self.block_size}; layers {list(g.layer_names)[:3]} have "
+                    f"{type(spec).__name__} of block size {spec.block_size}")
         self.block_tokens = _positive(extra.get("block_tokens", self.block_size),
                                       "block_tokens")
         if self.block_tokens % self.block_size:
@@ -193,10 +230,20 @@ class TensorDBConnector(KVConnectorBase_V1):
             raise InvalidInput(f"kv_connector_extra_config 'namespace' must be a non-empty "
                                f"string, not {namespace!r}")
         self.location = StoreLocation.parse({k: extra[k] for k in LOCATION_KEYS if k in extra})
-        self.namespace = f"{namespace}/{self._layout(vllm_config, groups[0].kv_cache_spec)}"
+        self.namespace = f"{namespace}/{self._layout(vllm_config, groups)}"
+        #: several KV cache groups: loads are asynchronous to vLLM (done within the step
+        #: that issues them, reported through ``get_transfer_results``), since vLLM's
+        #: scheduler takes no block-level load failure from a hybrid engine, only a
+        #: failed request, and that only of a request waiting for its KV
+        self._async_loads = len(groups) > 1
         par = vllm_config.parallel_config
         self.tp_size, self.pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
         self._loads = self._kv_transfer_config.is_kv_consumer
+        unusable = _why_no_loads(vllm_config)
+        if self._loads and unusable:
+            logger.warning("%s loads nothing on this engine (it still saves): %s",
+                           CONNECTOR_NAME, unusable)
+            self._loads = False
         self._saves = self._kv_transfer_config.is_kv_producer
         db = open_store(self.location)
         if role == KVConnectorRole.SCHEDULER:
@@ -217,22 +264,40 @@ class TensorDBConnector(KVConnectorBase_V1):
                                  self.block_tokens, **self._opts)]
             self._layers: list[str] = []
             self._kv: list[torch.Tensor] = []
+            #: the KV cache group of each layer (hybrid models: several)
+            self._group_of = {n: g for g, grp in enumerate(groups) for n in grp.layer_names}
+            self._layer_groups: list[int] = []
             self._ratio = 1
             self._failed: set[int] = set()
             self._failed_reqs: set[str] = set()  # this step's requests whose load failed
+            self._received: set[str] = set()  # asynchronous loads done (or failed) ...
+            self._failed_received: set[str] = set()  # ... and those of them that failed
             self._step_saves: list[KVSave] = []
             self._staging: torch.Tensor | None = None
             self._saved_layers: set[int] = set()
 
     # -- naming ----------------------------------------------------------------------
-    def _layout(self, vllm_config: VllmConfig, spec: Any) -> str:
+    def _layout(self, vllm_config: VllmConfig, groups: Sequence[Any]) -> str:
+        """A fingerprint of what a stored block holds: the model, the KV geometry of
+        each KV cache group (its layers and attention kind), the block and the
+        parallelism. The fingerprint of a single full-attention group is the one it
+        always was, so that upgraded engines keep their stored blocks."""
         mc = vllm_config.model_config
-        facts = (str(mc.model), str(mc.dtype), str(vllm_config.cache_config.cache_dtype),
-                 str(spec.dtype), spec.num_kv_heads, spec.head_size,
-                 getattr(spec, "head_size_v", None), self.block_size, self.block_tokens,
-                 mc.get_total_num_hidden_layers(),
-                 vllm_config.parallel_config.tensor_parallel_size,
-                 vllm_config.parallel_config.pipeline_parallel_size)
+        spec = groups[0].kv_cache_spec
+        facts: tuple[Any, ...] = (
+            str(mc.model), str(mc.dtype), str(vllm_config.cache_config.cache_dtype),
+            str(spec.dtype), spec.num_kv_heads, spec.head_size,
+            getattr(spec, "head_size_v", None), self.block_size, self.block_tokens,
+            mc.get_total_num_hidden_layers(),
+            vllm_config.parallel_config.tensor_parallel_size,
+            vllm_config.parallel_config.pipeline_parallel_size)
+        if len(groups) > 1 or type(spec) is not FullAttentionSpec:
+            facts += tuple((type(g.kv_cache_spec).__name__, sorted(g.layer_names, key=_natural),
+                            str(g.kv_cache_spec.dtype), g.kv_cache_spec.num_kv_heads,
+                            g.kv_cache_spec.head_size,
+                            getattr(g.kv_cache_spec, "sliding_window", None),
+                            getattr(g.kv_cache_spec, "attention_chunk_size", None))
+                           for g in groups)
         return xxhash.xxh3_64_hexdigest(repr(facts).encode())
 
     def rank_namespace(self, tp_rank: int, pp_rank: int) -> str:
@@ -269,7 +334,8 @@ class TensorDBConnector(KVConnectorBase_V1):
         keys = self._request_keys(request)
         hits = min(kv.match(keys) for kv in self.caches) if keys else 0
         self._lookups[request.request_id] = (num_computed_tokens, keys[:hits])
-        return max(0, hits * self.block_tokens - num_computed_tokens), False
+        tokens = max(0, hits * self.block_tokens - num_computed_tokens)
+        return tokens, self._async_loads and tokens > 0
 
     def _request_keys(self, request: Request) -> list[bytes]:
         """The keys of the request's full blocks of all tokens but the last, extended
@@ -296,11 +362,11 @@ class TensorDBConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:
             return
         first, end = start // self.block_size, (start + num_external_tokens) // self.block_size
-        block_ids = list(blocks.get_block_ids()[0])
         self._pending[request.request_id] = KVLoad(
             req_id=request.request_id,
             keys=keys[first // self.per_key:-(-end // self.per_key)],
-            skip=first % self.per_key, block_ids=block_ids[first:end])
+            skip=first % self.per_key,
+            block_ids=tuple(list(ids[first:end]) for ids in blocks.get_block_ids()))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> TensorDBConnectorMetadata:
@@ -312,7 +378,7 @@ class TensorDBConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
             if t is not None:
-                t.block_ids = list(new.block_ids[0])
+                t.block_ids = [list(ids) for ids in new.block_ids]
                 t.num_computed = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -321,9 +387,10 @@ class TensorDBConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_ids is not None:
-                t.block_ids = list(new_ids[0])
+                t.block_ids = [list(ids) for ids in new_ids]
             elif new_ids is not None:
-                t.block_ids.extend(new_ids[0])
+                for mine, ids in zip(t.block_ids, new_ids, strict=True):
+                    mine.extend(ids)
             t.num_computed = cached.num_computed_tokens[i]
         if self._saves:
             step: set[bytes] = set()  # two requests of one prefix in a step save it once
@@ -337,8 +404,12 @@ class TensorDBConnector(KVConnectorBase_V1):
 
     def _save_of(self, req_id: str, t: _Tracked, computed: int, step: set[bytes]
                  ) -> KVSave | None:
-        full = min(computed, len(t.prompt), len(t.block_ids) * self.block_size) \
-            // self.block_tokens
+        """The stored blocks of the request that ``computed`` tokens complete and the
+        store lacks. A stored block holding a null block of a sliding-window group
+        (its KV left the window before this engine computed it: a local prefix hit)
+        cannot be saved whole, and is left to an engine that computes it."""
+        held = min(len(ids) for ids in t.block_ids)
+        full = min(computed, len(t.prompt), held * self.block_size) // self.block_tokens
         if full <= t.saved:
             return None
         if t.keys is None:
@@ -346,13 +417,16 @@ class TensorDBConnector(KVConnectorBase_V1):
         lo, t.saved = t.saved, full
         keys = t.keys[lo:full]
         present = [all(c) for c in zip(*(kv.contains(keys) for kv in self.caches), strict=True)]
-        todo = [lo + i for i, p in enumerate(present) if not p and keys[i] not in step]
+        m = self.per_key
+        todo = [lo + i for i, p in enumerate(present) if not p and keys[i] not in step
+                and all(NULL_BLOCK not in ids[(lo + i) * m:(lo + i + 1) * m]
+                        for ids in t.block_ids)]
         if not todo:
             return None
         step.update(t.keys[i] for i in todo)
-        m = self.per_key
         return KVSave(req_id=req_id, keys=[t.keys[i] for i in todo],
-                      block_ids=[b for i in todo for b in t.block_ids[i * m:(i + 1) * m]])
+                      block_ids=tuple([b for i in todo for b in ids[i * m:(i + 1) * m]]
+                                      for ids in t.block_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks that failed to load on a worker: a request holding one saved nothing
@@ -362,9 +436,9 @@ class TensorDBConnector(KVConnectorBase_V1):
         if not invalid:
             return
         for t in self._tracked.values():
-            hit = [i for i, b in enumerate(t.block_ids) if b in invalid]
+            hit = [i for ids in t.block_ids for i, b in enumerate(ids) if b in invalid]
             if hit:
-                t.saved = min(t.saved, hit[0] // self.per_key)
+                t.saved = min(t.saved, min(hit) // self.per_key)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -374,13 +448,26 @@ class TensorDBConnector(KVConnectorBase_V1):
             d.pop(request.request_id, None)
         return False, None
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` under vLLM's hybrid KV cache manager (``SupportsHMA``):
+        the same, whatever the groups."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # -- worker side -----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the per-layer paged caches (``[blocks * r, *page]`` views, blocks
-        first). All layers must share shape, dtype and device."""
+        first) of every KV cache group's layers. All layers must share shape, dtype and
+        device (under vLLM's hybrid KV cache manager the groups share one block pool
+        and page size)."""
         if not kv_caches:
             raise InvalidInput(f"{CONNECTOR_NAME}: no KV caches to register")
         names = sorted(kv_caches, key=_natural)
+        unknown = [n for n in names if n not in self._group_of]
+        if unknown:
+            raise InvalidInput(f"{CONNECTOR_NAME}: layers {unknown[:3]} are in no KV cache "
+                               f"group of this engine")
         first = kv_caches[names[0]]
         num_blocks = self._kv_cache_config.num_blocks
         for name in names:
@@ -395,6 +482,7 @@ class TensorDBConnector(KVConnectorBase_V1):
                                f"is not a multiple of {num_blocks} vLLM blocks")
         self._layers = names
         self._kv = [kv_caches[n] for n in names]
+        self._layer_groups = [self._group_of[n] for n in names]
         self._ratio = first.shape[0] // num_blocks
 
     @property
@@ -409,7 +497,7 @@ class TensorDBConnector(KVConnectorBase_V1):
         if forward_context is None:
             return False
         layers = forward_context.no_compile_layers
-        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        names = list(self._group_of)
         caches = {n: layers[n].kv_cache for n in names
                   if n in layers and isinstance(getattr(layers[n], "kv_cache", None),
                                                 torch.Tensor)}
@@ -424,6 +512,17 @@ class TensorDBConnector(KVConnectorBase_V1):
             ids = (ids[:, None] * r + torch.arange(r)).reshape(-1)
         return ids.to(device)
 
+    def _load_rows(self, skip: int, block_ids: Sequence[int], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which kernel blocks of a load's stored blocks (flattened) go into which
+        kernel blocks of the paged cache, for one group: its vLLM blocks from sub-block
+        ``skip`` on, less the null blocks (outside a sliding window: not needed)."""
+        r = self._ratio
+        keep = [i for i, b in enumerate(block_ids) if b != NULL_BLOCK]
+        src = torch.tensor([(skip + i) * r + k for i in keep for k in range(r)],
+                           dtype=torch.long)
+        return src, self._rows([block_ids[i] for i in keep], device)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """A new step: no request of it has failed a load yet. (vLLM calls
         ``start_load_kv`` after the forward in a step without loads, so the step's
@@ -437,14 +536,19 @@ class TensorDBConnector(KVConnectorBase_V1):
         to ``get_block_ids_with_load_errors``."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, TensorDBConnectorMetadata)
-        if not meta.loads or not self._ensure_registered(forward_context):
+        if not meta.loads:
+            return
+        if not self._ensure_registered(forward_context):  # nowhere to load to: failed
+            logger.warning("KV loads failed: no KV caches registered")
+            for load in meta.loads:
+                self._load_failed(load)
             return
         kv = self.caches[0]
         device = self._kv[0].device
         # with a GPU tier: views of the blocks' device copies (copied up once, shared by
         # the host's engines), so the copies below stay on the device
         where = device if device.type == "cuda" and kv.gpu_enabled else None
-        jobs: list[tuple[Any, slice, list[int]]] = []
+        jobs: list[tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         for load in meta.loads:
             try:
                 if where is None:  # one batch read into one tensor: no object per block
@@ -455,28 +559,39 @@ class TensorDBConnector(KVConnectorBase_V1):
                     views = kv.get(load.keys, device=where)
             except (NotFound, CorruptData, InvalidInput) as exc:
                 logger.warning("KV load of %s failed: %s", load.req_id, exc)
-                self._failed.update(load.block_ids)
-                self._failed_reqs.add(load.req_id)
+                self._load_failed(load)
                 continue
             if not isinstance(views, torch.Tensor) and any(
                     v.shape != self.block_shape or v.dtype != self._kv[0].dtype
                     for v in views):
                 logger.warning("KV load of %s: stored blocks are not %s %s", load.req_id,
                                self.block_shape, self._kv[0].dtype)
-                self._failed.update(load.block_ids)
-                self._failed_reqs.add(load.req_id)
+                self._load_failed(load)
                 continue
-            r = self._ratio
-            lo = load.skip * r
-            jobs.append((views, slice(lo, lo + len(load.block_ids) * r), load.block_ids))
-        if not jobs:
-            return
-        jobs = [(views, rows, self._rows(ids, device)) for views, rows, ids in jobs]
+            if self._async_loads:
+                self._received.add(load.req_id)
+            jobs.append((views, [self._load_rows(load.skip, ids, device)
+                                 for ids in load.block_ids]))
         for layer, cache in enumerate(self._kv):
-            for views, rows, ids in jobs:
-                src = views[:, layer].flatten(0, 1)[rows] if isinstance(views, torch.Tensor) \
-                    else torch.cat([v[layer] for v in views])[rows]
-                cache.index_copy_(0, ids, src.to(device))
+            group = self._layer_groups[layer]
+            for views, per_group in jobs:
+                rows, ids = per_group[group]
+                if not len(ids):
+                    continue
+                src = views[:, layer].flatten(0, 1) if isinstance(views, torch.Tensor) \
+                    else torch.cat([v[layer] for v in views])
+                cache.index_copy_(0, ids, src[rows.to(src.device)].to(device))
+
+    def _load_failed(self, load: KVLoad) -> None:
+        """A load that failed: its blocks (synchronous loads: vLLM recomputes them or
+        fails the request), or its request (asynchronous: vLLM recomputes all of it or
+        fails it)."""
+        if self._async_loads:
+            self._received.add(load.req_id)
+            self._failed_received.add(load.req_id)
+        else:
+            self._failed.update(_real(load.block_ids))
+            self._failed_reqs.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: ``start_load_kv`` issued every layer's copies on the
@@ -505,11 +620,13 @@ class TensorDBConnector(KVConnectorBase_V1):
             count = sum(len(s.keys) for s in self._step_saves)
             self._staging = torch.empty((count, *self.block_shape), dtype=self._kv[0].dtype,
                                         device=kv_layer.device)
-            self._save_rows = self._rows([b for s in self._step_saves for b in s.block_ids],
-                                         kv_layer.device)
+            self._save_rows = [self._rows([b for s in self._step_saves for b in s.block_ids[g]],
+                                          kv_layer.device)
+                               for g in range(len(self._step_saves[0].block_ids))]
             self._saved_layers = set()
         dst = self._staging[:, layer]
-        dst.copy_(kv_layer.index_select(0, self._save_rows).view(dst.shape))
+        rows = self._save_rows[self._layer_groups[layer]]
+        dst.copy_(kv_layer.index_select(0, rows).view(dst.shape))
         self._saved_layers.add(layer)
 
     def wait_for_save(self) -> None:
@@ -541,6 +658,18 @@ class TensorDBConnector(KVConnectorBase_V1):
         """Nothing is in flight between steps: loads and saves end within theirs."""
         return None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """The asynchronous loads (hybrid engines) this step did: every one finished,
+        and those that failed, which vLLM then recomputes from the start
+        (``recompute``) or fails."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        done, self._received = self._received, set()
+        failed, self._failed_received = self._failed_received, set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
@@ -548,6 +677,26 @@ class TensorDBConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         for kv in self.caches:
             kv.close()
+
+
+def _why_no_loads(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot start a request from a loaded prefix, or None. vLLM's
+    CPU build turns prefix caching off for MLA models (unless its AMX kernels run
+    them): its MLA prefill over an already computed prefix does not answer as a whole
+    prefill does, whoever loaded the prefix (vLLM's own example connector included),
+    so a loaded prefix would change the outputs."""
+    from vllm.platforms import current_platform
+
+    if vllm_config.model_config.use_mla and current_platform.is_cpu() \
+            and not vllm_config.cache_config.enable_prefix_caching:
+        return ("vLLM's CPU MLA backend cannot continue from a computed prefix (vLLM "
+                "turned prefix caching off for it)")
+    return None
+
+
+def _real(block_ids: tuple[list[int], ...]) -> set[int]:
+    """The vLLM blocks of every group, less the null block."""
+    return {b for ids in block_ids for b in ids if b != NULL_BLOCK}
 
 
 def _forward_context() -> ForwardContext | None:

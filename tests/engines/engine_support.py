@@ -75,13 +75,18 @@ CONFIG = {
 }
 
 
+def write_model_config(folder: str | os.PathLike[str], config: dict[str, Any]) -> Path:
+    """A model folder with only ``config`` as its config.json."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def write_config(folder: str | os.PathLike[str]) -> Path:
     """A model folder with only config.json (engines read the architecture from it; the
     weights come from the store)."""
-    path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    return path
+    return write_model_config(folder, CONFIG)
 
 
 def checkpoint(seed: int) -> dict[str, torch.Tensor]:
@@ -181,10 +186,7 @@ SERVING = {
 
 def write_serving_config(folder: str | os.PathLike[str]) -> Path:
     """A model folder with only the config.json of the ``SERVING`` Llama."""
-    path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(SERVING))
-    return path
+    return write_model_config(folder, SERVING)
 
 
 def serving_checkpoint(seed: int) -> dict[str, torch.Tensor]:
@@ -212,6 +214,63 @@ def serving_checkpoint(seed: int) -> dict[str, torch.Tensor]:
             p + "mlp.down_proj.weight": r(hidden, inter),
             p + "input_layernorm.weight": 1 + r(hidden),
             p + "post_attention_layernorm.weight": 1 + r(hidden),
+        })
+    return sd
+
+
+# the same Llama with a hybrid KV cache: layer 1 attends over a sliding window of 64
+# tokens (two KV cache groups under vLLM's hybrid KV cache manager); its checkpoint is
+# ``serving_checkpoint``'s
+HYBRID = {**SERVING, "layer_types": ["full_attention", "sliding_attention"],
+          "sliding_window": 64}
+
+# a DeepSeek-V2-style model with multi-head latent attention (MLA): vLLM's CPU build
+# runs MLA with a latent cache of 576 (kv_lora_rank 512 + rope 64) per token; the MLP
+# is dense in both layers (first_k_dense_replace)
+MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "vocab_size": 512, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+    "first_k_dense_replace": 2, "topk_method": "greedy", "rope_theta": 10000.0,
+    "rope_scaling": None, "torch_dtype": "float32", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def mla_checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    """A full checkpoint of the ``MLA`` model in Hugging Face (DeepSeek-V2) names;
+    every tensor depends on ``seed``."""
+    c = MLA
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, lora, rope = c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    nope, v = c["qk_nope_head_dim"], c["v_head_dim"]
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:  # about unit variance through each layer
+        return torch.randn(*shape, generator=g) * 2 / shape[-1] ** 0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1 + torch.randn(n, generator=g) * 0.2
+
+    sd = {"model.embed_tokens.weight": r(vocab, hidden), "model.norm.weight": norm(hidden),
+          "lm_head.weight": r(vocab, hidden)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "self_attn.q_proj.weight": r(heads * (nope + rope), hidden),
+            p + "self_attn.kv_a_proj_with_mqa.weight": r(lora + rope, hidden),
+            p + "self_attn.kv_a_layernorm.weight": norm(lora),
+            p + "self_attn.kv_b_proj.weight": r(heads * (nope + v), lora),
+            p + "self_attn.o_proj.weight": r(hidden, heads * v),
+            p + "mlp.gate_proj.weight": r(inter, hidden),
+            p + "mlp.up_proj.weight": r(inter, hidden),
+            p + "mlp.down_proj.weight": r(hidden, inter),
+            p + "input_layernorm.weight": norm(hidden),
+            p + "post_attention_layernorm.weight": norm(hidden),
         })
     return sd
 

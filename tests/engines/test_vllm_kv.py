@@ -42,14 +42,15 @@ def _extra(db: tensordb.Database, **more: Any) -> dict[str, Any]:
 
 
 def _config(model_dir: Path, extra: dict[str, Any], role: str = "kv_both", *,
-            policy: str = "fail", chunk: int = 512) -> Any:
+            policy: str = "fail", chunk: int = 512, tp: int = 1) -> Any:
     """vLLM's config of an engine with the connector; ``chunk``: tokens per step (a
     prompt longer than that is prefilled in chunks), ``policy``: what vLLM does with a
-    block that failed to load."""
+    block that failed to load, ``tp``: its tensor-parallel size."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -61,6 +62,7 @@ def _config(model_dir: Path, extra: dict[str, Any], role: str = "kv_both", *,
         scheduler_config=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8,
                                          max_model_len=128, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TensorDBConnector", kv_connector_module_path="engine_bindings.vllm",
             kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy))
@@ -82,7 +84,7 @@ class Engine:
     underneath, as FlashAttention's NHD layout does)."""
 
     def __init__(self, vllm_config: Any, layout: str = "HND",
-                 scheduler: str = "Scheduler") -> None:
+                 scheduler: str = "Scheduler", kv_cache_config: Any = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -91,7 +93,9 @@ class Engine:
 
         self.config = vllm_config
         vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what profiling would set
-        kv_cache_config = _cache_config()
+        kv_cache_config = kv_cache_config or _cache_config()
+        #: the model's attention layers, every KV cache group's, in the natural order
+        self.layers = sorted(n for g in kv_cache_config.kv_cache_groups for n in g.layer_names)
         cls = {"Scheduler": Scheduler, "AsyncScheduler": AsyncScheduler}[scheduler]
         self.scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                              structured_output_manager=StructuredOutputManager(vllm_config),
@@ -100,10 +104,10 @@ class Engine:
                                                           kv_cache_config)
         if layout == "NHD":
             self.caches = {n: torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, 2 * HEAD)
-                           .permute(0, 2, 1, 3) for n in LAYERS}
+                           .permute(0, 2, 1, 3) for n in self.layers}
         else:
             self.caches = {n: torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD)
-                           for n in LAYERS}
+                           for n in self.layers}
         self.worker.register_kv_caches(self.caches)
 
     def add(self, req_id: str, tokens: list[int]) -> Any:
@@ -128,16 +132,17 @@ class Engine:
         out = self.scheduler.schedule() if out is None else out
         w = self.worker
         w.bind_connector_metadata(out.kv_connector_metadata)
-        with set_forward_context({n: object() for n in LAYERS}, self.config):
+        with set_forward_context({n: object() for n in self.layers}, self.config):
             from vllm.forward_context import get_forward_context
 
             w.start_load_kv(get_forward_context())
-            for layer, name in enumerate(LAYERS):
+            for layer, name in enumerate(self.layers):
                 w.wait_for_layer_load(name)
                 self._attention(out, layer, name, compute or {})
                 w.save_kv_layer(name, self.caches[name], object())
             w.wait_for_save()
             finished = w.get_finished(out.finished_req_ids)
+            self.transfers = w.get_transfer_results(out.finished_req_ids)
             errors = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         self.last = (out, finished, errors)
@@ -200,7 +205,10 @@ def test_connector_loads_through_vllm_factory_and_module_path(store: tensordb.Da
     config = _config(model_dir, _extra(store))
     cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
     assert cls is TensorDBConnector and issubclass(cls, KVConnectorBase_V1)
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager  # vLLM turned HMA off
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    # the connector supports vLLM's hybrid KV cache manager, which vLLM then leaves on
+    assert supports_hma(cls) and not config.scheduler_config.disable_hybrid_kv_cache_manager
     assert binding.kv_transfer_config(location=store)["kv_connector"] == "TensorDBConnector"
     assert {"TensorDBConnector", "TensorDBConnectorMetadata", "KVLoad", "KVSave",
             "kv_transfer_config", "CONNECTOR_NAME"} <= set(binding.__all__)
@@ -216,7 +224,7 @@ def test_prefix_saved_by_one_engine_is_loaded_by_another(engines: list[Engine],
     out = a.step({"r1": 7})
     meta = out.kv_connector_metadata
     assert meta.loads == [] and len(meta.saves) == 1 and len(meta.saves[0].keys) == 3
-    assert meta.saves[0].block_ids == a.blocks_of("r1")[:3]
+    assert meta.saves[0].block_ids == (a.blocks_of("r1")[:3],)
     assert a.last[1] == (None, None) and a.last[2] == set()
     ns = a.worker.caches[0]
     assert ns.match(meta.saves[0].keys) == 3
@@ -254,7 +262,7 @@ def test_longer_prompt_saves_only_the_new_blocks_and_misses_diverge(
     saves = {s.req_id: s for s in out.kv_connector_metadata.saves}
     assert len(saves["r2"].keys) == 2  # blocks 4 and 5 only: blocks 1-3 are stored
     assert len(saves["r3"].keys) == 3 and not set(saves["r3"].keys) & set(first)
-    assert saves["r2"].block_ids == b.blocks_of("r2")[3:5]
+    assert saves["r2"].block_ids == (b.blocks_of("r2")[3:5],)
 
 
 def test_partial_local_hit_loads_the_rest_of_a_stored_block(
@@ -266,7 +274,7 @@ def test_partial_local_hit_loads_the_rest_of_a_stored_block(
     prompt = list(range(100, 100 + 4 * BLOCK + 3))
     a.add("r1", prompt)
     meta = a.step({"r1": 4}).kv_connector_metadata
-    assert len(meta.saves[0].keys) == 2 and len(meta.saves[0].block_ids) == 4
+    assert len(meta.saves[0].keys) == 2 and len(meta.saves[0].block_ids[0]) == 4
     b = Engine(_config(model_dir, _extra(store, block_tokens=2 * BLOCK)))
     engines.append(b)
     b.add("warm", prompt[:BLOCK] + [1, 2, 3])  # fills vLLM's local cache with block 0
@@ -275,7 +283,7 @@ def test_partial_local_hit_loads_the_rest_of_a_stored_block(
     out = b.step()
     (load,) = out.kv_connector_metadata.loads
     assert load.req_id == "r2" and load.skip == 1 and len(load.keys) == 2
-    assert load.block_ids == b.blocks_of("r2")[1:4]
+    assert load.block_ids == (b.blocks_of("r2")[1:4],)
     for layer in range(len(LAYERS)):
         assert torch.equal(paged(b, "r2", layer, 4 * BLOCK), expected_layer(4, layer, 4 * BLOCK))
 

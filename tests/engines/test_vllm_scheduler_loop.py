@@ -49,8 +49,9 @@ class LoopEngine(Engine):
     runner's do: ``update_from_output`` with the sampled tokens and the connector's
     output."""
 
-    def __init__(self, vllm_config: Any, scheduler: str = "Scheduler") -> None:
-        super().__init__(vllm_config, scheduler=scheduler)
+    def __init__(self, vllm_config: Any, scheduler: str = "Scheduler",
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, scheduler=scheduler, kv_cache_config=kv_cache_config)
         self.seeds: dict[str, int] = {}
         self.finished: dict[str, Any] = {}
 
@@ -62,9 +63,18 @@ class LoopEngine(Engine):
             seed = self.seeds.get(req_id)
             if seed is None:
                 continue
-            ids = self.blocks_of(req_id)
+            ids = self.ids_of(req_id, name)
             for pos in range(start, start + out.num_scheduled_tokens[req_id]):
-                self.caches[name][ids[pos // BLOCK], :, pos % BLOCK] = kv_value(seed, layer, pos)
+                assert ids[pos // BLOCK] != 0, "a token computed into vLLM's null block"
+                self.write_kv(name, ids[pos // BLOCK], pos % BLOCK, kv_value(seed, layer, pos))
+
+    def write_kv(self, layer: str, block: int, slot: int, value: torch.Tensor) -> None:
+        """Write one token's KV (``[heads, 2 * head_size]``) into its slot."""
+        self.caches[layer][block, :, slot] = value
+
+    def ids_of(self, req_id: str, layer: str) -> list[int]:
+        """The request's vLLM blocks of ``layer``'s KV cache group."""
+        return self.blocks_of(req_id)
 
     def run_step(self, out: Any = None, token: int = 7) -> Any:
         """One step (``out``: one already scheduled): the worker's calls, then the
@@ -84,7 +94,9 @@ class LoopEngine(Engine):
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
             pooler_output=None,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=errors))
+            kv_connector_output=KVConnectorOutput(
+                invalid_block_ids=errors, finished_recving=self.transfers.finished_recving,
+                failed_recving=self.transfers.failed_recving))
         outputs = self.scheduler.update_from_output(out, runner)
         for eco in outputs.values():
             for o in eco.outputs:
