@@ -275,13 +275,17 @@ static void h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t
     uint64_t mask = nb - 1, b = hash & mask;
     while (buckets[b])
         b = (b + 1) & mask;
-    buckets[b] = ((hash >> 32) << 32) | (uint64_t)(idx + 1);
+    buckets[b] = (hash << 32) | (uint64_t)(idx + 1); /* the tag: the hash's low 32 bits */
 }
 
 /* double the records (and the buckets with them) into a new table file */
 static int grow(Idx *s) {
     hdr_t *h = s->hdr;
     uint64_t cap = h->cap * 2, nb = h->nbuckets * 2;
+    if (nb > (1ULL << 32)) { /* a bucket's tag holds 32 bits of the hash: its home */
+        errno = ENOSPC;
+        return -1;
+    }
     char path[4096];
     table_path(s, h->table_gen + 1, path, sizeof path);
     size_t size = table_bytes(nb, cap);
@@ -325,7 +329,7 @@ static int grow(Idx *s) {
 static int64_t h_find(Idx *s, const uint8_t *key, size_t klen) {
     hdr_t *h = s->hdr;
     uint64_t hash = khash(h, key, klen), mask = h->nbuckets - 1, b = hash & mask;
-    uint64_t tag = hash >> 32;
+    uint64_t tag = hash & 0xffffffffu;
     for (;;) {
         uint64_t v = s->buckets[b];
         if (!v)
@@ -356,8 +360,9 @@ static void h_delete(Idx *s, uint32_t idx) {
         uint64_t v = s->buckets[j];
         if (!v)
             break;
-        uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
-        uint64_t home = khash(h, R(s, i)->key, R(s, i)->klen) & mask;
+        /* its home from its tag, the hash's low bits (the table has at most 2^32
+         * buckets): no look at its record, which is cold */
+        uint64_t home = (v >> 32) & mask;
         /* can the entry at j move to hole? only if its home is not in (hole, j] */
         int between = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
         if (!between) {
