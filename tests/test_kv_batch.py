@@ -322,3 +322,23 @@ def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: 
         assert torch.equal(kv.get_batch(keys[4:]), out[4:])
     finally:
         kv.destroy()
+
+
+def test_the_index_holds_64_handles_and_refuses_the_next_with_store_full(
+        tmp_path: Path) -> None:
+    """A read lease is a bit per process slot: 64 handles may have a store open at once;
+    the next is KVStoreFull naming the limit, and a closed handle's slot is free again."""
+    from storage_engine import KVStoreFull
+
+    root = tmp_path / "slots"
+    stores = [BlockStore(root, capacity_bytes=1 << 20) for _ in range(64)]
+    try:
+        with pytest.raises(KVStoreFull, match="64 processes"):
+            BlockStore(root, capacity_bytes=1 << 20)
+        stores.pop().close()
+        stores.append(BlockStore(root, capacity_bytes=1 << 20))
+        assert stores[-1].put([b"k"], [_block(10, 1)]) == [True]
+        assert stores[0].match([b"k"]) == 1
+    finally:
+        for s in stores:
+            s.close()

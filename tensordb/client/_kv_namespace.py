@@ -163,6 +163,9 @@ class KVNamespace:
         except KVIndexDamaged as exc:
             raise CorruptData(f"KV namespace {name!r}: {exc}", collection=name,
                               node=self.node) from exc
+        except KVStoreFull as exc:  # every process slot of the index taken
+            raise StoreFull(f"KV namespace {name!r}: {exc}", collection=name,
+                            node=self.node) from exc
 
     def _register(self, create: bool) -> None:
         """Record the namespace on this node, or check its block size against the row
