@@ -52,11 +52,11 @@
 #define KV_VERSION 1
 #define KEYMAX 32
 #define INLINE_META 40
-#define MAX_SLABS 4096
+#define MAX_SLABS 1024
 #define MAX_PROCS 64
 #define MIN_CHUNK 512
 #define PAGE 4096
-#define INITIAL_RECS 4096
+#define INITIAL_RECS 256
 
 enum { S_FREE = 0, S_WRITING = 1, S_HOST = 2, S_DISK = 3, S_ZOMBIE = 4, S_GHOST = 5 };
 /* queues: LRU (or S3-FIFO's small), S3-FIFO's main and ghost, spilled blocks */
