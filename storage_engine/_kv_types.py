@@ -53,8 +53,8 @@ class KVStoreFull(StorageError):
 
 
 class KVIndexDamaged(StorageError):
-    """The block store's index cannot be read: its file is not an LMDB environment any
-    more (truncated, overwritten) or its pages are corrupt. The blocks are a cache:
+    """The block store's index cannot be read: its file is not an index of this version
+    any more (truncated, overwritten), or the GPU tier's LMDB environment is corrupt. The blocks are a cache:
     removing the store's directory starts it empty."""
 
     def __init__(self, path: str, reason: str) -> None:
