@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -23,7 +23,6 @@ from ._io import io_pool
 __all__ = ["BlockView", "KVCorrupt", "KVStats", "KVStoreFull", "bloom_may_hold"]
 
 PAGE = mmap.ALLOCATIONGRANULARITY
-POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 MAX_KEY = 255
 #: keys up to this many bytes are held as they are; longer ones by their BLAKE2b-256
 INDEX_KEY = 32
@@ -173,17 +172,6 @@ def bloom_size(n: int, fp: float) -> tuple[int, int]:
     nbits = max(1024, int(-max(n, 1) * np.log(fp) / (np.log(2) ** 2)))
     nbits = -(-nbits // 8) * 8
     return nbits, min(max(1, round(nbits / max(n, 1) * np.log(2))), 16)
-
-
-def bloom_filter(keys: Iterable[bytes], n: int, fp: float) -> tuple[bytes, int]:
-    """A Bloom filter of ``keys`` (about ``n`` of them, as the index holds them) at
-    false-positive rate ``fp``: its bits and its number of hashes."""
-    nbits, k = bloom_size(n, fp)
-    bits = bytearray(nbits // 8)
-    for key in keys:
-        for p in bloom_positions(key, nbits, k):
-            bits[p >> 3] |= 1 << (p & 7)
-    return bytes(bits), k
 
 
 def bloom_may_hold(bloom: bytes, hashes: int, key: bytes) -> bool:
