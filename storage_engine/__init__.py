@@ -26,7 +26,16 @@ from ._io import (
     io_workers,
     pack,
 )
-from ._kv import BlockStore, chain_keys
+from ._kv import (
+    EVENT_CLEARED,
+    EVENT_REMOVED,
+    EVENT_STORED,
+    MEDIUM_DISK,
+    MEDIUM_HOST,
+    BlockStore,
+    RawEvent,
+    chain_keys,
+)
 from ._kv_eviction import Eviction, LRUEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import (
@@ -43,6 +52,12 @@ from ._tier import Pooling, Prefaulting, SegmentView, SegmentWriter, Tier, arrow
 
 __all__ = [
     "ALGORITHM",
+    "EVENT_CLEARED",
+    "EVENT_REMOVED",
+    "EVENT_STORED",
+    "MEDIUM_DISK",
+    "MEDIUM_HOST",
+    "RawEvent",
     "ALIGN",
     "Adoption",
     "BATCH_FILL",

@@ -79,9 +79,17 @@ from ._procs import current_holder
 from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex
 from ._stream import chain_keys as _chain_keys
 
-__all__ = ["BlockStore", "chain_keys"]
+__all__ = ["EVENT_CLEARED", "EVENT_REMOVED", "EVENT_STORED", "MEDIUM_DISK", "MEDIUM_HOST",
+           "BlockStore", "RawEvent", "chain_keys"]
 
 log = logging.getLogger(__name__)
+
+#: what an event of the store's event ring says (``BlockStore.events_read``), and the
+#: tier the block entered or left
+EVENT_STORED, EVENT_REMOVED, EVENT_CLEARED = 1, 2, 3
+MEDIUM_HOST, MEDIUM_DISK = 0, 1
+#: (type, medium, key, meta) of one event
+RawEvent = tuple[int, int, bytes, bytes]
 
 #: the evictions the native index runs, by name
 EVICTIONS = {"lru": 0, "s3fifo": 1}
@@ -645,6 +653,46 @@ class BlockStore:
         and the scans for dead processes' leases and chunks), for tests and tools."""
         self._check_pid()
         return dict(self._ix.stats())
+
+    # -- events ----------------------------------------------------------------------
+    def events_claim(self) -> tuple[list[RawEvent], int, int, int] | None:
+        """Become the store's event publisher (one process per store): from now on every
+        block that enters or leaves the store is written to the store's event ring.
+        None while another live process publishes. Else ``(snapshot, pos, lost, seq)``:
+        every readable block as a stored event, the ring position it was taken at (read
+        on from there), the count of lost events so far, and the sequence number the
+        last publisher reached. Claiming again (the publisher itself) takes a fresh
+        snapshot: after an overrun, a lost event or a cleared event."""
+        with self._lock:
+            self._check_pid()
+            got = self._ix.events_claim()
+        if got is None:
+            return None
+        snap, pos, lost, seq = got
+        return snap, int(pos), int(lost), int(seq)
+
+    def events_read(self, pos: int, max_bytes: int, seq: int
+                    ) -> tuple[list[RawEvent], int, int, bool] | None:
+        """The events since ring position ``pos`` (about ``max_bytes`` of them at most):
+        ``(events, pos, lost, overrun)``, each event ``(type, medium, key, meta)`` with
+        ``type`` one of ``EVENT_STORED``, ``EVENT_REMOVED``, ``EVENT_CLEARED`` and
+        ``medium`` ``MEDIUM_HOST`` or ``MEDIUM_DISK``. ``overrun``: the ring was
+        overwritten past ``pos``: claim again for a snapshot. None once this process is
+        no longer the publisher. ``seq`` (the publisher's next sequence number) is kept
+        for whoever publishes next."""
+        with self._lock:
+            self._check_pid()
+            got = self._ix.events_read(pos, max_bytes, seq)
+        if got is None:
+            return None
+        events, new_pos, lost, overrun = got
+        return events, int(new_pos), int(lost), bool(overrun)
+
+    def events_release(self) -> None:
+        """Stop publishing (events are no longer written until a process claims)."""
+        with self._lock:
+            if os.getpid() == self._pid:
+                self._ix.events_release()
 
     # -- host reads for the GPU tier ----------------------------------------------------
     def lease_host(self, keys: list[bytes]) -> tuple[list[Any], list[bytes]]:

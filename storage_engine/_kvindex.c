@@ -49,7 +49,7 @@
 #include "_stream.h"
 
 #define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
-#define KV_VERSION 1
+#define KV_VERSION 2
 #define KEYMAX 32
 #define INLINE_META 40
 #define MAX_SLABS 1024
@@ -57,6 +57,7 @@
 #define MIN_CHUNK 512
 #define PAGE 4096
 #define INITIAL_RECS 256
+#define META_SPILLED 0xFFFFFFFFu /* mslab of a spilled block: its metadata is in its file */
 
 enum { S_FREE = 0, S_WRITING = 1, S_HOST = 2, S_DISK = 3, S_ZOMBIE = 4, S_GHOST = 5 };
 /* queues: LRU (or S3-FIFO's small), S3-FIFO's main and ghost, spilled blocks */
@@ -65,10 +66,12 @@ enum { EV_LRU = 0, EV_S3FIFO = 1 };
 /* shared counters, in the order of COUNTER_NAMES */
 enum { C_HOST_BLOCKS, C_HOST_BYTES, C_DISK_BLOCKS, C_DISK_BYTES, C_ARENA_BYTES, C_PINNED,
        C_HITS, C_MISSES, C_EVICTIONS, C_SPILLS, C_CORRUPT, C_SLAB_DROPS, C_RECLAIM_SCANS,
+       C_META_BYTES,
        NCOUNTERS };
 static const char *COUNTER_NAMES[NCOUNTERS] = {
     "host_blocks", "host_bytes", "disk_blocks", "disk_bytes", "arena_bytes", "pinned",
-    "hits", "misses", "evictions", "spills", "corrupt", "slab_drops", "reclaim_scans"};
+    "hits", "misses", "evictions", "spills", "corrupt", "slab_drops", "reclaim_scans",
+    "meta_bytes"};
 /* what a batch step can end with */
 enum { E_OK = 0, E_FULL = 1, E_TOO_BIG = 2, E_NOSPACE = 3, E_IO = 4, E_PROCS = 5 };
 
@@ -91,7 +94,8 @@ typedef struct {
     uint64_t csize;
     uint32_t nchunks, used, bump, free_head; /* free_head: chunk + 1, chained in chunks */
     uint32_t gen, live;
-    uint32_t fresh, pad; /* fresh: its pages were never touched (not a recycled file) */
+    uint32_t fresh; /* its pages were never touched (not a recycled file) */
+    uint32_t meta;  /* a slab of blocks' metadata past their records: beside the arena */
 } slab_t;
 
 typedef struct {
@@ -119,6 +123,13 @@ typedef struct {
     queue_t q[NQ];
     proc_t procs[MAX_PROCS];
     slab_t slabs[MAX_SLABS];
+    /* KV events: a ring of what entered and left the store (events.kvx), written while a
+     * publisher is attached, read by it (one process per namespace) */
+    uint32_t ev_on, ev_pub;   /* events written; the publisher's process slot + 1 */
+    uint64_t ev_ring;         /* the ring's size in bytes (0: not made yet) */
+    uint64_t ev_head;         /* bytes ever written to the ring */
+    uint64_t ev_lost;         /* events not written (no ring mapped, too large) */
+    uint64_t ev_pub_seq;      /* the publisher's next sequence number, kept for the next */
 } hdr_t;
 
 typedef struct {
@@ -153,7 +164,20 @@ typedef struct {
     uint8_t *left;
     size_t nleft, left_cap;
     int broken;
+    char *ev_map; /* the event ring, mapped once events are on */
+    size_t ev_size;
 } Idx;
+
+/* events: what a ring entry says (EVT_PAD fills the ring's end), and where the block is */
+enum { EVT_STORED = 1, EVT_REMOVED = 2, EVT_CLEARED = 3, EVT_PAD = 255 };
+enum { MED_CPU = 0, MED_STORAGE = 1 };
+typedef struct {
+    uint32_t len, mlen; /* the entry's bytes (a multiple of 8), its metadata's */
+    uint8_t type, medium, klen, pad[5];
+} evh_t;
+static void ev_rec(Idx *s, int type, int medium, uint32_t i);
+static void ev_put(Idx *s, int type, int medium, const uint8_t *key, uint32_t klen,
+                   const uint8_t *meta, uint32_t mlen);
 
 /* ---------------------------------------------------------------------------------- */
 /* small helpers */
@@ -515,7 +539,7 @@ static int slab_check(Idx *s, uint32_t slot) {
 }
 
 static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
-                     int *untouched) {
+                     int *untouched, uint32_t meta) {
     hdr_t *h = s->hdr;
     /* the slab the last allocation used first: a batch's chunks come from one slab, and
      * a scan of the slab table per block costs what the table holds */
@@ -523,7 +547,7 @@ static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
     for (uint32_t k = 0; k < h->nslabs; k++) {
         uint32_t i = k == 0 ? hint : (k <= hint ? k - 1 : k);
         slab_t *sl = &h->slabs[i];
-        if (!sl->live || sl->csize != csize || sl->used == sl->nchunks)
+        if (!sl->live || sl->csize != csize || sl->used == sl->nchunks || sl->meta != meta)
             continue;
         if (sl->free_head) {
             char *base = slab_base(s, i);
@@ -553,7 +577,7 @@ static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
 
 static void release_chunk(Idx *s, uint32_t slot, uint32_t chunk) {
     slab_t *sl = &s->hdr->slabs[slot];
-    if (s->want_csize == sl->csize && !s->hand) {
+    if (s->want_csize == sl->csize && !s->hand && !sl->meta) {
         s->hand = 1; /* still counted in use: the allocation takes it as it is */
         s->hand_slot = slot;
         s->hand_chunk = chunk;
@@ -621,6 +645,71 @@ static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max) {
 }
 
 /* a new slab of chunks of csize where the capacity allows: 1, 0 (no room), -1 (error) */
+/* a slab of metadata chunks: beside the arena, not counted in its capacity (a block's
+ * metadata past its record takes at most one chunk, and lives as long as the block);
+ * 1, or -1 (errno) */
+/* a slot of the slab table for a new slab: an unused one, the next, or MAX_SLABS */
+static uint32_t free_slab_slot(hdr_t *h) {
+    for (uint32_t i = 0; i < h->nslabs; i++)
+        if (!h->slabs[i].live)
+            return i;
+    return h->nslabs < MAX_SLABS ? h->nslabs : MAX_SLABS;
+}
+
+/* a new slab of n chunks of csize in its table slot, its file made */
+static void init_slab(hdr_t *h, uint32_t slot, uint64_t csize, uint64_t n, int fresh,
+                      int meta) {
+    slab_t *sl = &h->slabs[slot];
+    sl->csize = csize;
+    sl->nchunks = (uint32_t)n;
+    sl->used = sl->bump = sl->free_head = 0;
+    sl->gen++;
+    sl->live = 1;
+    sl->fresh = (uint32_t)fresh;
+    sl->meta = (uint32_t)meta;
+    if (slot == h->nslabs)
+        h->nslabs++;
+    h->count[meta ? C_META_BYTES : C_ARENA_BYTES] += csize * n;
+}
+
+static int new_meta_slab(Idx *s, uint64_t csize) {
+    hdr_t *h = s->hdr;
+    uint64_t n = (256u << 10) / csize;
+    if (n < 1)
+        n = 1;
+    uint32_t slot = free_slab_slot(h);
+    if (slot == MAX_SLABS) {
+        errno = ENOSPC;
+        return -1;
+    }
+    char path[4096];
+    slab_path(s, slot, h->slabs[slot].gen + 1, path, sizeof path);
+    int fd = create_file(path, (size_t)(csize * n));
+    if (fd < 0)
+        return -1;
+    close(fd);
+    init_slab(h, slot, csize, n, 1, 1);
+    return 1;
+}
+
+/* a chunk for a block's metadata: E_OK, E_NOSPACE, E_IO */
+static int allocate_meta(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk) {
+    int untouched;
+    uint32_t hint = s->hint;
+    for (int tries = 0; tries < 2; tries++) {
+        int r = take_free(s, csize, slot, chunk, &untouched, 1);
+        if (r > 0) {
+            s->hint = hint; /* the hint is the data slabs' */
+            return E_OK;
+        }
+        if (r < 0)
+            return E_IO;
+        if (tries == 0 && new_meta_slab(s, csize) < 0)
+            return errno == ENOSPC || errno == EDQUOT || errno == EFBIG ? E_NOSPACE : E_IO;
+    }
+    return E_IO;
+}
+
 static int new_slab(Idx *s, uint64_t csize) {
     hdr_t *h = s->hdr;
     uint64_t used = h->count[C_ARENA_BYTES];
@@ -635,19 +724,10 @@ static int new_slab(Idx *s, uint64_t csize) {
         n = (h->capacity - used) / csize;
     if (n < 1)
         return 0;
-    uint32_t slot = MAX_SLABS;
-    for (uint32_t i = 0; i < h->nslabs; i++)
-        if (!h->slabs[i].live) {
-            slot = i;
-            break;
-        }
-    if (slot == MAX_SLABS) {
-        if (h->nslabs == MAX_SLABS)
-            return 0;
-        slot = h->nslabs;
-    }
-    slab_t *sl = &h->slabs[slot];
-    uint32_t gen = sl->gen + 1;
+    uint32_t slot = free_slab_slot(h);
+    if (slot == MAX_SLABS)
+        return 0;
+    uint32_t gen = h->slabs[slot].gen + 1;
     char path[4096];
     slab_path(s, slot, gen, path, sizeof path);
     /* a pooled file first: as many chunks as it holds, within what the capacity allows */
@@ -662,15 +742,7 @@ static int new_slab(Idx *s, uint64_t csize) {
             return -1;
         close(fd);
     }
-    sl->csize = csize;
-    sl->nchunks = (uint32_t)n;
-    sl->used = sl->bump = sl->free_head = 0;
-    sl->gen = gen;
-    sl->live = 1;
-    sl->fresh = (uint32_t)fresh;
-    if (slot == h->nslabs)
-        h->nslabs++;
-    h->count[C_ARENA_BYTES] += csize * n;
+    init_slab(h, slot, csize, n, fresh, 0);
     return 1;
 }
 
@@ -678,7 +750,7 @@ static int drop_empty_slab(Idx *s, uint64_t keep) {
     hdr_t *h = s->hdr;
     for (uint32_t i = 0; i < h->nslabs; i++) {
         slab_t *sl = &h->slabs[i];
-        if (sl->live && sl->used == 0 && sl->csize != keep) {
+        if (sl->live && sl->used == 0 && sl->csize != keep && !sl->meta) {
             char path[4096];
             slab_path(s, i, sl->gen, path, sizeof path);
             unmap_slab(s, i);
@@ -742,9 +814,42 @@ static void note_left(Idx *s, rec_t *r) {
 
 static void meta_free(Idx *s, rec_t *r) {
     if (r->meta_len > INLINE_META) {
-        release_chunk(s, r->mslab, r->mchunk);
+        if (r->mslab != META_SPILLED)
+            release_chunk(s, r->mslab, r->mchunk);
         r->meta_len = 0;
     }
+}
+
+/* a record's metadata: in the record, in its chunk of the arena, or (a spilled block's)
+ * read from its file into *owned, which the caller frees; NULL, *len 0, when it cannot
+ * be read */
+static const uint8_t *rec_meta(Idx *s, rec_t *r, uint32_t *len, uint8_t **owned) {
+    *owned = NULL;
+    *len = r->meta_len;
+    if (r->meta_len <= INLINE_META)
+        return r->meta;
+    if (r->mslab == META_SPILLED) {
+        char path[4096];
+        spill_path(s, r, path, sizeof path);
+        uint8_t *buf = malloc(r->meta_len);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t got = fd >= 0 && buf != NULL ? pread(fd, buf, r->meta_len, (off_t)r->nbytes) : -1;
+        if (fd >= 0)
+            close(fd);
+        if (got != (ssize_t)r->meta_len) {
+            free(buf);
+            *len = 0;
+            return NULL;
+        }
+        *owned = buf;
+        return buf;
+    }
+    char *base = slab_base(s, r->mslab);
+    if (base == NULL) {
+        *len = 0;
+        return NULL;
+    }
+    return (const uint8_t *)base + (size_t)r->mchunk * s->hdr->slabs[r->mslab].csize;
 }
 
 /* a spilled block leaves the disk: its file, its counts, its record */
@@ -752,6 +857,7 @@ static void drop_disk(Idx *s, uint32_t i, int forget) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, i);
     char path[4096];
+    ev_rec(s, EVT_REMOVED, MED_STORAGE, i); /* first: its metadata is in its file */
     if (s->disk_root != NULL) {
         spill_path(s, r, path, sizeof path);
         unlink(path);
@@ -807,8 +913,15 @@ static int spill(Idx *s, uint32_t i) {
     r->chunk = (uint32_t)seq;
     char path[4096];
     spill_path(s, r, path, sizeof path);
+    /* metadata past the record goes after the bytes: a spilled block holds nothing of
+     * the arena (its metadata's chunk kept the arena full of spilled blocks' metadata) */
+    uint8_t *owned;
+    uint32_t mlen;
+    const uint8_t *meta = r->meta_len > INLINE_META ? rec_meta(s, r, &mlen, &owned) : NULL;
     int fd = open(path, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
-    int ok = fd >= 0 && write_all(fd, src, r->nbytes) == 0;
+    int ok = fd >= 0 && write_all(fd, src, r->nbytes) == 0 &&
+             (r->meta_len <= INLINE_META ||
+              (meta != NULL && write_all(fd, (const char *)meta, mlen) == 0));
     if (fd >= 0)
         close(fd);
     if (!ok) {
@@ -817,7 +930,14 @@ static int spill(Idx *s, uint32_t i) {
         r->chunk = chunk;
         return -1;
     }
+    ev_rec(s, EVT_REMOVED, MED_CPU, i);
+    ev_rec(s, EVT_STORED, MED_STORAGE, i);
     release_chunk(s, slab, chunk);
+    if (r->meta_len > INLINE_META) {
+        release_chunk(s, r->mslab, r->mchunk);
+        r->mslab = META_SPILLED;
+        r->mchunk = 0;
+    }
     r->state = S_DISK;
     r->gen++;
     q_push(s, Q_DISK, i);
@@ -845,6 +965,7 @@ static void remove_host(Idx *s, uint32_t i) {
         h->count[C_PINNED]--;
     r->pins = 0;
     note_left(s, r);
+    ev_rec(s, EVT_REMOVED, MED_CPU, i);
     if (r->readers) {
         r->state = S_ZOMBIE;
         return;
@@ -886,6 +1007,7 @@ static void evict(Idx *s, uint32_t i) {
         q_remove(s, i);
         h->count[C_HOST_BLOCKS]--;
         h->count[C_HOST_BYTES] -= r->nbytes;
+        ev_rec(s, EVT_REMOVED, MED_CPU, i);
         release_chunk(s, r->slab, r->chunk);
         meta_free(s, r);
         note_left(s, r);
@@ -980,6 +1102,10 @@ static uint64_t reclaim_dead(Idx *s) {
         }
     if (!dead)
         return 0;
+    if (h->ev_pub && (dead >> (h->ev_pub - 1) & 1)) { /* the publisher died: none now */
+        h->ev_pub = 0;
+        h->ev_on = 0;
+    }
     h->count[C_RECLAIM_SCANS]++;
     uint64_t freed = 0;
     for (uint64_t j = 0; j < h->bump; j++) {
@@ -1017,7 +1143,7 @@ static int allocate(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk, int
     if (csize > h->capacity)
         return E_TOO_BIG;
     for (;;) {
-        int r = take_free(s, csize, slot, chunk, untouched);
+        int r = take_free(s, csize, slot, chunk, untouched, 0);
         if (r > 0)
             return E_OK;
         if (r < 0)
@@ -1087,7 +1213,7 @@ static void rebuild(Idx *s) {
     for (int c = 0; c < NCOUNTERS; c++)
         if (c != C_HITS && c != C_MISSES && c != C_EVICTIONS && c != C_SPILLS &&
                 c != C_CORRUPT && c != C_SLAB_DROPS && c != C_ARENA_BYTES &&
-                c != C_RECLAIM_SCANS)
+                c != C_RECLAIM_SCANS && c != C_META_BYTES)
             h->count[c] = 0;
     /* chunks in use, per slab, as a bitmap */
     uint8_t *used[MAX_SLABS] = {0};
@@ -1152,6 +1278,8 @@ static void rebuild(Idx *s) {
         }
         free(used[k]);
     }
+    /* a holder died mid-change: the publisher announces the store afresh */
+    ev_put(s, EVT_CLEARED, 0, NULL, 0, NULL, 0);
 }
 
 /* ---------------------------------------------------------------------------------- */
@@ -1402,8 +1530,15 @@ static void close_handle(Idx *s) {
             }
         }
         h->procs[s->slot].used = 0;
+        if (h->ev_pub == (uint32_t)s->slot + 1) {
+            h->ev_pub = 0;
+            h->ev_on = 0;
+        }
         unlock(s);
     }
+    if (s->ev_map != NULL)
+        munmap(s->ev_map, s->ev_size);
+    s->ev_map = NULL;
     for (int i = 0; i < MAX_SLABS; i++)
         unmap_slab(s, (uint32_t)i);
     if (s->table != NULL)
@@ -1425,6 +1560,9 @@ static PyObject *Idx_close(Idx *s, PyObject *unused) {
 static PyObject *Idx_abandon(Idx *s, PyObject *unused) {
     (void)unused;
     if (s->hdr != NULL) {
+        if (s->ev_map != NULL)
+            munmap(s->ev_map, s->ev_size);
+        s->ev_map = NULL;
         for (int i = 0; i < MAX_SLABS; i++)
             unmap_slab(s, (uint32_t)i);
         if (s->table != NULL)
@@ -1706,7 +1844,7 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         int untouched = 0;
         err = allocate(s, size_class(sizes[i]), &slot, &chunk, &reclaimed, &untouched);
         if (err == E_OK && ml > INLINE_META) {
-            err = allocate(s, size_class(ml), &mslab, &mchunk, &reclaimed, NULL);
+            err = allocate_meta(s, size_class(ml), &mslab, &mchunk);
             if (err != E_OK)
                 release_chunk(s, slot, chunk);
         }
@@ -1825,6 +1963,7 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
             h->count[C_HOST_BLOCKS]++;
             h->count[C_HOST_BYTES] += r->nbytes;
             stored[res[j].i] = 1;
+            ev_rec(s, EVT_STORED, MED_CPU, res[j].idx);
         }
         unlock(s);
     }
@@ -1942,6 +2081,32 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
         h->count[C_CORRUPT]++;
         return -1;
     }
+    if (r->meta_len > INLINE_META) { /* its metadata back into the arena */
+        uint32_t ms, mc;
+        if (allocate_meta(s, size_class(r->meta_len), &ms, &mc) != E_OK) {
+            release_chunk(s, slot, chunk);
+            q_push(s, Q_DISK, i);
+            return -2;
+        }
+        r = R(s, i);
+        char *mb = slab_base(s, ms);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t got = fd >= 0 && mb != NULL
+            ? pread(fd, mb + (size_t)mc * h->slabs[ms].csize, r->meta_len, (off_t)r->nbytes)
+            : -1;
+        if (fd >= 0)
+            close(fd);
+        if (got != (ssize_t)r->meta_len) {
+            release_chunk(s, ms, mc);
+            release_chunk(s, slot, chunk);
+            drop_disk(s, i, 1);
+            h->count[C_CORRUPT]++;
+            return -1;
+        }
+        r->mslab = ms;
+        r->mchunk = mc;
+    }
+    ev_rec(s, EVT_REMOVED, MED_STORAGE, i);
     unlink(path);
     h->count[C_DISK_BLOCKS]--;
     h->count[C_DISK_BYTES] -= r->nbytes;
@@ -1949,6 +2114,7 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     r->chunk = chunk;
     r->state = S_HOST;
     r->gen++;
+    ev_rec(s, EVT_STORED, MED_CPU, i);
     on_insert(s, i, 0);
     h->count[C_HOST_BLOCKS]++;
     h->count[C_HOST_BYTES] += r->nbytes;
@@ -2412,6 +2578,313 @@ static PyObject *Idx_delete(Idx *s, PyObject *keys_o) {
 }
 
 /* ---------------------------------------------------------------------------------- */
+/* KV events: a ring (events.kvx) of the blocks that entered and left the store, in the
+ * order they did, written by whichever process changed the store (under the lock) while
+ * a publisher is attached; one process per namespace (the publisher) reads it */
+
+#define EV_RING_BYTES (16u << 20)
+
+static void ev_path(Idx *s, char *out, size_t n) { snprintf(out, n, "%s/events.kvx", s->root); }
+
+/* the ring, mapped in this process (under the lock): 0, or -1 */
+static int ev_map(Idx *s) {
+    hdr_t *h = s->hdr;
+    if (h->ev_ring == 0)
+        return -1;
+    if (s->ev_map != NULL && s->ev_size == h->ev_ring)
+        return 0;
+    if (s->ev_map != NULL)
+        munmap(s->ev_map, s->ev_size);
+    s->ev_map = NULL;
+    char path[4096];
+    ev_path(s, path, sizeof path);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    void *m = mmap(NULL, h->ev_ring, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return -1;
+    s->ev_map = m;
+    s->ev_size = h->ev_ring;
+    return 0;
+}
+
+static inline uint64_t ev_bytes(uint32_t klen, uint32_t mlen) {
+    return ((uint64_t)sizeof(evh_t) + klen + mlen + 7) & ~7ULL;
+}
+
+static void ev_write(char *at, int type, int medium, const uint8_t *key, uint32_t klen,
+                     const uint8_t *meta, uint32_t mlen) {
+    evh_t e;
+    memset(&e, 0, sizeof e);
+    e.len = (uint32_t)ev_bytes(klen, mlen);
+    e.mlen = mlen;
+    e.type = (uint8_t)type;
+    e.medium = (uint8_t)medium;
+    e.klen = (uint8_t)klen;
+    memcpy(at, &e, sizeof e);
+    if (klen)
+        memcpy(at + sizeof e, key, klen);
+    if (mlen)
+        memcpy(at + sizeof e + klen, meta, mlen);
+}
+
+/* one event into the ring (under the lock); an event that cannot be written is counted
+ * lost, and the publisher announces the store afresh */
+static void ev_put(Idx *s, int type, int medium, const uint8_t *key, uint32_t klen,
+                   const uint8_t *meta, uint32_t mlen) {
+    hdr_t *h = s->hdr;
+    if (!h->ev_on)
+        return;
+    uint64_t need = ev_bytes(klen, mlen);
+    if (need > h->ev_ring / 4 || ev_map(s) < 0) {
+        h->ev_lost++;
+        return;
+    }
+    uint64_t off = h->ev_head % h->ev_ring;
+    if (off + need > h->ev_ring) { /* entries never wrap: the rest of the ring is padding */
+        uint64_t rest = h->ev_ring - off;
+        if (rest >= sizeof(evh_t)) {
+            evh_t pad;
+            memset(&pad, 0, sizeof pad);
+            pad.len = (uint32_t)rest;
+            pad.type = EVT_PAD;
+            memcpy(s->ev_map + off, &pad, sizeof pad);
+        }
+        h->ev_head += rest;
+        off = 0;
+    }
+    ev_write(s->ev_map + off, type, medium, key, klen, meta, mlen);
+    h->ev_head += need;
+}
+
+/* a record's event, with its key and metadata */
+static void ev_rec(Idx *s, int type, int medium, uint32_t i) {
+    if (!s->hdr->ev_on)
+        return;
+    uint8_t *owned;
+    uint32_t mlen;
+    const uint8_t *meta = rec_meta(s, R(s, i), &mlen, &owned);
+    ev_put(s, type, medium, R(s, i)->key, R(s, i)->klen, meta, mlen);
+    free(owned);
+}
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+} evbuf_t;
+
+static int evbuf_add(evbuf_t *b, const char *src, size_t n) {
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 1 << 16;
+        while (cap < b->len + n)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (p == NULL)
+            return -1;
+        b->p = p;
+        b->cap = cap;
+    }
+    if (src != NULL)
+        memcpy(b->p + b->len, src, n);
+    b->len += n;
+    return 0;
+}
+
+/* entries as [(type, medium, key, meta)] (after the lock, with the GIL) */
+static PyObject *ev_list(const evbuf_t *b) {
+    PyObject *out = PyList_New(0);
+    size_t off = 0;
+    while (out != NULL && off + sizeof(evh_t) <= b->len) {
+        evh_t e;
+        memcpy(&e, b->p + off, sizeof e);
+        const char *key = b->p + off + sizeof e;
+        PyObject *t = Py_BuildValue("(iiy#y#)", e.type, e.medium, key, (Py_ssize_t)e.klen,
+                                    key + e.klen, (Py_ssize_t)e.mlen);
+        if (t == NULL || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            Py_CLEAR(out);
+            break;
+        }
+        Py_DECREF(t);
+        off += e.len;
+    }
+    return out;
+}
+
+static int ev_publisher_alive(hdr_t *h, int slot) {
+    if (h->ev_pub == 0 || h->ev_pub == (uint32_t)slot + 1)
+        return 0;
+    proc_t *p = &h->procs[h->ev_pub - 1];
+    return p->used && proc_alive(p);
+}
+
+/* events_claim() -> None (another live process publishes), or (snapshot, pos, lost, seq):
+ * this process becomes the namespace's publisher, events are written from now on, and
+ * snapshot is every readable block as a stored event [(type, medium, key, meta)], taken
+ * at ring position pos (read on from there); seq: the sequence number to go on from */
+static PyObject *Idx_events_claim(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    evbuf_t b = {NULL, 0, 0};
+    int r, taken = 0, err = 0;
+    uint64_t pos = 0, lost = 0, seq = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        if (ev_publisher_alive(h, s->slot)) {
+            taken = 1;
+        } else {
+            if (h->ev_ring == 0) {
+                char path[4096];
+                ev_path(s, path, sizeof path);
+                int fd = create_file(path, EV_RING_BYTES);
+                if (fd >= 0) {
+                    close(fd);
+                    h->ev_ring = EV_RING_BYTES;
+                }
+            }
+            if (ev_map(s) < 0) {
+                err = errno ? errno : EIO;
+            } else {
+                h->ev_pub = (uint32_t)s->slot + 1;
+                h->ev_on = 1;
+                for (uint64_t j = 0; j < h->bump && !err; j++) {
+                    rec_t *rr = R(s, (uint32_t)j);
+                    if (rr->state != S_HOST && rr->state != S_DISK)
+                        continue;
+                    uint8_t *owned;
+                    uint32_t mlen;
+                    const uint8_t *meta = rec_meta(s, rr, &mlen, &owned);
+                    uint64_t n = ev_bytes(rr->klen, mlen);
+                    size_t at = b.len;
+                    if (evbuf_add(&b, NULL, n) < 0) {
+                        free(owned);
+                        err = ENOMEM;
+                        break;
+                    }
+                    ev_write(b.p + at, EVT_STORED, rr->state == S_HOST ? MED_CPU : MED_STORAGE,
+                             rr->key, rr->klen, meta, mlen);
+                    free(owned);
+                }
+                pos = h->ev_head;
+                lost = h->ev_lost;
+                seq = h->ev_pub_seq;
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (r < 0) {
+        out = lock_error();
+    } else if (err) {
+        errno = err;
+        out = PyErr_SetFromErrno(PyExc_OSError);
+    } else if (taken) {
+        out = Py_NewRef(Py_None);
+    } else {
+        PyObject *lst = ev_list(&b);
+        if (lst != NULL)
+            out = Py_BuildValue("(NKKK)", lst, (unsigned long long)pos,
+                                (unsigned long long)lost, (unsigned long long)seq);
+    }
+    free(b.p);
+    return out;
+}
+
+/* events_read(pos, max_bytes, seq) -> None (this process no longer publishes), or
+ * (events, pos, lost, overrun): the events written since ring position pos (at most
+ * about max_bytes of them), where to read on, the events lost so far, and whether the
+ * ring has been overwritten past pos (then announce the store afresh: events_claim).
+ * seq is kept for the next publisher. */
+static PyObject *Idx_events_read(Idx *s, PyObject *args) {
+    unsigned long long pos, max_bytes, seq;
+    if (!PyArg_ParseTuple(args, "KKK", &pos, &max_bytes, &seq))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    evbuf_t b = {NULL, 0, 0};
+    int r, mine = 0, overrun = 0, err = 0;
+    uint64_t lost = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        mine = h->ev_pub == (uint32_t)s->slot + 1 && h->ev_on;
+        if (mine) {
+            h->ev_pub_seq = seq;
+            lost = h->ev_lost;
+            uint64_t head = h->ev_head, ring = h->ev_ring;
+            if (pos > head || head - pos > ring || ev_map(s) < 0) {
+                overrun = 1;
+                pos = head;
+            }
+            while (!overrun && pos < head && b.len < max_bytes) {
+                uint64_t off = pos % ring;
+                if (ring - off < sizeof(evh_t)) {
+                    pos += ring - off;
+                    continue;
+                }
+                evh_t e;
+                memcpy(&e, s->ev_map + off, sizeof e);
+                if (e.len < sizeof(evh_t) || e.len > ring - off) { /* cannot be: start over */
+                    overrun = 1;
+                    pos = head;
+                    break;
+                }
+                if (e.type != EVT_PAD && evbuf_add(&b, s->ev_map + off, e.len) < 0) {
+                    err = ENOMEM;
+                    break;
+                }
+                pos += e.len;
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (r < 0) {
+        out = lock_error();
+    } else if (err) {
+        out = PyErr_NoMemory();
+    } else if (!mine) {
+        out = Py_NewRef(Py_None);
+    } else {
+        PyObject *lst = ev_list(&b);
+        if (lst != NULL)
+            out = Py_BuildValue("(NKKO)", lst, (unsigned long long)pos,
+                                (unsigned long long)lost, overrun ? Py_True : Py_False);
+    }
+    free(b.p);
+    return out;
+}
+
+/* events_release(): this process stops publishing (events are no longer written) */
+static PyObject *Idx_events_release(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        if (s->hdr->ev_pub == (uint32_t)s->slot + 1) {
+            s->hdr->ev_pub = 0;
+            s->hdr->ev_on = 0;
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return lock_error();
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------------------------- */
 /* what the store holds */
 
 static PyObject *Idx_stats(Idx *s, PyObject *unused) {
@@ -2518,16 +2991,15 @@ static PyObject *Idx_locate(Idx *s, PyObject *key) {
             rec_t *rr = R(s, (uint32_t)f);
             state = rr->state;
             nbytes = rr->nbytes;
-            const char *mp = (const char *)rr->meta;
-            if (rr->meta_len > INLINE_META) {
-                char *b = slab_base(s, rr->mslab);
-                mp = b != NULL ? b + (size_t)rr->mchunk * s->hdr->slabs[rr->mslab].csize : NULL;
-            }
-            meta = mp != NULL ? malloc(rr->meta_len + 1) : NULL;
+            uint8_t *owned;
+            uint32_t mlen;
+            const uint8_t *mp = rec_meta(s, rr, &mlen, &owned);
+            meta = mp != NULL ? malloc(mlen + 1) : NULL;
             if (meta != NULL) {
-                memcpy(meta, mp, rr->meta_len);
-                meta_len = rr->meta_len;
+                memcpy(meta, mp, mlen);
+                meta_len = mlen;
             }
+            free(owned);
             if (state == S_HOST) {
                 slab_t *sl = &s->hdr->slabs[rr->slab];
                 slab = rr->slab;
@@ -2726,6 +3198,9 @@ static PyMethodDef Idx_methods[] = {
     {"set_pool", (PyCFunction)Idx_set_pool, METH_O, NULL},
     {"quiescent", (PyCFunction)Idx_quiescent, METH_NOARGS, NULL},
     {"mark_gpu", (PyCFunction)Idx_mark_gpu, METH_NOARGS, NULL},
+    {"events_claim", (PyCFunction)Idx_events_claim, METH_NOARGS, NULL},
+    {"events_read", (PyCFunction)Idx_events_read, METH_VARARGS, NULL},
+    {"events_release", (PyCFunction)Idx_events_release, METH_NOARGS, NULL},
     {"close", (PyCFunction)Idx_close, METH_NOARGS, NULL},
     {"abandon", (PyCFunction)Idx_abandon, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -117,3 +117,24 @@ def sqlite_db(store_home: Path) -> Iterator[tensordb.Database]:
         yield database
     finally:
         remove_store(database)
+
+
+def free_tcp_endpoint() -> str:
+    """A loopback ``tcp://`` address whose port was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def wait_until(pred: Callable[[], object], timeout: float = 20.0) -> bool:
+    """Whether ``pred()`` became true within ``timeout`` seconds (polled every 20 ms)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return bool(pred())

@@ -18,7 +18,9 @@ Built in: ``round_robin``, ``least_load`` (the load-aware baseline), ``cache_awa
 (moves KV off an overloaded instance). To evaluate one on your own trace:
 :func:`read_trace` (or :func:`generate` for a seeded agent workload), then
 :func:`simulate` and :meth:`SimResult.summary`. A router over live engines builds its
-views from the nodes' ``tensordb.KVNodeSummary`` with :func:`cluster_view`.
+views from the nodes' ``tensordb.KVNodeSummary`` with :func:`cluster_view`, or follows a
+namespace's KV events (the stream external KV-aware routers read) with
+:class:`KVEventIndex`.
 
 The harness that calibrates the simulator against engine processes that prefill for
 real (a toy engine) lives in ``benchmarks/toy_engine``; docs/routing.md covers both.
@@ -26,6 +28,7 @@ real (a toy engine) lives in ``benchmarks/toy_engine``; docs/routing.md covers b
 
 from __future__ import annotations
 
+from ._events import KVEventIndex
 from ._policies import CacheAware, LeastLoad, MigrateWhenImbalanced, RoundRobin, scaled_policy
 from ._policy import (
     SHARED_PREFIX,
@@ -42,6 +45,7 @@ from ._views import BlockSummary, LoadTracker, cluster_view, instance_state
 from ._workload import GAP_MEDIANS, WorkloadConfig, generate, read_trace, write_trace
 
 __all__ = [
+    "KVEventIndex",
     "GAP_MEDIANS",
     "SHARED_PREFIX",
     "BlockCache",

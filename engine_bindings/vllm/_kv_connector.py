@@ -84,6 +84,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import tensordb
+from tensordb.client import KVBlockInfo
 from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreFull
 
 from .._engines import LOCATION_KEYS, StoreLocation, open_store
@@ -112,7 +113,7 @@ logger = logging.getLogger(__name__)
 #: what ``kv_connector`` names (with ``kv_connector_module_path: "engine_bindings.vllm"``)
 CONNECTOR_NAME = "TensorDBConnector"
 
-_OPTION_KEYS = ("namespace", "block_tokens", "capacity_bytes", "gpu_capacity")
+_OPTION_KEYS = ("namespace", "block_tokens", "capacity_bytes", "gpu_capacity", "events")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,8 @@ class KVSave:
     req_id: str
     keys: list[bytes]
     block_ids: tuple[list[int], ...]
+    #: what vLLM knows of each block (its block hashes, tokens, parent), for KV events
+    info: list[KVBlockInfo] | None = None
 
 
 @dataclass
@@ -156,6 +159,20 @@ class _Tracked:
     num_computed: int = 0
     saved: int = 0  # leading prompt blocks already saved, or found in the store
     keys: list[bytes] | None = None
+    #: vLLM's block hashes of the request (its own list, which grows), and its adapter
+    hashes: Sequence[Any] = ()
+    lora: tuple[int | None, str | None] = (None, None)
+
+
+def _event_hash(h: Any) -> bytes | int:
+    """A vLLM block hash as its KV events carry it (bytes, or an int where
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES says so)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:  # older releases: the hash as it is
+        return h if isinstance(h, (bytes, int)) else bytes(h)
+    out: bytes | int = maybe_convert_block_hash(h)
+    return out
 
 
 def _natural(name: str) -> list[Any]:
@@ -248,7 +265,12 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         db = open_store(self.location)
         if role == KVConnectorRole.SCHEDULER:
             # every rank's namespace: a prefix is a hit only where all ranks hold it
-            self.caches = [db.kv(self.rank_namespace(t, p), self.block_tokens, **self._opts)
+            # KV events (extra config "events": an endpoint or {"endpoint", ...}): the
+            # first rank's namespace (every rank's holds the same tokens); one scheduler
+            # process of the host's engines publishes, the others stand by
+            events = extra.get("events")
+            self.caches = [db.kv(self.rank_namespace(t, p), self.block_tokens, **self._opts,
+                                 **({"events": events} if events and t == p == 0 else {}))
                            for p in range(self.pp_size) for t in range(self.tp_size)]
             self._lookups: dict[str, tuple[int, list[bytes]]] = {}
             #: the keys of a request's full blocks, hashed once: a waiting request is
@@ -356,9 +378,12 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         the request for saves."""
         start, keys = self._lookups.pop(request.request_id, (0, []))
         if self._saves and self._cacheable(request) and request.request_id not in self._tracked:
+            lora = getattr(request, "lora_request", None)
             self._tracked[request.request_id] = _Tracked(
                 prompt=list(request.prompt_token_ids or ()), parent=self._parent(request),
-                block_ids=[])
+                block_ids=[], hashes=getattr(request, "block_hashes", None) or (),
+                lora=(getattr(lora, "lora_int_id", None), getattr(lora, "lora_name", None))
+                if lora is not None else (None, None))
         if num_external_tokens <= 0:
             return
         first, end = start // self.block_size, (start + num_external_tokens) // self.block_size
@@ -426,7 +451,19 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         step.update(t.keys[i] for i in todo)
         return KVSave(req_id=req_id, keys=[t.keys[i] for i in todo],
                       block_ids=tuple([b for i in todo for b in ids[i * m:(i + 1) * m]]
-                                      for ids in t.block_ids))
+                                      for ids in t.block_ids),
+                      info=[self._info(t, i) for i in todo])
+
+    def _info(self, t: _Tracked, i: int) -> KVBlockInfo:
+        """Stored block ``i`` of a request as vLLM names it in its KV events: the hashes
+        of its vLLM blocks, their parent, its tokens."""
+        m, bt = self.per_key, self.block_tokens
+        hashes = t.hashes[i * m:(i + 1) * m] if len(t.hashes) >= (i + 1) * m else ()
+        return KVBlockInfo(
+            token_ids=t.prompt[i * bt:(i + 1) * bt],
+            block_hashes=[_event_hash(h) for h in hashes],
+            parent_block_hash=_event_hash(t.hashes[i * m - 1]) if hashes and i else None,
+            block_size=self.block_size, lora_id=t.lora[0], lora_name=t.lora[1])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks that failed to load on a worker: a request holding one saved nothing
@@ -648,8 +685,9 @@ class TensorDBConnector(KVConnectorBase_V1, SupportsHMA):
         # keeps a device-to-device copy); else one copy down of them all
         blocks = staging if staging.device.type == "cuda" and kv.gpu_enabled \
             else staging.cpu()  # .cpu(): waits for the gathers
+        info = [x for s in saves for x in (s.info or [None] * len(s.keys))]
         try:
-            kv.put(keys, blocks)  # the batch path: the blocks are rows of one tensor
+            kv.put(keys, blocks, info=info)  # the batch path: the blocks are rows of one tensor
         except StoreFull as exc:
             logger.warning("KV save of %d blocks skipped: %s", len(keys), exc)
 

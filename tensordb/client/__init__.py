@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from ._database import Database
 from ._kv_cache import KVCache
+from ._kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVBlockInfo,
+    KVEventBatch,
+    KVEventPublisher,
+    KVEvents,
+)
 from ._kv_namespace import KVNodeSummary
 from ._maintenance import Corruption, GcReport, ScrubReport
 from ._orphans import ShmArea, find_areas, remove_area
@@ -23,6 +32,13 @@ __all__ = [
     "LAYOUT_KEY",
     "MAX_HEADER_SIZE",
     "SAFETENSORS_DTYPES",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVBlockInfo",
+    "KVEventBatch",
+    "KVEventPublisher",
+    "KVEvents",
     "Corruption",
     "Database",
     "EvictReport",

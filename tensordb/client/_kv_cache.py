@@ -13,6 +13,7 @@ records each namespace per node (table ``kv_namespaces``) with its size as of th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -32,6 +33,15 @@ from ._kv_encoding import (
     decode_meta,
     encode_blocks,
     meta_fields,
+)
+from ._kv_events import (
+    KVBlockInfo,
+    KVEventPublisher,
+    KVEvents,
+    close_publisher,
+    encode_info,
+    join_meta,
+    open_publisher,
 )
 from ._kv_namespace import KVNamespace, KVNodeSummary, typed_errors
 from ._placement import device_of
@@ -66,7 +76,9 @@ class KVCache:
                  capacity_bytes: int | None = None, eviction: str | None = None,
                  slab_bytes: int = 64 << 20, spill: bool = True,
                  disk_capacity: int | None = None, gpu_capacity: int | None = None,
-                 policy: str | None = None, create: bool = True) -> None:
+                 policy: str | None = None, create: bool = True,
+                 events: str | KVEvents | dict[str, Any] | None = None) -> None:
+        events_config = KVEvents.of(events, namespace)
         ns = KVNamespace(db, namespace, block_tokens, capacity_bytes=capacity_bytes,
                          eviction=eviction, slab_bytes=slab_bytes, spill=spill,
                          disk_capacity=disk_capacity, gpu_capacity=gpu_capacity,
@@ -78,6 +90,14 @@ class KVCache:
         self.node, self.shm_dir, self.disk_dir = ns.node, ns.shm_dir, ns.disk_dir
         self.store = ns.store
         self._closed = False
+        #: this process's publisher of the namespace's KV events (``events=``)
+        self.events: KVEventPublisher | None = None
+        if events_config is not None:
+            try:
+                self.events = open_publisher(ns.store, namespace, block_tokens, events_config)
+            except BaseException:
+                ns.close()
+                raise
 
     # -- keys ----------------------------------------------------------------------
     def keys(self, token_ids: Any, *, parent: bytes | None = None) -> list[bytes]:
@@ -89,8 +109,8 @@ class KVCache:
         return self._chain.keys(token_ids, parent)
 
     # -- blocks --------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor] | torch.Tensor
-            ) -> int:
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor] | torch.Tensor, *,
+            info: Sequence[KVBlockInfo | None] | None = None) -> int:
         """Store one tensor per key (any dtype and shape; GPU tensors are copied down).
         ``blocks`` is a sequence of tensors, or one tensor whose first dimension runs
         over the keys (a batch: ``blocks[i]`` is key i's block; no Python object per
@@ -98,8 +118,10 @@ class KVCache:
         error. Returns how many blocks this call stored. Raises StoreFull, storing none
         of the batch, when the arena is full of pinned blocks and blocks being read.
         With a GPU tier, CUDA blocks also leave a copy there (device to device), for
-        readers on the GPU."""
+        readers on the GPU. ``info``: what the engine knows of each block (its block
+        hashes, tokens, parent), kept with the block for the namespace's KV events."""
         keys = self._chain.check(keys)
+        infos = self._infos(keys, info)
         store = self._store()
         if isinstance(blocks, torch.Tensor):
             enc = self._stacked(keys, blocks, store.capacity)
@@ -108,6 +130,11 @@ class KVCache:
                                collection=self.namespace)
         else:
             enc = encode_blocks(blocks, self.namespace, store.capacity, self.node)
+        if infos is not None:
+            metas = enc.metas
+            enc = dataclasses.replace(enc, metas=[
+                join_meta(metas if isinstance(metas, bytes) else metas[i], raw)
+                for i, raw in enumerate(infos)])
         try:
             stored = int(store.put_batch(keys, enc.addrs, enc.sizes, enc.metas).sum())
         except KVStoreFull as exc:
@@ -124,6 +151,18 @@ class KVCache:
                 log.warning("KV namespace %r: no GPU copies of %d blocks: %s",
                             self.namespace, len(on_gpu), exc)
         return stored
+
+    def _infos(self, keys: list[bytes], info: Sequence[KVBlockInfo | None] | None
+               ) -> list[bytes] | None:
+        """Each block's info as the store keeps it (b"" for none); InvalidInput, before
+        anything is stored, for a wrong count or a bad field."""
+        if info is None:
+            return None
+        if isinstance(info, (str, bytes, KVBlockInfo)) or len(info) != len(keys):
+            raise InvalidInput(f"put takes one info (or None) per key: {len(keys)} keys",
+                               collection=self.namespace)
+        return [b"" if x is None else encode_info(x, f"info[{i}]")
+                for i, x in enumerate(info)]
 
     def _stacked(self, keys: list[bytes], blocks: torch.Tensor, limit: int) -> EncodedBlocks:
         """A batch given as one tensor (first dimension: the keys), as ``put`` stores it:
@@ -342,7 +381,13 @@ class KVCache:
         """Let go of the namespace's store (idempotent); its blocks stay for others."""
         if not self._closed:
             self._closed = True
+            self._stop_events()
             self._ns.close()
+
+    def _stop_events(self, *, cleared: bool = False) -> None:
+        if self.events is not None:
+            self.events = None
+            close_publisher(self.store, cleared=cleared)
 
     def destroy(self) -> None:
         """Close and remove the namespace's blocks from this node (memory and disk)."""
@@ -350,6 +395,7 @@ class KVCache:
             self._ns.remove_files()
             return
         self._closed = True
+        self._stop_events(cleared=True)
         self._ns.destroy()
 
     def __enter__(self) -> KVCache:

@@ -94,17 +94,22 @@ class KeyChain:
         return out
 
 
-@lru_cache(maxsize=1024)
 def decode_meta(meta: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
-    """The dtype and shape a block's record names (cached: a namespace's blocks share a
-    handful of records)."""
-    name, shape = meta_fields(meta)
+    """The dtype and shape a block's record names (the part before the block's engine
+    info, if any: ``_kv_events``)."""
+    return _decode_record(meta.partition(b"\0")[0])
+
+
+@lru_cache(maxsize=1024)
+def _decode_record(record: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
+    """Cached: a namespace's blocks share a handful of records."""
+    name, shape = meta_fields(record)
     return torch_dtype(name), shape
 
 
 def meta_fields(meta: bytes) -> tuple[str, tuple[int, ...]]:
     """The dtype name and shape a block's record names."""
-    name, _, shape = meta.decode().partition("|")
+    name, _, shape = meta.partition(b"\0")[0].decode().partition("|")
     return name, tuple(int(d) for d in shape.split(",") if d)
 
 
