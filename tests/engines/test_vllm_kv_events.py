@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import free_tcp_endpoint, wait_until
 
 import tensordb
-from conftest import free_tcp_endpoint, wait_until
 from tensordb.client import KVBlockInfo
 
 from .engine_support import serving_checkpoint, why_no_forward, write_serving_config
