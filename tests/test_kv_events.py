@@ -134,7 +134,13 @@ def test_block_stored_carries_the_engines_block_metadata(store_home: Path) -> No
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
-    time.sleep(0.3)
+    probe = 0  # a subscription takes effect a while after connect: until then, probes
+    while not sub.poll(300):
+        kv.put([b"probe-%d" % probe], torch.zeros(1, 8))
+        probe += 1
+        assert probe < 100
+    while sub.poll(300):
+        sub.recv_multipart()
     kv.put([_key(1), _key(2)], torch.zeros(2, 8),
            info=[_info(1), KVBlockInfo(token_ids=list(range(32)), block_hashes=[3, 4],
                                        parent_block_hash=2, lora_id=5, lora_name="ad")])
@@ -229,9 +235,8 @@ def test_an_overrun_ring_restarts_the_view_with_the_stores_contents(store_home: 
                 keys = names[r * 64:(r + 1) * 64]
                 kv.put(keys, torch.ones(64, 256), info=[
                     KVBlockInfo(token_ids=tokens, block_hashes=[b"x" + k]) for k in keys])
-            pub._stop.set()  # wake it: one last step, which finds the ring overrun
-            pub._thread.join(30)
-            assert pub.resyncs > resyncs
+            pub.wake()  # its next step finds the ring overrun
+            assert wait_until(lambda: pub.resyncs > resyncs)
             want = {(b"x" + k, "CPU" if loc[0] == "host" else "STORAGE") for k in names
                     if (loc := kv.store.locate(k)) is not None}
             if (loc := kv.store.locate(_key(0))) is not None:

@@ -141,6 +141,8 @@ class KVCache:
             raise StoreFull(f"KV namespace {self.namespace!r}: {exc}",
                             collection=self.namespace, node=self.node) from exc
         del enc.keep[:]  # the copies are done
+        if self.events is not None:
+            self.events.wake()  # this process publishes: out at once, not at the poll
         on_gpu = enc.on_gpu
         if on_gpu and store.gpu_enabled:  # .cpu() in encode_blocks synchronised their stream
             try:

@@ -234,6 +234,7 @@ class KVEventPublisher:
         self.poll_interval, self.standby_interval = poll_interval, standby_interval
         self.settle = settle
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._final_clear = False
         self._publishing = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -260,11 +261,22 @@ class KVEventPublisher:
     def wait_publishing(self, timeout: float) -> bool:
         return self._publishing.wait(timeout)
 
+    def wake(self) -> None:
+        """Publish now rather than at the next poll (a put of this process calls it: its
+        events go out at once; other processes' wait for the poll, every 5 ms)."""
+        if self._publishing.is_set():
+            self._wake.set()
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
     def close(self, *, cleared: bool = False) -> None:
         """Stop the thread, give up the role (another process may claim it).
         ``cleared``: the namespace is being destroyed: say so (AllBlocksCleared) first."""
         self._final_clear = cleared
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._unbind()
@@ -281,15 +293,15 @@ class KVEventPublisher:
             try:
                 if not self._publishing.is_set():
                     if not self._take_role():
-                        self._stop.wait(self.standby_interval)
+                        self._sleep(self.standby_interval)
                     continue
                 if not self._step():
-                    self._stop.wait(self.poll_interval)
+                    self._sleep(self.poll_interval)
                 self._serve_replay()
             except Exception:  # noqa: BLE001  (keep publishing; say why it stuttered)
                 log.exception("KV events of %r: the publisher failed; retrying",
                               self.namespace)
-                self._stop.wait(self.standby_interval)
+                self._sleep(self.standby_interval)
         if self._publishing.is_set():
             try:
                 if self._final_clear:
