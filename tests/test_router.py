@@ -73,7 +73,9 @@ def test_public_surface() -> None:
         "available_policies", "generate", "get_policy", "read_trace", "saturation_rate",
         "scaled_policy", "simulate", "write_trace",
         # views from the store's node summaries, and the load bookkeeping beside them
-        "BlockSummary", "LoadTracker", "cluster_view", "instance_state"])
+        "BlockSummary", "LoadTracker", "cluster_view", "instance_state",
+        # a view of a KV-event stream (a namespace's, or an engine's own)
+        "KVEventIndex"])
     for name in router.__all__:
         assert getattr(router, name) is not None
     # the toy engine is a harness in benchmarks/, not the library's
