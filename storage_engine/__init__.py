@@ -26,7 +26,7 @@ from ._io import (
     io_workers,
     pack,
 )
-from ._kv import BlockStore, chain_keys
+from ._kv import BlockStore, chain_keys, kept_mappings
 from ._kv_eviction import Eviction, LRUEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import (
@@ -93,6 +93,7 @@ __all__ = [
     "holder_alive",
     "io_pool",
     "io_workers",
+    "kept_mappings",
     "pack",
     "shm_root",
 ]

@@ -301,6 +301,65 @@ def test_a_new_namespace_takes_the_pages_a_destroyed_one_gave_back(sqlite_db: ob
     assert float(view[0][0]) == 2.0
 
 
+def test_a_new_namespace_takes_this_process_s_mapping_of_a_pooled_slab(
+        sqlite_db: object) -> None:
+    """A namespace destroyed here keeps this process's mappings of the slabs it pooled;
+    a new namespace that claims one of those files back takes the mapping (no page-table
+    fill) and reads back what it wrote, checksums verified. A mapping of a file the pool
+    then gives back is closed, and the pages go."""
+    from storage_engine import kept_mappings
+
+    db = sqlite_db
+    host = db._tiers["host"]  # type: ignore[attr-defined]
+    host.trim_pool(0)
+    before = kept_mappings()
+    a = db.kv("keep-a", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    a.put(a.keys(list(range(4 * 64))), torch.ones(64, 4096))  # 1 MiB: one slab
+    inodes = {p.stat().st_ino for p in a.store.slab_files()}
+    a.destroy()
+    after = kept_mappings()
+    assert after["kept"] == before["kept"] + 1 and after["mappings"] >= 1
+    b = db.kv("keep-b", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    keys = b.keys(list(range(4 * 64)))
+    b.put(keys, torch.full((64, 4096), 3.0))
+    assert {p.stat().st_ino for p in b.store.slab_files()} == inodes
+    assert kept_mappings()["reused"] == before["reused"] + 1
+    assert torch.equal(b.get_batch(keys), torch.full((64, 4096), 3.0))
+    out = torch.zeros(64, 4096)
+    assert b.get_into(keys, out) == 64 and torch.equal(out, torch.full((64, 4096), 3.0))
+    b.destroy()
+    assert kept_mappings()["mappings"] >= 1
+    host.trim_pool(0)  # the pool gives its files back: their kept mappings close
+    assert kept_mappings()["mappings"] == 0 and kept_mappings()["bytes"] == 0
+
+
+def _child_kept(q: object) -> None:
+    from storage_engine import kept_mappings
+
+    q.put(kept_mappings()["mappings"])  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_drops_its_parent_s_kept_mappings(sqlite_db: object) -> None:
+    """A forked child never writes through its parent's kept mappings: it closes them."""
+    from storage_engine import kept_mappings
+
+    db = sqlite_db
+    a = db.kv("keep-fork", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    a.put(a.keys(list(range(4 * 8))), torch.ones(8, 4096))
+    a.destroy()
+    assert kept_mappings()["mappings"] >= 1
+    q = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=_child_kept, args=(q,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0 and q.get(timeout=5) == 0
+    assert kept_mappings()["mappings"] >= 1
+    db._tiers["host"].trim_pool(0)  # type: ignore[attr-defined]
+
+
 def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
                                                                      ) -> None:
     """get_into reads spilled blocks straight from their files (a read never evicts), so

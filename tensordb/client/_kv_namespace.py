@@ -35,6 +35,7 @@ from storage_engine import (
     KVStats,
     KVStoreFull,
     bloom_may_hold,
+    kept_mappings,
 )
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
@@ -101,6 +102,7 @@ class KVNodeSummary:
 
 
 _MAX_BLOCK_TOKENS = 2**31 - 1  # kv_namespaces.block_tokens is a 32-bit Integer
+
 
 
 class KVNamespace:
@@ -219,13 +221,19 @@ class KVNamespace:
         files go to the host tier's pool: their pages are kept for the next writer (a
         new namespace's slabs, a commit's segments) instead of being faulted in again."""
         recycle = _last_user(self.store) and self.store.quiescent()
-        slabs = self.store.slab_files() if recycle else []
-        self.close()
         host = self.db._tiers["host"]
+        slabs = self.store.slab_files() if recycle else []
+        if slabs and isinstance(host, FileTier):
+            # this process keeps its mappings of the files it pools: a new namespace
+            # here that claims them back takes them, page tables filled
+            self.store.keep_mappings()
+        self.close()
         if isinstance(host, FileTier):
             for path in slabs:
                 host.pool_file(path)
         self.remove_files()
+        if slabs:
+            kept_mappings()  # closes the kept mappings of files the pool did not take
 
     def remove_files(self) -> None:
         """Delete the namespace's blocks from this node (memory and disk)."""
