@@ -26,7 +26,7 @@ from ._io import (
     io_workers,
     pack,
 )
-from ._kv import BlockStore, chain_keys, kept_mappings
+from ._kv import BlockStore, chain_keys, kept_mappings, keys_fit
 from ._kv_eviction import Eviction, LRUEviction
 from ._kv_gpu import GpuBlockView
 from ._kv_types import (
@@ -94,6 +94,7 @@ __all__ = [
     "io_pool",
     "io_workers",
     "kept_mappings",
+    "keys_fit",
     "pack",
     "shm_root",
 ]

@@ -76,11 +76,11 @@ from ._kv_types import (
     each,
 )
 from ._procs import current_holder
-from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex
+from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex, keys_fit
 from ._stream import chain_keys as _chain_keys
 from ._stream import kept_maps as _kept_maps
 
-__all__ = ["BlockStore", "chain_keys", "kept_mappings"]
+__all__ = ["BlockStore", "chain_keys", "kept_mappings", "keys_fit"]
 
 log = logging.getLogger(__name__)
 

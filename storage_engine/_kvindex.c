@@ -2995,7 +2995,25 @@ static PyObject *py_kept_maps(PyObject *self, PyObject *args) {
                          (unsigned long long)r);
 }
 
+/* keys_fit(keys) -> bool: keys is a list of bytes objects of 1 to KEYMAX bytes each,
+ * which the index takes as they are (the client's check of a batch's keys, a Python
+ * loop, was 5 % of an 8 KiB block's read) */
+static PyObject *py_keys_fit(PyObject *self, PyObject *keys) {
+    (void)self;
+    if (!PyList_CheckExact(keys))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > KEYMAX)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef kv_functions[] = {
+    {"keys_fit", py_keys_fit, METH_O,
+     "keys_fit(keys) -> whether keys is a list of bytes of 1 to KEYMAX bytes each"},
     {"kept_maps", py_kept_maps, METH_VARARGS,
      "kept_maps(prune=True) -> (mappings, bytes, kept, reused) of pooled slab files"},
     {"size_class", py_size_class, METH_O, "size_class(nbytes) -> the chunk size of a block"},

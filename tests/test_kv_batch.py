@@ -360,6 +360,34 @@ def test_a_forked_child_drops_its_parent_s_kept_mappings(sqlite_db: object) -> N
     db._tiers["host"].trim_pool(0)  # type: ignore[attr-defined]
 
 
+def test_keys_fit_takes_lists_of_short_bytes_only() -> None:
+    """The client's one-pass check of a batch's keys: a list of bytes of 1 to 32 bytes
+    goes to the index as it is; anything else takes the checking path (long keys are
+    hashed, bad ones are InvalidInput)."""
+    from storage_engine import keys_fit
+
+    assert keys_fit([b"a", b"x" * 32]) and keys_fit([])
+    for bad in ([b"x" * 33], [b""], [bytearray(b"a")], (b"a",), [b"a", 1], b"ab", "ab"):
+        assert not keys_fit(bad)
+
+
+def test_long_and_bad_keys_still_take_the_checking_path(sqlite_db: object) -> None:
+    kv = sqlite_db.kv("long-keys", block_tokens=4,  # type: ignore[attr-defined]
+                      capacity_bytes=1 << 20, slab_bytes=64 * KiB)
+    try:
+        keys = [b"k" * 100 + bytes([i]) for i in range(4)] + [bytearray(b"short")]
+        assert kv.put(keys, torch.arange(5 * 16, dtype=torch.float32).view(5, 16)) == 5
+        out = torch.zeros(5, 16)
+        assert kv.get_into(keys, out) == 5
+        assert torch.equal(out, torch.arange(5 * 16, dtype=torch.float32).view(5, 16))
+        for bad in ([b""], [b"x" * 256], [b"a", 3], b"one-key"):
+            with pytest.raises(InvalidInput):
+                kv.get_into(bad, torch.zeros(1, 16))  # type: ignore[arg-type]
+        assert kv.stats().blocks == 5
+    finally:
+        kv.destroy()
+
+
 def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
                                                                      ) -> None:
     """get_into reads spilled blocks straight from their files (a read never evicts), so
