@@ -615,8 +615,11 @@ static void kept_prune_locked(void) {
     nkept = j;
 }
 
-static void kept_atfork_child(void) {
+static void workers_atfork_child(void);
+
+static void kv_atfork_child(void) {
     pthread_mutex_init(&kept_mu, NULL);
+    workers_atfork_child();
 }
 
 /* keep a slab's mapping (base, size, its file open as fd); takes both over */
@@ -1718,13 +1721,74 @@ static void *copy_thread(void *arg) {
     return NULL;
 }
 
+/* The copy workers: threads of this process that wait for a batch's runs, started at
+ * the first batch that wants them and kept (a thread started and joined per batch,
+ * and the faults of its fresh stack, cost 50-100 us a batch). One batch at a time uses
+ * them; a batch that finds them busy (another thread's, copying at once) starts
+ * threads of its own as before. A forked child starts its own. */
+#define MAX_WORKERS 3
+typedef struct {
+    pthread_t tid;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    copy_job_t *job; /* the run to copy; NULL when idle */
+    int done;
+} worker_t;
+static worker_t workers[MAX_WORKERS];
+static int nworkers;
+static long ncpus;
+static pthread_mutex_t workers_mu = PTHREAD_MUTEX_INITIALIZER; /* held while in use */
+
+static void *worker_main(void *arg) {
+    worker_t *w = arg;
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (w->job == NULL)
+            pthread_cond_wait(&w->cv, &w->mu);
+        copy_job_t *j = w->job;
+        pthread_mutex_unlock(&w->mu);
+        copy_range(j);
+        pthread_mutex_lock(&w->mu);
+        w->job = NULL;
+        w->done = 1;
+        pthread_cond_broadcast(&w->cv);
+    }
+    return NULL;
+}
+
+/* under workers_mu: at least `want` workers (fewer where threads cannot be had) */
+static int workers_ready(int want) {
+    while (nworkers < want) {
+        worker_t *w = &workers[nworkers];
+        pthread_mutex_init(&w->mu, NULL);
+        pthread_cond_init(&w->cv, NULL);
+        w->job = NULL;
+        w->done = 0;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int r = pthread_create(&w->tid, &attr, worker_main, w);
+        pthread_attr_destroy(&attr);
+        if (r != 0)
+            break;
+        nworkers++;
+    }
+    return nworkers < want ? nworkers : want;
+}
+
+static void workers_atfork_child(void) {
+    /* the parent's workers do not exist here */
+    nworkers = 0;
+    pthread_mutex_init(&workers_mu, NULL);
+}
+
 static void copy_all(copy_job_t job, Py_ssize_t n) {
     if (n <= 0)
         return;
     uint64_t total = 0;
     for (Py_ssize_t k = 0; k < n; k++)
         total += job.sizes[job.res[k].i];
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    long cpus = ncpus;
     int t = total < PARALLEL_MIN || n < 2 ? 1 : (int)(cpus < 2 ? 1 : cpus > 4 ? 4 : cpus);
     if (t > n)
         t = (int)n;
@@ -1744,15 +1808,40 @@ static void copy_all(copy_job_t job, Py_ssize_t n) {
         jobs[w].hi = hi;
         lo = hi;
     }
-    for (int w = 1; w < t; w++)
-        started[w] = pthread_create(&tid[w], NULL, copy_thread, &jobs[w]) == 0;
+    if (t == 1) {
+        copy_range(&jobs[0]);
+        return;
+    }
+    int pooled = pthread_mutex_trylock(&workers_mu) == 0;
+    int have = pooled ? workers_ready(t - 1) : 0;
+    for (int w = 1; w < t; w++) {
+        if (w - 1 < have) {
+            worker_t *k = &workers[w - 1];
+            pthread_mutex_lock(&k->mu);
+            k->done = 0;
+            k->job = &jobs[w];
+            pthread_cond_broadcast(&k->cv);
+            pthread_mutex_unlock(&k->mu);
+        } else {
+            started[w] = pthread_create(&tid[w], NULL, copy_thread, &jobs[w]) == 0;
+        }
+    }
     copy_range(&jobs[0]);
     for (int w = 1; w < t; w++) {
-        if (started[w])
+        if (w - 1 < have) {
+            worker_t *k = &workers[w - 1];
+            pthread_mutex_lock(&k->mu);
+            while (!k->done)
+                pthread_cond_wait(&k->cv, &k->mu);
+            pthread_mutex_unlock(&k->mu);
+        } else if (started[w]) {
             pthread_join(tid[w], NULL);
-        else
+        } else {
             copy_range(&jobs[w]); /* no thread to be had: here */
+        }
     }
+    if (pooled)
+        pthread_mutex_unlock(&workers_mu);
 }
 
 static void set_meta(Idx *s, rec_t *r, const char *meta, size_t len, uint32_t mslab,
@@ -3034,7 +3123,8 @@ HIDDEN int kvindex_add_type(void *module) {
     if (PyModule_AddFunctions(m, kv_functions) < 0)
         return -1;
     kept_pid = getpid();
-    pthread_atfork(NULL, NULL, kept_atfork_child);
+    ncpus = sysconf(_SC_NPROCESSORS_ONLN);
+    pthread_atfork(NULL, NULL, kv_atfork_child);
     PyModule_AddIntConstant(m, "E_OK", E_OK);
     PyModule_AddIntConstant(m, "E_FULL", E_FULL);
     PyModule_AddIntConstant(m, "E_TOO_BIG", E_TOO_BIG);

@@ -388,6 +388,61 @@ def test_long_and_bad_keys_still_take_the_checking_path(sqlite_db: object) -> No
         kv.destroy()
 
 
+def _big_batches(store: BlockStore, tag: int, rounds: int) -> bool:
+    """Large batches (copied on the copy workers) put and read back: all equal."""
+    n, size = 64, 128 * KiB  # 8 MiB a batch
+    src = np.empty((n, size), np.uint8)
+    src[:] = (np.arange(n, dtype=np.uint8) + tag)[:, None]
+    dst = np.zeros_like(src)
+    ok = True
+    for r in range(rounds):
+        keys = [b"t%d-r%d-%d" % (tag, r, i) for i in range(n)]
+        addrs = np.array([src[i].ctypes.data for i in range(n)], np.uint64)
+        store.put_batch(keys, addrs, np.full(n, size, np.uint64))
+        daddrs = np.array([dst[i].ctypes.data for i in range(n)], np.uint64)
+        status = store.read_into(keys, daddrs, np.full(n, size, np.uint64))
+        ok = ok and bool(status.all()) and bool(np.array_equal(src, dst))
+        dst[:] = 0
+        store.delete(keys)
+    return ok
+
+
+def _forked_batches(root: str, q: object) -> None:
+    store = BlockStore(Path(root), capacity_bytes=64 << 20)
+    try:
+        q.put(_big_batches(store, 9, 3))  # type: ignore[attr-defined]
+    finally:
+        store.close()
+
+
+def test_copy_workers_serve_concurrent_batches_and_forked_children(tmp_path: Path) -> None:
+    """Batches of 4 MiB and more copy on the process's copy workers; two threads copying
+    at once (one on the workers, one on threads of its own) and a forked child (which
+    starts its own) all read back what they wrote."""
+    import threading
+
+    store = BlockStore(tmp_path / "w", capacity_bytes=64 << 20)
+    try:
+        assert _big_batches(store, 0, 2)  # the workers exist now
+        results: list[bool] = []
+        threads = [threading.Thread(target=lambda t=t: results.append(
+            _big_batches(store, t, 6))) for t in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [True, True]
+        q = mp.get_context("fork").Queue()
+        p = mp.get_context("fork").Process(target=_forked_batches,
+                                           args=(str(tmp_path / "w"), q))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0 and q.get(timeout=5) is True
+        assert _big_batches(store, 3, 2)
+    finally:
+        store.close()
+
+
 def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
                                                                      ) -> None:
     """get_into reads spilled blocks straight from their files (a read never evicts), so
