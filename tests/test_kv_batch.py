@@ -335,6 +335,23 @@ def test_a_new_namespace_takes_this_process_s_mapping_of_a_pooled_slab(
     assert kept_mappings()["mappings"] == 0 and kept_mappings()["bytes"] == 0
 
 
+def _run_forked(target: object, *args: object) -> object:
+    """``target(*args, queue)`` in a forked child (these tests are about what a child
+    inherits), and what it put in the queue. JAX, once another test imported it, warns
+    at every fork: not this test's concern."""
+    import warnings
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p = ctx.Process(target=target, args=(*args, q))  # type: ignore[attr-defined]
+        p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    return q.get(timeout=5)
+
+
 def _child_kept(q: object) -> None:
     from storage_engine import kept_mappings
 
@@ -351,11 +368,7 @@ def test_a_forked_child_drops_its_parent_s_kept_mappings(sqlite_db: object) -> N
     a.put(a.keys(list(range(4 * 8))), torch.ones(8, 4096))
     a.destroy()
     assert kept_mappings()["mappings"] >= 1
-    q = mp.get_context("fork").Queue()
-    p = mp.get_context("fork").Process(target=_child_kept, args=(q,))
-    p.start()
-    p.join(30)
-    assert p.exitcode == 0 and q.get(timeout=5) == 0
+    assert _run_forked(_child_kept) == 0
     assert kept_mappings()["mappings"] >= 1
     db._tiers["host"].trim_pool(0)  # type: ignore[attr-defined]
 
@@ -432,12 +445,7 @@ def test_copy_workers_serve_concurrent_batches_and_forked_children(tmp_path: Pat
         for t in threads:
             t.join(60)
         assert results == [True, True]
-        q = mp.get_context("fork").Queue()
-        p = mp.get_context("fork").Process(target=_forked_batches,
-                                           args=(str(tmp_path / "w"), q))
-        p.start()
-        p.join(60)
-        assert p.exitcode == 0 and q.get(timeout=5) is True
+        assert _run_forked(_forked_batches, str(tmp_path / "w")) is True
         assert _big_batches(store, 3, 2)
     finally:
         store.close()
