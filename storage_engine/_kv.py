@@ -76,11 +76,12 @@ from ._kv_types import (
     each,
 )
 from ._procs import current_holder
-from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex
+from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex, keys_fit
 from ._stream import chain_keys as _chain_keys
+from ._stream import kept_maps as _kept_maps
 
 __all__ = ["EVENT_CLEARED", "EVENT_REMOVED", "EVENT_STORED", "MEDIUM_DISK", "MEDIUM_HOST",
-           "BlockStore", "RawEvent", "chain_keys"]
+           "BlockStore", "RawEvent", "chain_keys", "kept_mappings", "keys_fit"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,14 @@ def chain_keys(prev: bytes, tokens: np.ndarray, block_tokens: int) -> list[bytes
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def kept_mappings() -> dict[str, int]:
+    """This process's kept mappings of slab files it gave the pool (``keep_mappings``),
+    after closing those of files since unlinked: ``mappings`` and their ``bytes`` now,
+    how many were ever ``kept`` and ``reused`` by a new slab."""
+    n, nbytes, kept, reused = _kept_maps(True)
+    return {"mappings": n, "bytes": nbytes, "kept": kept, "reused": reused}
 
 
 def _native(fn: Any, keys: Sequence[bytes], *args: Any) -> Any:
@@ -596,6 +605,17 @@ class BlockStore:
         if tier == "disk":
             return "disk", Path(spill), 0, int(nbytes)
         return "host", Path(self._slab_path(slab, gen)), int(offset), int(nbytes)
+
+    def keep_mappings(self) -> int:
+        """Hand this process's mappings of the slabs to its kept mappings of pooled files
+        (``kept_mappings``): call it just before ``close`` when the slab files are going
+        to the pool (``quiescent``). A slab of any store of this process that claims one
+        of those files back takes its mapping as it is, page tables filled, instead of
+        mapping the file again: half of a new namespace's first put + get otherwise.
+        Returns how many were kept."""
+        with self._lock:
+            self._check_pid()
+            return int(self._ix.keep_maps())
 
     def quiescent(self) -> bool:
         """Whether no other live process has the store open and no view of a block is

@@ -592,12 +592,146 @@ static void release_chunk(Idx *s, uint32_t slot, uint32_t chunk) {
     /* else: the chunk is lost to this slab until it empties (its memory is gone) */
 }
 
-/* a file of the store's pool of freed files, renamed to path: the smallest of at least
- * min bytes (its pages are allocated already, so the slab costs page-table entries,
- * not page faults). The pool's protocol (storage_engine._pool): a file is moved only
- * under an exclusive flock, and only while its name still names the locked file.
- * Returns its size (>= min), 0 when the pool has none. */
-static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max) {
+/* This process's mappings of slab files it handed to the store's pool (a namespace
+ * destroyed here), by inode: a new slab that claims such a file back takes the mapping
+ * as it is, page tables filled, instead of mapping the file again (filling 64 MiB of
+ * page-table entries costs ~4-5 ms, about half of a 64 MiB put + get). A mapping kept of
+ * a file since unlinked would keep its pages alive: every keep and claim closes those
+ * (and the pool truncates a file to nothing before it unlinks it, which frees the pages
+ * of every mapping); at most KEPT_MAX are kept, the oldest closed first. A forked child
+ * drops its parent's. storage_engine._mapping.MapCache does the same for segments. */
+#define KEPT_MAX 64
+typedef struct {
+    dev_t dev;
+    ino_t ino;
+    char *base;
+    size_t size;
+    int fd;
+} kept_t;
+static kept_t kept[KEPT_MAX];
+static int nkept;
+static pid_t kept_pid;
+static uint64_t kept_reused, kept_kept;
+static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void kept_close(kept_t *k) {
+    munmap(k->base, k->size);
+    close(k->fd);
+}
+
+/* under kept_mu: forget a forked parent's mappings, close those of files gone */
+static void kept_prune_locked(void) {
+    if (kept_pid != getpid()) {
+        for (int i = 0; i < nkept; i++)
+            kept_close(&kept[i]); /* this child's copies of its parent's mappings */
+        nkept = 0;
+        kept_pid = getpid();
+        return;
+    }
+    int j = 0;
+    for (int i = 0; i < nkept; i++) {
+        struct stat st;
+        if (fstat(kept[i].fd, &st) != 0 || st.st_nlink == 0)
+            kept_close(&kept[i]);
+        else
+            kept[j++] = kept[i];
+    }
+    nkept = j;
+}
+
+static void workers_atfork_child(void);
+
+static void kv_atfork_child(void) {
+    pthread_mutex_init(&kept_mu, NULL);
+    workers_atfork_child();
+}
+
+/* keep a slab's mapping (base, size, its file open as fd); takes both over */
+static void kept_add(char *base, size_t size, int fd) {
+    struct stat st;
+    kept_t gone = {0, 0, NULL, 0, -1};
+    pthread_mutex_lock(&kept_mu);
+    kept_prune_locked();
+    if (fstat(fd, &st) != 0 || st.st_nlink == 0) {
+        pthread_mutex_unlock(&kept_mu);
+        munmap(base, size);
+        close(fd);
+        return;
+    }
+    for (int i = 0; i < nkept; i++)
+        if (kept[i].dev == st.st_dev && kept[i].ino == st.st_ino) { /* an older one */
+            gone = kept[i];
+            memmove(&kept[i], &kept[i + 1], sizeof(kept_t) * (size_t)(nkept - i - 1));
+            nkept--;
+            break;
+        }
+    if (gone.base == NULL && nkept == KEPT_MAX) { /* the oldest goes */
+        gone = kept[0];
+        memmove(&kept[0], &kept[1], sizeof(kept_t) * (KEPT_MAX - 1));
+        nkept--;
+    }
+    kept[nkept].dev = st.st_dev;
+    kept[nkept].ino = st.st_ino;
+    kept[nkept].base = base;
+    kept[nkept].size = size;
+    kept[nkept].fd = fd;
+    nkept++;
+    kept_kept++;
+    pthread_mutex_unlock(&kept_mu);
+    if (gone.base != NULL)
+        kept_close(&gone);
+}
+
+static int kept_has(dev_t dev, ino_t ino) {
+    int found = 0;
+    pthread_mutex_lock(&kept_mu);
+    if (kept_pid == getpid())
+        for (int i = 0; i < nkept && !found; i++)
+            found = kept[i].dev == dev && kept[i].ino == ino;
+    pthread_mutex_unlock(&kept_mu);
+    return found;
+}
+
+/* the kept mapping of the file (dev, ino), handed over cut to its first size bytes
+ * (the file may have been cut shorter: nothing past size may stay mapped); NULL where
+ * none covers size */
+static char *kept_take(dev_t dev, ino_t ino, size_t size, int *fd) {
+    kept_t got = {0, 0, NULL, 0, -1};
+    pthread_mutex_lock(&kept_mu);
+    kept_prune_locked();
+    for (int i = 0; i < nkept; i++)
+        if (kept[i].dev == dev && kept[i].ino == ino) {
+            got = kept[i];
+            memmove(&kept[i], &kept[i + 1], sizeof(kept_t) * (size_t)(nkept - i - 1));
+            nkept--;
+            break;
+        }
+    if (got.base != NULL && got.size >= size)
+        kept_reused++;
+    pthread_mutex_unlock(&kept_mu);
+    if (got.base == NULL)
+        return NULL;
+    if (got.size < size) {
+        kept_close(&got);
+        return NULL;
+    }
+    size_t keep = (size + PAGE - 1) / PAGE * PAGE, all = (got.size + PAGE - 1) / PAGE * PAGE;
+    if (all > keep)
+        munmap(got.base + keep, all - keep);
+    *fd = got.fd;
+    return got.base;
+}
+
+/* a file of the store's pool of freed files, renamed to path: one this process still
+ * maps (kept_t) first, else the smallest of at least min bytes (its pages are allocated
+ * already, so the slab costs page-table entries, not page faults). The pool's protocol
+ * (storage_engine._pool): a file is moved only under an exclusive flock, and only while
+ * its name still names the locked file. Returns its size (>= min), 0 when the pool has
+ * none; *map the kept mapping of its first `use` bytes (the slab's; *map_fd its file),
+ * NULL when there is none. */
+static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max,
+                           uint64_t csize, char **map, int *map_fd) {
+    *map = NULL;
     if (s->pool_dir == NULL)
         return 0;
     DIR *d = opendir(s->pool_dir);
@@ -605,6 +739,7 @@ static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max) {
         return 0;
     char best[4096], cand[4096];
     size_t best_size = 0;
+    int best_kept = 0;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         if (e->d_name[0] == '.')
@@ -614,8 +749,11 @@ static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max) {
         if (stat(cand, &st) != 0 || !S_ISREG(st.st_mode) || (size_t)st.st_size < min ||
                 (size_t)st.st_blocks * 512 < min / 2)
             continue;
-        if (best_size == 0 || (size_t)st.st_size < best_size) {
+        int k = kept_has(st.st_dev, st.st_ino);
+        if (best_size == 0 || k > best_kept ||
+                (k == best_kept && (size_t)st.st_size < best_size)) {
             best_size = (size_t)st.st_size;
+            best_kept = k;
             memcpy(best, cand, sizeof best);
         }
     }
@@ -640,7 +778,9 @@ static size_t claim_pooled(Idx *s, const char *path, size_t min, size_t max) {
         return 0;
     }
     fchmod(fd, 0600);
-    close(fd);
+    close(fd); /* and its lock: the file is the slab's now */
+    if (best_kept)
+        *map = kept_take(a.st_dev, a.st_ino, size / csize * csize, map_fd);
     return size;
 }
 
@@ -732,10 +872,20 @@ static int new_slab(Idx *s, uint64_t csize) {
     slab_path(s, slot, gen, path, sizeof path);
     /* a pooled file first: as many chunks as it holds, within what the capacity allows */
     uint64_t most = (h->capacity - used) / csize;
-    size_t got = claim_pooled(s, path, (size_t)(csize * n), (size_t)(csize * most));
+    char *kept_map = NULL;
+    int kept_fd = -1;
+    size_t got = claim_pooled(s, path, (size_t)(csize * n), (size_t)(csize * most), csize,
+                              &kept_map, &kept_fd);
     int fresh = got == 0;
     if (got) {
         n = got / csize;
+        if (kept_map != NULL) { /* this process's mapping of the file: nothing to map */
+            unmap_slab(s, slot);
+            s->maps[slot].base = kept_map;
+            s->maps[slot].size = (size_t)(csize * n);
+            s->maps[slot].gen = gen;
+            s->maps[slot].fd = kept_fd;
+        }
     } else {
         int fd = create_file(path, (size_t)(csize * n));
         if (fd < 0)
@@ -1556,6 +1706,30 @@ static PyObject *Idx_close(Idx *s, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* keep_maps(): hand this handle's slab mappings to the process's kept mappings
+ * (kept_t), for the slab files a destroy is about to pool: a slab that claims one of
+ * them back (in any namespace of this process) takes its mapping as it is. Call it
+ * just before close, on the last handle of a store nobody else has open. Returns how
+ * many mappings were kept. */
+static PyObject *Idx_keep_maps(Idx *s, PyObject *unused) {
+    (void)unused;
+    long n = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (s->hdr != NULL)
+        for (int i = 0; i < MAX_SLABS; i++) {
+            smap_t *m = &s->maps[i];
+            if (m->base == NULL || m->fd < 0)
+                continue;
+            kept_add(m->base, m->size, m->fd);
+            m->base = NULL;
+            m->size = 0;
+            m->fd = -1;
+            n++;
+        }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
+}
+
 /* after a fork: the child drops the parent's handle without touching the shared state */
 static PyObject *Idx_abandon(Idx *s, PyObject *unused) {
     (void)unused;
@@ -1685,13 +1859,74 @@ static void *copy_thread(void *arg) {
     return NULL;
 }
 
+/* The copy workers: threads of this process that wait for a batch's runs, started at
+ * the first batch that wants them and kept (a thread started and joined per batch,
+ * and the faults of its fresh stack, cost 50-100 us a batch). One batch at a time uses
+ * them; a batch that finds them busy (another thread's, copying at once) starts
+ * threads of its own as before. A forked child starts its own. */
+#define MAX_WORKERS 3
+typedef struct {
+    pthread_t tid;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    copy_job_t *job; /* the run to copy; NULL when idle */
+    int done;
+} worker_t;
+static worker_t workers[MAX_WORKERS];
+static int nworkers;
+static long ncpus;
+static pthread_mutex_t workers_mu = PTHREAD_MUTEX_INITIALIZER; /* held while in use */
+
+static void *worker_main(void *arg) {
+    worker_t *w = arg;
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (w->job == NULL)
+            pthread_cond_wait(&w->cv, &w->mu);
+        copy_job_t *j = w->job;
+        pthread_mutex_unlock(&w->mu);
+        copy_range(j);
+        pthread_mutex_lock(&w->mu);
+        w->job = NULL;
+        w->done = 1;
+        pthread_cond_broadcast(&w->cv);
+    }
+    return NULL;
+}
+
+/* under workers_mu: at least `want` workers (fewer where threads cannot be had) */
+static int workers_ready(int want) {
+    while (nworkers < want) {
+        worker_t *w = &workers[nworkers];
+        pthread_mutex_init(&w->mu, NULL);
+        pthread_cond_init(&w->cv, NULL);
+        w->job = NULL;
+        w->done = 0;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int r = pthread_create(&w->tid, &attr, worker_main, w);
+        pthread_attr_destroy(&attr);
+        if (r != 0)
+            break;
+        nworkers++;
+    }
+    return nworkers < want ? nworkers : want;
+}
+
+static void workers_atfork_child(void) {
+    /* the parent's workers do not exist here */
+    nworkers = 0;
+    pthread_mutex_init(&workers_mu, NULL);
+}
+
 static void copy_all(copy_job_t job, Py_ssize_t n) {
     if (n <= 0)
         return;
     uint64_t total = 0;
     for (Py_ssize_t k = 0; k < n; k++)
         total += job.sizes[job.res[k].i];
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    long cpus = ncpus;
     int t = total < PARALLEL_MIN || n < 2 ? 1 : (int)(cpus < 2 ? 1 : cpus > 4 ? 4 : cpus);
     if (t > n)
         t = (int)n;
@@ -1711,15 +1946,40 @@ static void copy_all(copy_job_t job, Py_ssize_t n) {
         jobs[w].hi = hi;
         lo = hi;
     }
-    for (int w = 1; w < t; w++)
-        started[w] = pthread_create(&tid[w], NULL, copy_thread, &jobs[w]) == 0;
+    if (t == 1) {
+        copy_range(&jobs[0]);
+        return;
+    }
+    int pooled = pthread_mutex_trylock(&workers_mu) == 0;
+    int have = pooled ? workers_ready(t - 1) : 0;
+    for (int w = 1; w < t; w++) {
+        if (w - 1 < have) {
+            worker_t *k = &workers[w - 1];
+            pthread_mutex_lock(&k->mu);
+            k->done = 0;
+            k->job = &jobs[w];
+            pthread_cond_broadcast(&k->cv);
+            pthread_mutex_unlock(&k->mu);
+        } else {
+            started[w] = pthread_create(&tid[w], NULL, copy_thread, &jobs[w]) == 0;
+        }
+    }
     copy_range(&jobs[0]);
     for (int w = 1; w < t; w++) {
-        if (started[w])
+        if (w - 1 < have) {
+            worker_t *k = &workers[w - 1];
+            pthread_mutex_lock(&k->mu);
+            while (!k->done)
+                pthread_cond_wait(&k->cv, &k->mu);
+            pthread_mutex_unlock(&k->mu);
+        } else if (started[w]) {
             pthread_join(tid[w], NULL);
-        else
+        } else {
             copy_range(&jobs[w]); /* no thread to be had: here */
+        }
     }
+    if (pooled)
+        pthread_mutex_unlock(&workers_mu);
 }
 
 static void set_meta(Idx *s, rec_t *r, const char *meta, size_t len, uint32_t mslab,
@@ -3203,6 +3463,7 @@ static PyMethodDef Idx_methods[] = {
     {"events_release", (PyCFunction)Idx_events_release, METH_NOARGS, NULL},
     {"close", (PyCFunction)Idx_close, METH_NOARGS, NULL},
     {"abandon", (PyCFunction)Idx_abandon, METH_NOARGS, NULL},
+    {"keep_maps", (PyCFunction)Idx_keep_maps, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -3272,7 +3533,53 @@ done:
     return out;
 }
 
+/* kept_maps(prune=True) -> (mappings, bytes, kept, reused): this process's kept
+ * mappings of pooled slab files (kept_t) after closing those of files gone, and how many
+ * were ever kept and taken back by a new slab */
+static PyObject *py_kept_maps(PyObject *self, PyObject *args) {
+    (void)self;
+    int prune = 1;
+    if (!PyArg_ParseTuple(args, "|p", &prune))
+        return NULL;
+    int n;
+    size_t bytes = 0;
+    uint64_t k, r;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&kept_mu);
+    if (prune || kept_pid != getpid())
+        kept_prune_locked();
+    n = nkept;
+    for (int i = 0; i < nkept; i++)
+        bytes += kept[i].size;
+    k = kept_kept;
+    r = kept_reused;
+    pthread_mutex_unlock(&kept_mu);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(inKK)", n, (Py_ssize_t)bytes, (unsigned long long)k,
+                         (unsigned long long)r);
+}
+
+/* keys_fit(keys) -> bool: keys is a list of bytes objects of 1 to KEYMAX bytes each,
+ * which the index takes as they are (the client's check of a batch's keys, a Python
+ * loop, was 5 % of an 8 KiB block's read) */
+static PyObject *py_keys_fit(PyObject *self, PyObject *keys) {
+    (void)self;
+    if (!PyList_CheckExact(keys))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < 1 || PyBytes_GET_SIZE(k) > KEYMAX)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef kv_functions[] = {
+    {"keys_fit", py_keys_fit, METH_O,
+     "keys_fit(keys) -> whether keys is a list of bytes of 1 to KEYMAX bytes each"},
+    {"kept_maps", py_kept_maps, METH_VARARGS,
+     "kept_maps(prune=True) -> (mappings, bytes, kept, reused) of pooled slab files"},
     {"size_class", py_size_class, METH_O, "size_class(nbytes) -> the chunk size of a block"},
     {"chain_keys", py_chain_keys, METH_VARARGS,
      "chain_keys(prev, tokens, block_tokens) -> the chained xxh3-128 key of each block"},
@@ -3290,6 +3597,9 @@ HIDDEN int kvindex_add_type(void *module) {
     }
     if (PyModule_AddFunctions(m, kv_functions) < 0)
         return -1;
+    kept_pid = getpid();
+    ncpus = sysconf(_SC_NPROCESSORS_ONLN);
+    pthread_atfork(NULL, NULL, kv_atfork_child);
     PyModule_AddIntConstant(m, "E_OK", E_OK);
     PyModule_AddIntConstant(m, "E_FULL", E_FULL);
     PyModule_AddIntConstant(m, "E_TOO_BIG", E_TOO_BIG);

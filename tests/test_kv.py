@@ -683,6 +683,40 @@ def test_block_tokens_past_the_catalog_column_rejected_store_unchanged(
         cache.destroy()
 
 
+def test_a_namespace_registered_meanwhile_with_another_block_size_is_rejected(
+        sqlite_db: tensordb.Database) -> None:
+    """Another process registers the namespace between this one's look-up and its insert,
+    with another block size: InvalidInput naming both (it used to pass unchecked), no
+    store opened, the other's row unchanged."""
+    from datetime import datetime, timezone
+
+    from sqlalchemy import event, insert
+
+    db = sqlite_db
+    engine = db.catalog.engine
+    done: list[bool] = []
+
+    def meanwhile(conn: object, clause: object, *args: object) -> None:
+        if done or "SELECT" not in str(clause) or "kv_namespaces" not in str(clause):
+            return
+        done.append(True)
+        with engine.begin() as other:  # its own connection: committed at once
+            other.execute(insert(kv_namespaces).values(
+                name="raced", node=db.config.node, block_tokens=8, blocks=0, nbytes=0,
+                created_at=datetime.now(timezone.utc)))
+
+    event.listen(engine, "after_execute", meanwhile)
+    try:
+        with pytest.raises(InvalidInput, match="holds blocks of 8 tokens, not 16"):
+            db.kv("raced", block_tokens=16, capacity_bytes=256 * KiB)
+    finally:
+        event.remove(engine, "after_execute", meanwhile)
+    assert done and not (Path(db.config.shm_dir) / "kv" / "raced").exists()
+    with db.catalog.engine.connect() as conn:
+        assert conn.execute(select(kv_namespaces.c.block_tokens)
+                            .where(kv_namespaces.c.name == "raced")).scalars().all() == [8]
+
+
 def test_pins_unpins_deletes(kv: KVCache) -> None:
     keys = kv.keys(list(range(12)))
     kv.put(keys[:2], [_block(1.0), _block(2.0)])

@@ -301,6 +301,156 @@ def test_a_new_namespace_takes_the_pages_a_destroyed_one_gave_back(sqlite_db: ob
     assert float(view[0][0]) == 2.0
 
 
+def test_a_new_namespace_takes_this_process_s_mapping_of_a_pooled_slab(
+        sqlite_db: object) -> None:
+    """A namespace destroyed here keeps this process's mappings of the slabs it pooled;
+    a new namespace that claims one of those files back takes the mapping (no page-table
+    fill) and reads back what it wrote, checksums verified. A mapping of a file the pool
+    then gives back is closed, and the pages go."""
+    from storage_engine import kept_mappings
+
+    db = sqlite_db
+    host = db._tiers["host"]  # type: ignore[attr-defined]
+    host.trim_pool(0)
+    before = kept_mappings()
+    a = db.kv("keep-a", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    a.put(a.keys(list(range(4 * 64))), torch.ones(64, 4096))  # 1 MiB: one slab
+    inodes = {p.stat().st_ino for p in a.store.slab_files()}
+    a.destroy()
+    after = kept_mappings()
+    assert after["kept"] == before["kept"] + 1 and after["mappings"] >= 1
+    b = db.kv("keep-b", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    keys = b.keys(list(range(4 * 64)))
+    b.put(keys, torch.full((64, 4096), 3.0))
+    assert {p.stat().st_ino for p in b.store.slab_files()} == inodes
+    assert kept_mappings()["reused"] == before["reused"] + 1
+    assert torch.equal(b.get_batch(keys), torch.full((64, 4096), 3.0))
+    out = torch.zeros(64, 4096)
+    assert b.get_into(keys, out) == 64 and torch.equal(out, torch.full((64, 4096), 3.0))
+    b.destroy()
+    assert kept_mappings()["mappings"] >= 1
+    host.trim_pool(0)  # the pool gives its files back: their kept mappings close
+    assert kept_mappings()["mappings"] == 0 and kept_mappings()["bytes"] == 0
+
+
+def _run_forked(target: object, *args: object) -> object:
+    """``target(*args, queue)`` in a forked child (these tests are about what a child
+    inherits), and what it put in the queue. JAX, once another test imported it, warns
+    at every fork: not this test's concern."""
+    import warnings
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p = ctx.Process(target=target, args=(*args, q))  # type: ignore[attr-defined]
+        p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    return q.get(timeout=5)
+
+
+def _child_kept(q: object) -> None:
+    from storage_engine import kept_mappings
+
+    q.put(kept_mappings()["mappings"])  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_drops_its_parent_s_kept_mappings(sqlite_db: object) -> None:
+    """A forked child never writes through its parent's kept mappings: it closes them."""
+    from storage_engine import kept_mappings
+
+    db = sqlite_db
+    a = db.kv("keep-fork", block_tokens=4, capacity_bytes=4 << 20,  # type: ignore[attr-defined]
+              slab_bytes=1 << 20)
+    a.put(a.keys(list(range(4 * 8))), torch.ones(8, 4096))
+    a.destroy()
+    assert kept_mappings()["mappings"] >= 1
+    assert _run_forked(_child_kept) == 0
+    assert kept_mappings()["mappings"] >= 1
+    db._tiers["host"].trim_pool(0)  # type: ignore[attr-defined]
+
+
+def test_keys_fit_takes_lists_of_short_bytes_only() -> None:
+    """The client's one-pass check of a batch's keys: a list of bytes of 1 to 32 bytes
+    goes to the index as it is; anything else takes the checking path (long keys are
+    hashed, bad ones are InvalidInput)."""
+    from storage_engine import keys_fit
+
+    assert keys_fit([b"a", b"x" * 32]) and keys_fit([])
+    for bad in ([b"x" * 33], [b""], [bytearray(b"a")], (b"a",), [b"a", 1], b"ab", "ab"):
+        assert not keys_fit(bad)
+
+
+def test_long_and_bad_keys_still_take_the_checking_path(sqlite_db: object) -> None:
+    kv = sqlite_db.kv("long-keys", block_tokens=4,  # type: ignore[attr-defined]
+                      capacity_bytes=1 << 20, slab_bytes=64 * KiB)
+    try:
+        keys = [b"k" * 100 + bytes([i]) for i in range(4)] + [bytearray(b"short")]
+        assert kv.put(keys, torch.arange(5 * 16, dtype=torch.float32).view(5, 16)) == 5
+        out = torch.zeros(5, 16)
+        assert kv.get_into(keys, out) == 5
+        assert torch.equal(out, torch.arange(5 * 16, dtype=torch.float32).view(5, 16))
+        for bad in ([b""], [b"x" * 256], [b"a", 3], b"one-key"):
+            with pytest.raises(InvalidInput):
+                kv.get_into(bad, torch.zeros(1, 16))  # type: ignore[arg-type]
+        assert kv.stats().blocks == 5
+    finally:
+        kv.destroy()
+
+
+def _big_batches(store: BlockStore, tag: int, rounds: int) -> bool:
+    """Large batches (copied on the copy workers) put and read back: all equal."""
+    n, size = 64, 128 * KiB  # 8 MiB a batch
+    src = np.empty((n, size), np.uint8)
+    src[:] = (np.arange(n, dtype=np.uint8) + tag)[:, None]
+    dst = np.zeros_like(src)
+    ok = True
+    for r in range(rounds):
+        keys = [b"t%d-r%d-%d" % (tag, r, i) for i in range(n)]
+        addrs = np.array([src[i].ctypes.data for i in range(n)], np.uint64)
+        store.put_batch(keys, addrs, np.full(n, size, np.uint64))
+        daddrs = np.array([dst[i].ctypes.data for i in range(n)], np.uint64)
+        status = store.read_into(keys, daddrs, np.full(n, size, np.uint64))
+        ok = ok and bool(status.all()) and bool(np.array_equal(src, dst))
+        dst[:] = 0
+        store.delete(keys)
+    return ok
+
+
+def _forked_batches(root: str, q: object) -> None:
+    store = BlockStore(Path(root), capacity_bytes=64 << 20)
+    try:
+        q.put(_big_batches(store, 9, 3))  # type: ignore[attr-defined]
+    finally:
+        store.close()
+
+
+def test_copy_workers_serve_concurrent_batches_and_forked_children(tmp_path: Path) -> None:
+    """Batches of 4 MiB and more copy on the process's copy workers; two threads copying
+    at once (one on the workers, one on threads of its own) and a forked child (which
+    starts its own) all read back what they wrote."""
+    import threading
+
+    store = BlockStore(tmp_path / "w", capacity_bytes=64 << 20)
+    try:
+        assert _big_batches(store, 0, 2)  # the workers exist now
+        results: list[bool] = []
+        threads = [threading.Thread(target=lambda t=t: results.append(
+            _big_batches(store, t, 6))) for t in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [True, True]
+        assert _run_forked(_forked_batches, str(tmp_path / "w")) is True
+        assert _big_batches(store, 3, 2)
+    finally:
+        store.close()
+
+
 def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
                                                                      ) -> None:
     """get_into reads spilled blocks straight from their files (a read never evicts), so

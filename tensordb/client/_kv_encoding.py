@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import xxhash
 
-from storage_engine import chain_keys
+from storage_engine import chain_keys, keys_fit
 from tensordb.errors import InvalidInput, StoreFull
 
 from ._inputs import dtype_name, torch_dtype
@@ -76,6 +76,8 @@ class KeyChain:
     def check(self, keys: Sequence[bytes]) -> list[bytes]:
         """``keys`` as a list of bytes, each 1 to ``MAX_KEY`` long; InvalidInput for one
         key passed alone or a key of another type or length."""
+        if keys_fit(keys):  # a list of keys the index takes as they are: one native pass
+            return cast("list[bytes]", keys)
         if isinstance(keys, (bytes, bytearray, str)):
             raise InvalidInput("keys must be a sequence of keys, not one key",
                                collection=self.namespace)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from storage_engine import (
@@ -35,6 +35,7 @@ from storage_engine import (
     KVStats,
     KVStoreFull,
     bloom_may_hold,
+    kept_mappings,
 )
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
@@ -101,6 +102,12 @@ class KVNodeSummary:
 
 
 _MAX_BLOCK_TOKENS = 2**31 - 1  # kv_namespaces.block_tokens is a 32-bit Integer
+
+# the registration's statements, built once: building and compiling them per call was
+# half of ``db.kv()``
+_SELECT_ROW = select(kv_namespaces.c.block_tokens).where(
+    (kv_namespaces.c.name == bindparam("name")) & (kv_namespaces.c.node == bindparam("node")))
+_INSERT_ROW = insert(kv_namespaces)
 
 
 class KVNamespace:
@@ -170,27 +177,30 @@ class KVNamespace:
     def _register(self, create: bool) -> None:
         """Record the namespace on this node, or check its block size against the row
         another process (or an earlier run) recorded. ``create=False``: NotFound when
-        there is no row, and nothing recorded."""
-        t = kv_namespaces
-        where = (t.c.name == self.name) & (t.c.node == self.node)
-        with self.db.catalog.engine.connect() as conn:
-            row = conn.execute(select(t.c.block_tokens).where(where)).first()
+        there is no row, and nothing recorded. The row is written without an fsync
+        (``durable=False``): it describes a store whose index lives in shared memory,
+        which no block outlives a reboot without (the fsync was half of ``db.kv()``)."""
+        engine = self.db.catalog.engine
+        names = {"name": self.name, "node": self.node}
+        with engine.connect() as conn:
+            row = conn.execute(_SELECT_ROW, names).first()
         if row is None and not create:
             raise NotFound(f"node {self.node!r} holds no KV namespace {self.name!r}",
                            collection=self.name, node=self.node)
-        if row is not None:
-            if row[0] != self.block_tokens:
-                raise InvalidInput(
-                    f"KV namespace {self.name!r} holds blocks of {row[0]} tokens, not "
-                    f"{self.block_tokens}", collection=self.name)
-            return
-        try:
-            with write_conn(self.db.catalog.engine) as conn:
-                conn.execute(insert(t).values(
-                    name=self.name, node=self.node, block_tokens=self.block_tokens,
-                    blocks=0, nbytes=0, created_at=datetime.now(timezone.utc)))
-        except IntegrityError:  # another process registered it first
-            pass
+        if row is None:
+            try:
+                with write_conn(engine, durable=False) as conn:
+                    conn.execute(_INSERT_ROW, {**names, "block_tokens": self.block_tokens,
+                                               "blocks": 0, "nbytes": 0,
+                                               "created_at": datetime.now(timezone.utc)})
+                return
+            except IntegrityError:  # another process registered it first: check its row
+                with engine.connect() as conn:
+                    row = conn.execute(_SELECT_ROW, names).first()
+        if row is not None and row[0] != self.block_tokens:
+            raise InvalidInput(
+                f"KV namespace {self.name!r} holds blocks of {row[0]} tokens, not "
+                f"{self.block_tokens}", collection=self.name)
 
     def summary(self) -> KVNodeSummary:
         """The store's counters as a summary; records blocks and bytes in the catalog."""
@@ -219,13 +229,19 @@ class KVNamespace:
         files go to the host tier's pool: their pages are kept for the next writer (a
         new namespace's slabs, a commit's segments) instead of being faulted in again."""
         recycle = _last_user(self.store) and self.store.quiescent()
-        slabs = self.store.slab_files() if recycle else []
-        self.close()
         host = self.db._tiers["host"]
+        slabs = self.store.slab_files() if recycle else []
+        if slabs and isinstance(host, FileTier):
+            # this process keeps its mappings of the files it pools: a new namespace
+            # here that claims them back takes them, page tables filled
+            self.store.keep_mappings()
+        self.close()
         if isinstance(host, FileTier):
             for path in slabs:
                 host.pool_file(path)
         self.remove_files()
+        if slabs:
+            kept_mappings()  # closes the kept mappings of files the pool did not take
 
     def remove_files(self) -> None:
         """Delete the namespace's blocks from this node (memory and disk)."""
