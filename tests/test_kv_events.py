@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from conftest import free_tcp_endpoint, open_store, wait_until
+from conftest import free_tcp_endpoint, open_store, remove_store, wait_until
 
 from engine_bindings.router import KVEventIndex
 from tensordb import KVCache
@@ -123,7 +123,7 @@ def test_the_stream_is_the_store_after_a_random_workload_of_two_processes(
         _settled(index, kv, n, with_info)
         assert not index.stale
     kv.close()
-    db.close()
+    remove_store(db)
 
 
 def test_block_stored_carries_the_engines_block_metadata(store_home: Path) -> None:
@@ -166,7 +166,7 @@ def test_block_stored_carries_the_engines_block_metadata(store_home: Path) -> No
     assert kv.get([_key(2)])[0].shape == (8,)
     assert kv.get_batch([_key(2)]).shape == (1, 8)
     kv.close()
-    db.close()
+    remove_store(db)
 
 
 def _hold_role(home: Path, endpoint: str, ready: mp.synchronize.Event) -> None:
@@ -207,7 +207,7 @@ def test_a_standing_by_process_publishes_when_the_publisher_dies(store_home: Pat
             kv.put([_key(102)], torch.ones(1, 16))
             assert wait_until(lambda: index.blocks() == {(_key(i), "CPU") for i in (100, 101, 102)})
         kv.close()
-        db.close()
+        remove_store(db)
     finally:
         if holder.is_alive():
             holder.kill()
@@ -247,7 +247,7 @@ def test_an_overrun_ring_restarts_the_view_with_the_stores_contents(store_home: 
     finally:
         pub.close()
         kv.close()
-        db.close()
+        remove_store(db)
 
 
 def test_replay_fills_a_gap_and_destroy_clears(store_home: Path) -> None:
@@ -280,7 +280,7 @@ def test_replay_fills_a_gap_and_destroy_clears(store_home: Path) -> None:
         kv.destroy()
         assert wait_until(lambda: index.clears > clears)
         assert index.blocks() == set()
-    db.close()
+    remove_store(db)
 
 
 def test_bad_events_and_info_are_typed_errors_that_change_nothing(store_home: Path) -> None:
@@ -312,4 +312,4 @@ def test_bad_events_and_info_are_typed_errors_that_change_nothing(store_home: Pa
         db.kv("ns", BT, events=free_tcp_endpoint())
     kv2.close()
     kv.close()
-    db.close()
+    remove_store(db)

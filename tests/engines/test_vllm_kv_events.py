@@ -8,6 +8,7 @@ release the project pins); the engine test needs vLLM's CPU build (``make e2e``)
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def test_vllms_decoder_reads_the_stream_of_a_random_workload(tmp_path: Path) -> 
         sub.close()
         kv.close()
         db.close()
+        shutil.rmtree(db.config.shm_dir, ignore_errors=True)
 
 
 def test_an_engines_saved_blocks_are_announced_as_vllm_names_them(
