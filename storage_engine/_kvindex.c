@@ -2861,7 +2861,8 @@ static int ev_map(Idx *s) {
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    void *m = mmap(NULL, h->ev_ring, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* populated: the ring is written all over, and a fault a page was the writers' cost */
+    void *m = mmap(NULL, h->ev_ring, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
         return -1;
@@ -3120,6 +3121,142 @@ static PyObject *Idx_events_read(Idx *s, PyObject *args) {
                                 (unsigned long long)lost, overrun ? Py_True : Py_False);
     }
     free(b.p);
+    return out;
+}
+
+/* events_wire(pos, max_events, seq, stored_head, removed_head, tail_host, tail_disk,
+ * no_info) -> None (this process no longer publishes), or (events, count, pos, lost,
+ * overrun, cleared): events_read's events spliced into their wire bytes, a msgpack array
+ * of count events (at most max_events), each the head of its kind, its hashes (the
+ * msgpack array its info keeps, or [key]), for a stored event the rest of its fields
+ * (from its info, or no_info), and the tail of its medium. The pieces are the caller's
+ * (tensordb.client._kv_events): this code only splices them. cleared: a cleared event
+ * was read (announce the store afresh: events_claim). */
+static int wire_add(evbuf_t *o, const void *p, size_t n) { return evbuf_add(o, p, n); }
+
+static PyObject *Idx_events_wire(Idx *s, PyObject *args) {
+    unsigned long long pos, max_events, seq;
+    Py_buffer heads[2], tails[2], noinfo;
+    if (!PyArg_ParseTuple(args, "KKKy*y*y*y*y*", &pos, &max_events, &seq, &heads[0],
+                          &heads[1], &tails[0], &tails[1], &noinfo))
+        return NULL;
+    PyObject *out = NULL;
+    evbuf_t b = {NULL, 0, 0}, o = {NULL, 0, 0};
+    int r = -1, mine = 0, overrun = 0, err = 0, cleared = 0;
+    uint64_t lost = 0, count = 0, taken = 0;
+    if (!usable(s))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        mine = h->ev_pub == (uint32_t)s->slot + 1 && h->ev_on;
+        if (mine) {
+            h->ev_pub_seq = seq;
+            lost = h->ev_lost;
+            uint64_t head = h->ev_head, ring = h->ev_ring;
+            if (pos > head || head - pos > ring || ev_map(s) < 0) {
+                overrun = 1;
+                pos = head;
+            }
+            while (!overrun && pos < head && taken < max_events) {
+                uint64_t off = pos % ring;
+                if (ring - off < sizeof(evh_t)) {
+                    pos += ring - off;
+                    continue;
+                }
+                evh_t e;
+                memcpy(&e, s->ev_map + off, sizeof e);
+                if (e.len < sizeof(evh_t) || e.len > ring - off) {
+                    overrun = 1;
+                    pos = head;
+                    break;
+                }
+                if (e.type != EVT_PAD) {
+                    if (evbuf_add(&b, s->ev_map + off, e.len) < 0) {
+                        err = ENOMEM;
+                        break;
+                    }
+                    if (e.type == EVT_CLEARED)
+                        cleared = 1;
+                    else
+                        count++;
+                    taken++;
+                }
+                pos += e.len;
+            }
+        }
+        unlock(s);
+    }
+    /* the splice, outside the lock */
+    uint8_t hdr[3];
+    size_t hn;
+    if (count < 16) {
+        hdr[0] = (uint8_t)(0x90 | count);
+        hn = 1;
+    } else {
+        hdr[0] = 0xdc;
+        hdr[1] = (uint8_t)(count >> 8);
+        hdr[2] = (uint8_t)count;
+        hn = 3;
+    }
+    if (r == 0 && mine && !err && wire_add(&o, hdr, hn) < 0)
+        err = ENOMEM;
+    for (size_t at = 0; r == 0 && mine && !err && at + sizeof(evh_t) <= b.len;) {
+        evh_t e;
+        memcpy(&e, b.p + at, sizeof e);
+        const uint8_t *key = (const uint8_t *)b.p + at + sizeof e, *meta = key + e.klen;
+        at += e.len;
+        if (e.type != EVT_STORED && e.type != EVT_REMOVED)
+            continue;
+        const uint8_t *hashes = NULL, *rest = (const uint8_t *)noinfo.buf;
+        size_t hl = 0, rl = (size_t)noinfo.len;
+        const uint8_t *sep = memchr(meta, 0, e.mlen);
+        if (sep != NULL) {
+            const uint8_t *info = sep + 1;
+            size_t il = e.mlen - (size_t)(info - meta);
+            if (il >= 5 && info[0] == 1) {
+                uint32_t n = (uint32_t)info[1] | (uint32_t)info[2] << 8 |
+                             (uint32_t)info[3] << 16 | (uint32_t)info[4] << 24;
+                if (5 + (size_t)n <= il) {
+                    hashes = n ? info + 5 : NULL;
+                    hl = n;
+                    rest = info + 5 + n;
+                    rl = il - 5 - n;
+                }
+            }
+        }
+        uint8_t keyarr[3 + KEYMAX] = {0x91, 0xc4, e.klen};
+        memcpy(keyarr + 3, key, e.klen);
+        int stored = e.type == EVT_STORED;
+        Py_buffer *tail = &tails[e.medium == MED_STORAGE];
+        if (wire_add(&o, heads[!stored].buf, (size_t)heads[!stored].len) < 0 ||
+                (hashes != NULL ? wire_add(&o, hashes, hl)
+                                : wire_add(&o, keyarr, 3 + (size_t)e.klen)) < 0 ||
+                (stored && wire_add(&o, rest, rl) < 0) ||
+                wire_add(&o, tail->buf, (size_t)tail->len) < 0)
+            err = ENOMEM;
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        out = lock_error();
+    else if (err)
+        out = PyErr_NoMemory();
+    else if (!mine)
+        out = Py_NewRef(Py_None);
+    else
+        out = Py_BuildValue("(y#KKKOO)", o.p ? o.p : "", (Py_ssize_t)o.len,
+                            (unsigned long long)count,
+                            (unsigned long long)pos, (unsigned long long)lost,
+                            overrun ? Py_True : Py_False, cleared ? Py_True : Py_False);
+done:
+    for (int i = 0; i < 2; i++) {
+        PyBuffer_Release(&heads[i]);
+        PyBuffer_Release(&tails[i]);
+    }
+    PyBuffer_Release(&noinfo);
+    free(b.p);
+    free(o.p);
     return out;
 }
 
@@ -3460,6 +3597,7 @@ static PyMethodDef Idx_methods[] = {
     {"mark_gpu", (PyCFunction)Idx_mark_gpu, METH_NOARGS, NULL},
     {"events_claim", (PyCFunction)Idx_events_claim, METH_NOARGS, NULL},
     {"events_read", (PyCFunction)Idx_events_read, METH_VARARGS, NULL},
+    {"events_wire", (PyCFunction)Idx_events_wire, METH_VARARGS, NULL},
     {"events_release", (PyCFunction)Idx_events_release, METH_NOARGS, NULL},
     {"close", (PyCFunction)Idx_close, METH_NOARGS, NULL},
     {"abandon", (PyCFunction)Idx_abandon, METH_NOARGS, NULL},

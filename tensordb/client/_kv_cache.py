@@ -163,7 +163,7 @@ class KVCache:
         if isinstance(info, (str, bytes, KVBlockInfo)) or len(info) != len(keys):
             raise InvalidInput(f"put takes one info (or None) per key: {len(keys)} keys",
                                collection=self.namespace)
-        return [b"" if x is None else encode_info(x, f"info[{i}]")
+        return [b"" if x is None else encode_info(x, f"info[{i}]", self.block_tokens)
                 for i, x in enumerate(info)]
 
     def _stacked(self, keys: list[bytes], blocks: torch.Tensor, limit: int) -> EncodedBlocks:

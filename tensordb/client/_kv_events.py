@@ -44,10 +44,10 @@ import msgspec
 import zmq
 
 from storage_engine import (
-    EVENT_CLEARED,
     EVENT_REMOVED,
     EVENT_STORED,
     MEDIUM_DISK,
+    MEDIUM_HOST,
     BlockStore,
     RawEvent,
 )
@@ -96,6 +96,13 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+class _SplicedBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A KVEventBatch whose events are their wire bytes already (the same encoding)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+
+
 # -- block metadata ---------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class KVBlockInfo:
@@ -116,15 +123,31 @@ class KVBlockInfo:
 
 
 _INFO_SEP = b"\0"
-_info_encoder = msgspec.msgpack.Encoder()
-_INFO_TYPE = tuple[list[BlockHash], BlockHash | None, list[int], int | None, int | None,
-                   str | None]
-_info_decoder = msgspec.msgpack.Decoder(_INFO_TYPE)
+_enc = msgspec.msgpack.Encoder().encode
+_dec = msgspec.msgpack.decode
+#: an info blob: this byte, the length of the hashes' msgpack (4 bytes, little-endian),
+#: the hashes' msgpack, then the rest of a BlockStored's fields as msgpack key/value
+#: pairs: the pieces of its events' wire bytes, so that the publisher splices events
+#: instead of decoding and encoding each
+_INFO_V1 = b"\x01"
+_STORED_HEAD = b"\x88" + _enc("type") + _enc("BlockStored") + _enc("block_hashes")
+_REMOVED_HEAD = b"\x83" + _enc("type") + _enc("BlockRemoved") + _enc("block_hashes")
+_MEDIUM_TAIL = {MEDIUM_HOST: _enc("medium") + _enc(MEDIUM_CPU),
+                MEDIUM_DISK: _enc("medium") + _enc(MEDIUM_STORAGE)}
+_CLEARED = msgspec.Raw(_enc(AllBlocksCleared()))
 
 
-def encode_info(info: KVBlockInfo, what: str = "info") -> bytes:
+def _rest(parent: BlockHash | None, tokens: list[int], size: int, lora_id: int | None,
+          lora_name: str | None) -> bytes:
+    """A BlockStored's fields past its hashes, as msgpack pairs (no map header)."""
+    return _enc({"parent_block_hash": parent, "token_ids": tokens, "block_size": size,
+                 "lora_id": lora_id, "lora_name": lora_name})[1:]
+
+
+def encode_info(info: KVBlockInfo, what: str = "info", block_tokens: int = 0) -> bytes:
     """A block's info as the bytes the store keeps after its tensor metadata.
-    InvalidInput naming the field that is wrong."""
+    InvalidInput naming the field that is wrong. ``block_tokens``: the block size when
+    the info gives neither one nor tokens to count."""
     if not isinstance(info, KVBlockInfo):
         raise InvalidInput(f"{what} must be a KVBlockInfo, not {type(info).__name__}")
     try:
@@ -141,8 +164,11 @@ def encode_info(info: KVBlockInfo, what: str = "info") -> bytes:
             raise InvalidInput(f"{what}.{name} must be a non-negative int, not {v!r}")
     if info.lora_name is not None and not isinstance(info.lora_name, str):
         raise InvalidInput(f"{what}.lora_name must be a str, not {info.lora_name!r}")
-    return _info_encoder.encode((hashes, info.parent_block_hash, tokens, info.block_size,
-                                 info.lora_id, info.lora_name))
+    size = info.block_size if info.block_size is not None else \
+        len(tokens) // max(1, len(hashes)) if tokens else block_tokens
+    hashes_enc = _enc(hashes) if hashes else b""
+    return (_INFO_V1 + len(hashes_enc).to_bytes(4, "little") + hashes_enc
+            + _rest(info.parent_block_hash, tokens, size, info.lora_id, info.lora_name))
 
 
 def split_meta(meta: bytes) -> tuple[bytes, bytes]:
@@ -151,15 +177,27 @@ def split_meta(meta: bytes) -> tuple[bytes, bytes]:
     return head, info
 
 
+def _pieces(raw: bytes) -> tuple[bytes, bytes] | None:
+    """An info blob's hashes (msgpack; b"" for none given) and the rest; None when it
+    is none this version wrote."""
+    if raw[:1] != _INFO_V1 or len(raw) < 5:
+        return None
+    n = int.from_bytes(raw[1:5], "little")
+    return raw[5:5 + n], raw[5 + n:]
+
+
 def decode_info(raw: bytes) -> KVBlockInfo | None:
     """The info ``encode_info`` wrote; None for none (or bytes it did not write)."""
-    if not raw:
+    got = _pieces(raw) if raw else None
+    if got is None:
         return None
     try:
-        hashes, parent, tokens, size, lora_id, lora_name = _info_decoder.decode(raw)
+        hashes = _dec(got[0]) if got[0] else []
+        rest = _dec(b"\x85" + got[1])
     except msgspec.DecodeError:
         return None
-    return KVBlockInfo(tokens, hashes, parent, size, lora_id, lora_name)
+    return KVBlockInfo(rest["token_ids"], hashes, rest["parent_block_hash"],
+                       rest["block_size"], rest["lora_id"], rest["lora_name"])
 
 
 def join_meta(meta: bytes, info: bytes) -> bytes:
@@ -242,6 +280,9 @@ class KVEventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps or 1)
         self._encoder = msgspec.msgpack.Encoder()
+        self._no_info = _rest(None, [], block_tokens, None, None)
+        self._pieces = (_STORED_HEAD, _REMOVED_HEAD, _MEDIUM_TAIL[MEDIUM_HOST],
+                        _MEDIUM_TAIL[MEDIUM_DISK], self._no_info)
         self._topic = config.topic.encode()
         self._seq = 0
         self._pos = 0
@@ -305,7 +346,7 @@ class KVEventPublisher:
         if self._publishing.is_set():
             try:
                 if self._final_clear:
-                    self._send([AllBlocksCleared()])
+                    self._send([_CLEARED])
                 else:
                     self._step()  # what happened up to the close
             except Exception:  # noqa: BLE001
@@ -342,52 +383,66 @@ class KVEventPublisher:
 
     def _announce(self, snap: list[RawEvent]) -> None:
         self.resyncs += 1
-        events: list[Any] = [AllBlocksCleared()]
+        events: list[msgspec.Raw] = [_CLEARED]
         events.extend(self._event(e) for e in snap)
         self._send(events)
 
     def _step(self) -> bool:
-        """Publish what the ring holds since the last step; False when it held nothing."""
-        got = self.store.events_read(self._pos, self.READ_BYTES, self._seq)
-        if got is None:
-            self._lose_role()
-            return False
-        raw, self._pos, lost, overrun = got
-        if overrun or lost != self._lost or any(e[0] == EVENT_CLEARED for e in raw):
-            self._resync()
-            return True
-        if not raw:
-            return False
-        self._send([self._event(e) for e in raw])
-        return True
+        """Publish what the ring holds since the last step, a batch at a time, spliced
+        into wire bytes natively from each block's info; False when it held nothing."""
+        sent = False
+        while True:
+            got = self.store.events_wire(self._pos, self.BATCH_EVENTS, self._seq,
+                                         self._pieces)
+            if got is None:
+                self._lose_role()
+                return sent
+            wire, count, pos, lost, overrun, cleared = got
+            if overrun or lost != self._lost or cleared:
+                self._resync()
+                return True
+            self._pos = pos
+            if not count:
+                return sent
+            self._send_wire(wire)
+            sent = True
+            if count < self.BATCH_EVENTS:
+                self.store.events_read(self._pos, 0, self._seq)  # keep the sequence
+                return True
 
     def _lose_role(self) -> None:
         self._publishing.clear()
         self._unbind()
 
     # -- events on the wire ----------------------------------------------------------
-    def _event(self, raw: RawEvent) -> BlockStored | BlockRemoved:
+    def _event(self, raw: RawEvent) -> msgspec.Raw:
+        """An event's wire bytes, spliced from the pieces its block's info keeps (a
+        block without info: named by its key, no tokens, the namespace's block size)."""
         kind, medium, key, meta = raw
-        where = MEDIUM_STORAGE if medium == MEDIUM_DISK else MEDIUM_CPU
-        info = decode_info(split_meta(meta)[1])
-        hashes: list[BlockHash] = list(info.block_hashes) if info and info.block_hashes \
-            else [key]
+        pieces = _pieces(meta.partition(_INFO_SEP)[2])
+        if pieces is None:
+            hashes, rest = _enc([key]), self._no_info
+        else:
+            hashes, rest = pieces[0] or _enc([key]), pieces[1]
         if kind == EVENT_REMOVED:
-            return BlockRemoved(block_hashes=hashes, medium=where)
+            return msgspec.Raw(_REMOVED_HEAD + hashes + _MEDIUM_TAIL[medium])
         assert kind == EVENT_STORED, kind
-        if info is None:
-            return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                               block_size=self.block_tokens, lora_id=None, medium=where,
-                               lora_name=None)
-        size = info.block_size or max(1, len(info.token_ids) // len(hashes))
-        return BlockStored(block_hashes=hashes, parent_block_hash=info.parent_block_hash,
-                           token_ids=list(info.token_ids), block_size=size,
-                           lora_id=info.lora_id, medium=where, lora_name=info.lora_name)
+        return msgspec.Raw(_STORED_HEAD + hashes + rest + _MEDIUM_TAIL[medium])
 
-    def _send(self, events: list[Any]) -> None:
+    def _send_wire(self, events: bytes) -> None:
+        """One batch whose events are a msgpack array already."""
+        assert self._pub is not None
+        payload = b"\x92" + self._encoder.encode(time.time()) + events
+        seq = self._seq
+        self._seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        self.batches += 1
+
+    def _send(self, events: list[msgspec.Raw]) -> None:
         assert self._pub is not None
         for lo in range(0, len(events), self.BATCH_EVENTS):
-            payload = self._encoder.encode(KVEventBatch(
+            payload = self._encoder.encode(_SplicedBatch(
                 ts=time.time(), events=events[lo:lo + self.BATCH_EVENTS]))
             seq = self._seq
             self._seq += 1
