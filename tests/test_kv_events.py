@@ -313,3 +313,20 @@ def test_bad_events_and_info_are_typed_errors_that_change_nothing(store_home: Pa
     kv2.close()
     kv.close()
     remove_store(db)
+
+
+def test_the_benchmark_measures_every_figure_beside_its_bound() -> None:
+    """benchmarks/kv_events.py at a small size: every figure measured, each goal judged
+    (vLLM's publisher: measured where vLLM is installed, else not measured, saying why)."""
+    from benchmarks import _verdict, kv_events
+
+    res = kv_events.run(2048)
+    for key in ("put_off", "put_ring", "put_on", "delivery", "bound"):
+        assert res[key] > 0, key
+    assert res["delivered_events"] == 2048 + 2048 - 512  # stored, and the evictions
+    assert 0 < res["lag_ms"]["median"] <= res["lag_ms"]["p90"] < 5000
+    v = kv_events.verdicts(res)
+    assert set(v) == {"writers", "bound", "vllm", "lag"}
+    assert (v["vllm"].state == _verdict.NOT_MEASURED) == (res["vllm"] is None)
+    if res["vllm"] is None:
+        assert "vLLM is not installed" in v["vllm"].detail
