@@ -70,7 +70,7 @@ def store(tmp_path: Path) -> Iterator[tensordb.Database]:
 
 def test_public_surface() -> None:
     assert sorted(toy_engine.__all__) == sorted([
-        "CONTENTION_GRID", "PROBE_REPS", "Job", "LocalCache", "ModelConfig", "PromptTokens",
+        "CONTENTION_GRID", "PROBE_REPS", "EngineCluster", "Job", "LocalCache", "ModelConfig", "PromptTokens",
         "Served", "TinyDecoder", "ToyCluster", "ToyEngine", "ToyEngineConfig", "calibrate",
         "clock", "dispatch_overhead", "fit_costs", "fit_error", "fit_records",
         "fit_under_load", "instance_main", "measure_toy_engine", "open_kv", "recalibrate",

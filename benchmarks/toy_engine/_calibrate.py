@@ -8,7 +8,9 @@ grid of new and cached tokens, a local hit, a store load and a migration per blo
 relative error, of ``prefill = overhead + a n + b (n p + n (n + 1) / 2) + c p`` (the
 ``c p`` term, stacking the cached blocks for attention, is charged to each cached block
 as part of its hit or load cost), the measured per-block costs, and the toy engine's
-cache capacity. :func:`calibrate` does both on a running :class:`ToyCluster`.
+cache capacity. :func:`calibrate` does both on a running :class:`EngineCluster` (the toy
+engine's, or any whose instances answer ``calibrate`` with the same measurements:
+``benchmarks.vllm_engine``'s).
 
 A bare probe does not see what a loaded run gets on a host with no core to spare (the
 router and the toy engines' saving threads take CPU too). :func:`fit_under_load` runs
@@ -30,7 +32,7 @@ import numpy as np
 from engine_bindings.router import Costs, Request, RequestRecord, SimResult, simulate
 from tensordb.errors import InvalidInput
 
-from ._cluster import ToyCluster
+from ._cluster import EngineCluster
 from ._engine import ToyEngineConfig
 
 __all__ = ["CONTENTION_GRID", "PROBE_REPS", "calibrate", "dispatch_overhead", "fit_costs",
@@ -83,7 +85,7 @@ CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
 PROBE_REPS = 15
 
 
-def _probe(cluster: ToyCluster, n: int, p: int, spec: dict[str, Any], *,
+def _probe(cluster: EngineCluster, n: int, p: int, spec: dict[str, Any], *,
            together: bool = True) -> tuple[float, float | None]:
     """One grid point's prefill time (the fastest of ``PROBE_REPS``) in instance 0
     alone, then (``together``) in all at once: the mean over the instances of each
@@ -106,7 +108,7 @@ def _contention(instances: int, alone: float, together: float) -> float:
     return min(max(CONTENTION_GRID), max(0.0, (together / alone - 1) / (instances - 1)))
 
 
-def calibrate(cluster: ToyCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
+def calibrate(cluster: EngineCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     """Measure ``cluster``'s toy engines and fit the simulator's costs; returns ``(costs,
     measurements)``. The grid is measured in instance 0 alone; then its longest point
     (the least noisy) alone and in every instance at once: how much slower the latter
@@ -127,7 +129,7 @@ def calibrate(cluster: ToyCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     return costs, m
 
 
-def dispatch_overhead(cluster: ToyCluster, costs: Costs, *, requests: int = 12,
+def dispatch_overhead(cluster: EngineCluster, costs: Costs, *, requests: int = 12,
                       spacing: float = 0.05) -> tuple[float, float]:
     """What a request costs beyond its prefill, measured end to end: a few requests
     that never queue (``spacing`` apart, round robin, fresh sessions: nothing cached)
@@ -267,7 +269,7 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
                     "rel_error_p90": float(np.percentile(rel, 90))}
 
 
-def fit_under_load(cluster: ToyCluster, costs: Costs, measured: dict[str, Any],
+def fit_under_load(cluster: EngineCluster, costs: Costs, measured: dict[str, Any],
                    workloads: Sequence[Sequence[Request]], *,
                    policy: str | Sequence[str] = "round_robin", repeats: int = 1) -> Costs:
     """``costs`` fitted on loaded real runs (:func:`fit_records`): on a host with no core
@@ -317,7 +319,7 @@ def fit_under_load(cluster: ToyCluster, costs: Costs, measured: dict[str, Any],
     return fitted
 
 
-def recalibrate(cluster: ToyCluster, costs: Costs, measured: dict[str, Any], *,
+def recalibrate(cluster: EngineCluster, costs: Costs, measured: dict[str, Any], *,
                 rescale: bool = True) -> tuple[Costs, dict[str, float]]:
     """``costs`` brought up to the host's speed now: the probe point of
     :func:`calibrate` measured again (a second or two), the compute terms scaled by
