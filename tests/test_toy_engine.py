@@ -511,3 +511,49 @@ def test_benchmark_utilization_is_work_over_instance_time() -> None:
             SimpleNamespace(arrival=1.0, ttft=0.5, kv_load=0.0, prefill=0.25)]
     assert bench.utilization(SimpleNamespace(records=recs), 2) == pytest.approx(0.5 / 3.0)
     assert bench.utilization(SimpleNamespace(records=[]), 2) == 0.0
+
+
+# -- the real engines' harness (benchmarks.vllm_engine): what runs without vLLM ---------
+def test_vllm_harness_imports_without_vllm_and_its_migrations_are_routes() -> None:
+    """The harness imports without vLLM (the benchmark says why it cannot run instead
+    of failing); on engines that save every block to the store a migration is a plain
+    route to the target, counted, in the simulator as on the engines."""
+    from benchmarks import vllm_engine
+
+    assert vllm_engine.VLLMEngineConfig().block_nbytes == 4 * 2 * 1 * 64 * 32 * 4
+    with pytest.raises(InvalidInput):
+        vllm_engine.VLLMEngineConfig(block_tokens=48)
+    pol = vllm_engine.ThroughStore(bench.policy("migrate", bench.parse_args(
+        ["--engine", "vllm"])))
+    assert pol.name == "migrate"
+    reqs = generate(WorkloadConfig.small(sessions=40, rate=40.0, gap_median=0.05, seed=2))
+    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=512)
+    plain = simulate(reqs, bench.policy("migrate", bench.parse_args([])), instances=2,
+                     costs=costs, cache_output=False, ewma_tau=0.1)
+    through = simulate(reqs, pol, instances=2, costs=costs, cache_output=False,
+                       ewma_tau=0.1)
+    assert through.policy == "migrate" and pol.migrations > 0
+    assert through.summary()["migrations"] == 0 < plain.summary()["migrations"]
+    pol.reset()
+    assert pol.migrations == 0
+    a = bench.parse_args(["--engine", "vllm"])
+    assert (a.instances, a.sessions, a.repeats, a.d_model, a.layers, a.max_num_seqs,
+            a.load_sweep) == (2, 192, 5, 256, 4, 1, "0.5,0.8")
+    assert bench.grid(bench.parse_args(["--engine", "vllm", "--calibration-grid",
+                                        "32,128/0,256"])) == {
+        "new_tokens": (32, 128), "past_tokens": (0, 256)}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine", "vllm", "--calibration-grid", "32,128"])
+
+
+def test_busy_is_each_instances_serving_time_over_the_run() -> None:
+    """Instance 0 serves 0-0.2 s and (batched beside it) 0.1-0.3 s: 0.3 s of the 1 s
+    run; instance 1 serves 0.5-1.0 s."""
+    recs = [SimpleNamespace(arrival=0.0, start=0.0, ttft=0.2, kv_load=0.0, prefill=0.2,
+                            instance=0),
+            SimpleNamespace(arrival=0.1, start=0.1, ttft=0.2, kv_load=0.05, prefill=0.15,
+                            instance=0),
+            SimpleNamespace(arrival=0.5, start=0.5, ttft=0.5, kv_load=0.0, prefill=0.5,
+                            instance=1)]
+    assert bench.busy(SimpleNamespace(records=recs), 2) == pytest.approx([0.3, 0.5])
+    assert bench.busy(SimpleNamespace(records=[]), 2) == [0.0, 0.0]

@@ -117,8 +117,8 @@ class _Inst(LoadTracker):
 class EngineCluster:
     """``instances`` engine processes sharing one tensordb store, behind one router.
 
-    Each runs ``target(index, cfg, connect_kw, inbox, outbox, *args)`` (a function
-    importable by name). ``cfg`` is the engine's configuration: the router reads its
+    Each runs ``target(index, cfg, connect_kw, inbox, outbox, *self._target_args())`` (a
+    function importable by name). ``cfg`` is the engine's configuration: the router reads its
     ``block_tokens``, ``cache_blocks``, ``namespace`` and ``use_store``. ``home``
     (default: a temporary directory, removed on close) and ``url`` pick the store, as
     ``tensordb.connect`` does. Processes start in ``start_method`` mode (``forkserver``,
@@ -130,7 +130,7 @@ class EngineCluster:
     def __init__(self, instances: int, cfg: Any, target: Any, *, vocab: int,
                  home: str | Path | None = None, url: str | None = None,
                  start_method: str = "forkserver", timeout: float = 120.0,
-                 preload: Sequence[str] = (), args: tuple[Any, ...] = ()) -> None:
+                 preload: Sequence[str] = ()) -> None:
         if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
             raise InvalidInput(f"instances must be a positive int, not {instances!r}")
         if start_method not in ("forkserver", "spawn"):
@@ -159,7 +159,7 @@ class EngineCluster:
         self._inboxes = [ctx.Queue() for _ in range(instances)]
         self._procs = [ctx.Process(target=target, name=f"tensordb-instance-{i}",
                                    args=(i, cfg, self.connect_kw, self._inboxes[i],
-                                         self._outbox, *args), daemon=True)
+                                         self._outbox, *self._target_args()), daemon=True)
                        for i in range(instances)]
         self.info: list[dict[str, Any]] = [{} for _ in range(instances)]
         try:
@@ -180,6 +180,10 @@ class EngineCluster:
 
     def _prepare(self) -> None:
         """Set-up in the router's process before the instances start (none here)."""
+
+    def _target_args(self) -> tuple[Any, ...]:
+        """The instances' arguments after the common ones (none here)."""
+        return ()
 
     # -- messages ----------------------------------------------------------------------
     def _get(self, stop: threading.Event | None = None) -> tuple[Any, ...] | None:
@@ -275,7 +279,7 @@ class EngineCluster:
 
     def close(self) -> None:
         """Stop the instances and remove the run's store namespaces (idempotent)."""
-        procs, self._procs = self._procs, []
+        procs, self._procs = [p for p in self._procs if p.pid is not None], []  # started
         for p, q in zip(procs, self._inboxes, strict=False):  # procs: [] once closed
             if p.is_alive():
                 q.put(("stop",))
