@@ -57,6 +57,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -67,7 +68,7 @@ if not __package__:  # run as a script: the checkout's root, for benchmarks.toy_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _verdict
-from benchmarks._common import measure_memcpy
+from benchmarks._common import cpu_seconds, measure_memcpy, other_cores
 from benchmarks.toy_engine import (
     EngineCluster,
     ModelConfig,
@@ -105,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--instances", type=int, default=None,
                    help="[sim 4, toy and vllm 2: one per core here]")
     p.add_argument("--sessions", type=int, default=None,
-                   help="[sim 2000, toy and vllm 192: enough that the instances are really "
+                   help="[sim 2000, toy 192, vllm 160: enough that the instances are really "
                         "loaded, and that where the first sessions land does not decide a "
                         "whole run]")
     p.add_argument("--gap-median", type=float, default=None,
@@ -153,10 +154,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokens / cached tokens before them; its longest point is the speed "
                         "probe before each run [toy 32,128,384/0,256,1024; vllm "
                         "32,128,384,1024/0,256,1024]")
-    p.add_argument("--fit-policies", default="round_robin",
-                   help="toy engine: the routing policies the load fit runs the held-out "
-                        "sessions with (one that balances load, one that keeps sessions on "
-                        "their instance)")
+    p.add_argument("--fit-policies", default=None,
+                   help="toy and vllm engines: the routing policies the load fit runs the "
+                        "held-out sessions with (one that balances load, one that keeps "
+                        "sessions on their instance) [toy round_robin; vllm "
+                        "round_robin,cache_aware]")
+    p.add_argument("--fit-repeats", type=int, default=None,
+                   help="toy and vllm engines: runs of each held-out workload and fit policy "
+                        "the load fit takes [toy: --repeats; vllm 2]")
+    p.add_argument("--fit-trim", type=float, default=None,
+                   help="toy and vllm engines: the fraction of the load fit's requests that "
+                        "fit worst, left out of it (requests other work on the host "
+                        "preempted) [toy 0; vllm 0.1]")
     p.add_argument("--repeats", type=int, default=None,
                    help="toy and vllm engines: runs of each routing policy at each load, "
                         "interleaved; the engines' figures are the medians over them [sim "
@@ -171,6 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(a, name, values[col])
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
+    if a.fit_repeats is not None and a.fit_repeats < 1:
+        p.error(f"--fit-repeats must be at least 1, got {a.fit_repeats}")
+    if a.fit_trim is not None and not 0 <= a.fit_trim < 0.5:
+        p.error(f"--fit-trim must be in [0, 0.5), got {a.fit_trim}")
     if a.max_num_seqs < 1:
         p.error(f"--max-num-seqs must be at least 1, got {a.max_num_seqs}")
     try:
@@ -196,11 +209,12 @@ def grid(a: argparse.Namespace) -> dict[str, tuple[int, ...]]:
 
 #: the defaults that differ between the simulator and the engines: (sim, toy, vllm)
 ENGINE_DEFAULTS: dict[str, tuple[Any, Any, Any]] = {
-    "instances": (4, 2, 2), "sessions": (2000, 192, 192), "gap_median": (8.2, 0.25, 0.25),
+    "instances": (4, 2, 2), "sessions": (2000, 192, 160), "gap_median": (8.2, 0.25, 0.25),
     "load_sweep": ("0.2,0.4,0.5,0.6,0.7", "0.5,0.8", "0.5,0.8"),
     "system_prompt": (4096, 256, 256), "cache_blocks": (8192, 512, 512),
     "block_tokens": (256, 32, 32), "repeats": (1, 3, 5), "d_model": (None, 128, 256),
-    "layers": (None, 2, 4),
+    "layers": (None, 2, 4), "fit_policies": (None, "round_robin", "round_robin,cache_aware"),
+    "fit_repeats": (None, None, 2), "fit_trim": (None, 0.0, 0.1),
 }
 
 
@@ -429,7 +443,8 @@ def run_engines(a: argparse.Namespace) -> dict[str, Any]:
                                                      rate=float(x) * sat))
                         for x in a.load_sweep.split(",")]
             costs = fit_under_load(cluster, costs, measured, held_out,
-                                   policy=fit_policies(a), repeats=a.repeats)
+                                   policy=fit_policies(a),
+                                   repeats=a.fit_repeats or a.repeats, trim=a.fit_trim or 0.0)
         calibrated = time.perf_counter() - t0 - started
         sat = saturation_rate(generate(cfg), costs, a.instances, cache_output=False)
         rows: list[dict[str, Any]] = []
@@ -442,10 +457,13 @@ def run_engines(a: argparse.Namespace) -> dict[str, Any]:
                 for name in policies:
                     now, drift = recalibrate(cluster, costs, measured, rescale=a.rescale)
                     pol = engine_policy(name, a)
+                    pids = [os.getpid(), *cluster.pids]
+                    cpu = cpu_seconds(pids)
                     t = time.perf_counter()
                     real_res = cluster.run(reqs, pol, seed=a.seed, ewma_tau=ewma_tau(a))
                     wall = time.perf_counter() - t
                     real = real_res.summary()
+                    real["others"] = other_cores(cpu, cpu_seconds(pids), wall)
                     real["utilization"] = utilization(real_res, a.instances)
                     real["busy"] = busy(real_res, a.instances)
                     if hasattr(pol, "migrations"):  # asked for, and made loads
@@ -458,6 +476,8 @@ def run_engines(a: argparse.Namespace) -> dict[str, Any]:
                 real = median_summary([g["real"] for g in got])
                 real["busy"] = [statistics.median(g["real"]["busy"][i] for g in got)
                                 for i in range(a.instances)]
+                others = [g["real"]["others"] for g in got if g["real"]["others"] is not None]
+                real["others"] = statistics.median(others) if others else None
                 # the simulator is deterministic: one run, on the calibration of the run
                 # whose host speed was the median (with --rescale, costs at that speed)
                 mid = sorted(got, key=lambda g: g["speed_factor"])[(len(got) - 1) // 2]
@@ -640,7 +660,10 @@ def print_calibration(out: dict[str, Any]) -> None:
               f"{fit['overhead_probe'] * 1e3:.2f} ms), {fit['tail'] * 1e3:.2f} ms busy after "
               f"the first token, hand-off {fit['dispatch_latency'] * 1e3:.2f} ms; a "
               f"request's service within {fit['rel_error_median']:.0%} of the fit (median), "
-              f"{fit['rel_error_p90']:.0%} (p90); median / p90 {runs}")
+              f"{fit['rel_error_p90']:.0%} (p90)"
+              + (f", the {fit['trim']:.0%} that fit worst left out ({fit['trimmed']} "
+                 f"requests)" if fit.get("trim") else "")
+              + f"; median / p90 {runs}")
     print(f"  saturation {out['saturation_rate']:.3f} sessions/s")
 
 
@@ -658,18 +681,21 @@ def print_engines(out: dict[str, Any]) -> None:
     print(f"\n{'load':>5} {'policy':<12} {'req':>4} | {'real median':>11} {'p90':>9} "
           f"{'local':>5} {'store':>5} {'busy':>7} {'migr':>4} | {'sim median':>10} {'p90':>9} "
           f"{'local':>5} {'store':>5} {'busy':>7} {'migr':>4} | "
-          f"{'err med':>7} {'err p90':>7} {'spread':>6} {'speed':>5} {'run s':>5}")
+          f"{'err med':>7} {'err p90':>7} {'spread':>6} {'speed':>5} {'others':>6} "
+          f"{'run s':>5}")
     for r in out["rows"]:
         re_, si = r["real"], r["sim"]
-        print(f"{r['load']:>5} {r['policy']:<12} {r['requests']:>4} | "
+        others = re_.get("others")
+        print(f"{r['load']:>5} {r['policy']:<12} {r['requests']:>4.0f} | "
               f"{ms(re_['ttft_median']):>11} {ms(re_['ttft_p90']):>9} "
               f"{re_['local_hit_rate']:>5.0%} {re_['hit_rate'] - re_['local_hit_rate']:>5.0%} "
-              f"{pct(re_['busy']):>7} {re_['migrations']:>4} | "
+              f"{pct(re_['busy']):>7} {re_['migrations']:>4.0f} | "
               f"{ms(si['ttft_median']):>10} {ms(si['ttft_p90']):>9} "
               f"{si['local_hit_rate']:>5.0%} {si['hit_rate'] - si['local_hit_rate']:>5.0%} "
-              f"{pct(si['busy']):>7} {si['migrations']:>4} | "
+              f"{pct(si['busy']):>7} {si['migrations']:>4.0f} | "
               f"{r['err_median']:>+7.0%} {r['err_p90']:>+7.0%} {r['real_spread']:>6.0%} "
               f"{r['speed_factor']:>5.2f} "
+              f"{'-' if others is None else f'{others:.2f}':>6} "
               f"{r['run_s']:>5.1f}")
     print(f"\n(real: measured on the {label}, medians over {c['repeats']} runs of each "
           f"routing policy, interleaved; spread: "
@@ -678,7 +704,9 @@ def print_engines(out: dict[str, Any]) -> None:
           f"store; busy: each instance's time serving a request (loading KV and "
           f"prefilling), first arrival to last first token; migr: migrations asked for"
           + (" (on vLLM each is a load from the store)" if "vllm_engine" in out else "")
-          + f"; err: simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%}; speed: the "
+          + f"; err: simulator / real - 1, goal within {GOAL_SIM_ERROR:.0%}; others: cores "
+          f"the host's other processes kept busy during the run (the engines and the router "
+          f"share {os.cpu_count()}); speed: the "
           f"host's prefill time just before the run / at calibration, "
           + ("which the simulator's compute costs are scaled by)" if c.get("rescale") else
              "reported only (--rescale scales the simulator's compute costs by it))"))

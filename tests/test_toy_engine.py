@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -345,6 +346,29 @@ def test_fit_under_load_recovers_the_costs_of_a_loaded_run() -> None:
         fit_under_load(fake, costs, measured, [])
 
 
+def test_trimmed_fit_leaves_out_requests_the_host_preempted() -> None:
+    """One request in twenty of a run with the truth's costs took 10 x its service
+    (other work on the host preempted it): the least-squares fit on all of them is
+    pulled off the truth; leaving out the tenth that fits worst finds it again."""
+    _, costs, truth, work = _fit_case()
+    light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
+    runs = [simulate(w, "round_robin", instances=2, costs=truth, cache_output=False)
+            for w in (light, work)]
+    for res in runs:
+        res.records = [dataclasses.replace(r, prefill=r.prefill * 10) if i % 20 == 7 else r
+                       for i, r in enumerate(res.records)]
+    plain, fit = fit_records(runs, costs, 2)
+    assert fit["trimmed"] == 0
+    assert plain.contention >= 1.0 > truth.contention  # the preempted few read as contention
+    trimmed, fit = fit_records(runs, costs, 2, trim=0.1)
+    assert fit["trim"] == 0.1 and fit["trimmed"] == pytest.approx(0.1 * fit["requests"], abs=1)
+    assert trimmed.contention == pytest.approx(truth.contention, abs=0.05)
+    assert trimmed.prefill_per_token == pytest.approx(truth.prefill_per_token, rel=0.05)
+    assert trimmed.request_overhead == pytest.approx(truth.request_overhead, rel=0.1)
+    with pytest.raises(InvalidInput, match="trim"):
+        fit_records(runs, costs, 2, trim=0.5)
+
+
 def test_fit_under_load_fits_every_repeat_and_compares_medians() -> None:
     """With repeats=3 every request of every run is fitted (the truth, exactly), and
     each workload's real figures are the medians over its runs: one run of three
@@ -538,12 +562,15 @@ def test_vllm_harness_imports_without_vllm_and_its_migrations_are_routes() -> No
     assert pol.migrations == 0
     a = bench.parse_args(["--engine", "vllm"])
     assert (a.instances, a.sessions, a.repeats, a.d_model, a.layers, a.max_num_seqs,
-            a.load_sweep) == (2, 192, 5, 256, 4, 1, "0.5,0.8")
+            a.load_sweep, a.fit_repeats, a.fit_trim) == (2, 160, 5, 256, 4, 1, "0.5,0.8", 2, 0.1)
     assert bench.grid(bench.parse_args(["--engine", "vllm", "--calibration-grid",
                                         "32,128/0,256"])) == {
         "new_tokens": (32, 128), "past_tokens": (0, 256)}
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--engine", "vllm", "--calibration-grid", "32,128"])
+    toy = bench.parse_args(["--engine", "toy", "--repeats", "4"])
+    assert (toy.fit_repeats, toy.fit_trim, toy.fit_policies) == (None, 0.0, "round_robin")
+    for bad in (["--calibration-grid", "32,128"], ["--fit-trim", "0.5"], ["--fit-repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--engine", "vllm", *bad])
 
 
 def test_busy_is_each_instances_serving_time_over_the_run() -> None:
@@ -557,3 +584,16 @@ def test_busy_is_each_instances_serving_time_over_the_run() -> None:
                             instance=1)]
     assert bench.busy(SimpleNamespace(records=recs), 2) == pytest.approx([0.3, 0.5])
     assert bench.busy(SimpleNamespace(records=[]), 2) == [0.0, 0.0]
+
+
+def test_other_cores_is_the_hosts_cpu_less_ours_over_the_wall_time() -> None:
+    """Over 2 s the host's busy CPU grew by 4 s and ours by 1 s: the others kept 1.5
+    cores busy; /proc readings of this process are plausible."""
+    from benchmarks._common import cpu_seconds, other_cores
+
+    assert other_cores((10.0, 2.0), (14.0, 3.0), 2.0) == pytest.approx(1.5)
+    assert other_cores(None, (1.0, 1.0), 1.0) is None
+    assert other_cores((1.0, 1.0), (1.0, 1.5), 1.0) == 0.0  # never below 0
+    now = cpu_seconds([os.getpid()])
+    if now is not None:  # Linux
+        assert now[0] > 0 and 0 < now[1] <= now[0]

@@ -172,6 +172,11 @@ class EngineCluster:
             self.close()
             raise
 
+    @property
+    def pids(self) -> list[int]:
+        """The instances' process ids."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
     def _open_kv(self) -> tensordb.KVCache:
         """The namespace the router keys prompts in (``cfg.namespace``); it stores
         nothing here, so its arena is small."""

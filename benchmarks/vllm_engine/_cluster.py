@@ -6,11 +6,19 @@ computed block is already in the shared store.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.toy_engine import EngineCluster
-from engine_bindings.router import ClusterView, Decision, Request, RoutingPolicy, get_policy
+from engine_bindings.router import (
+    ClusterView,
+    Decision,
+    Request,
+    RoutingPolicy,
+    SimResult,
+    get_policy,
+)
 
 from ._engine import VLLMEngineConfig, write_model
 from ._instance import vllm_instance_main
@@ -46,6 +54,15 @@ class VLLMCluster(EngineCluster):
 
     def _target_args(self) -> tuple[Any, ...]:
         return (str(self._model_dir()),)
+
+    def run(self, requests: Sequence[Request], policy: str | RoutingPolicy, *,
+            ewma_tau: float = 5.0, seed: int = 0) -> SimResult:
+        """As :meth:`EngineCluster.run`, the policy's migrations made routes
+        (:class:`ThroughStore`): these engines take no migration but the store's."""
+        pol = get_policy(policy)
+        if not isinstance(pol, ThroughStore):
+            pol = ThroughStore(pol)
+        return super().run(requests, pol, ewma_tau=ewma_tau, seed=seed)
 
     def __enter__(self) -> VLLMCluster:
         return self
