@@ -142,6 +142,9 @@ class VLLMEngine:
 
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        # the engines' start-up chatter would bury the router's report (the caller's
+        # environment may ask for it)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         torch.set_num_threads(cfg.threads)  # before vLLM's CPU worker pins the call
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
