@@ -597,3 +597,32 @@ def test_other_cores_is_the_hosts_cpu_less_ours_over_the_wall_time() -> None:
     now = cpu_seconds([os.getpid()])
     if now is not None:  # Linux
         assert now[0] > 0 and 0 < now[1] <= now[0]
+
+
+def test_disturbed_runs_are_repeated_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes took 0.5, then 0.3, then 0.1 cores during successive runs: with
+    0.15 allowed and 2 retries the third run is kept; with 1 retry the least disturbed
+    of two, flagged; with no budget left, the first; without --max-others, the first."""
+    seen: list[float] = []
+
+    def fake_run(*_args):  # type: ignore[no-untyped-def]
+        others = [0.5, 0.3, 0.1][len(seen)]
+        seen.append(others)
+        return {"real": {"others": others}}
+
+    monkeypatch.setattr(bench, "one_run", fake_run)
+    monkeypatch.setattr(bench, "wait_quiet", lambda *_: None)
+
+    def kept(argv: list[str], budget: float = 60.0) -> tuple[float, int, int]:
+        seen.clear()
+        a = bench.parse_args(["--engine", "vllm", *argv])
+        got = bench.quiet_run(None, [], "round_robin", a, None, {}, bench.RetryBudget(budget))
+        return got["real"]["others"], got["retried"], got["disturbed"]
+
+    assert kept([]) == (0.1, 2, 0)
+    assert kept(["--retries", "1"]) == (0.3, 1, 1)
+    assert kept([], budget=0.0) == (0.5, 0, 1)
+    toy = bench.parse_args(["--engine", "toy"])
+    seen.clear()
+    got = bench.quiet_run(None, [], "round_robin", toy, None, {}, bench.RetryBudget(60.0))
+    assert (got["real"]["others"], got["retried"], got["disturbed"]) == (0.5, 0, 0)
