@@ -4,7 +4,8 @@ router, every routing policy run on them beside the simulator calibrated on them
 
 Skipped, saying why, where vLLM is not its CPU build (``make e2e-vllm``); an import
 error of ours fails. A short run: a dozen sessions, one repeat, a small calibration
-grid, no fit under load (that is the benchmark's to do, at its scale).
+grid, no fit under load and no repeated runs (those are the benchmark's to do, at its
+scale).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def cpu_engine() -> None:
 def test_short_run_prints_every_policy_beside_the_simulator(
         capsys: pytest.CaptureFixture[str]) -> None:
     rc = bench.main(["--engine", "vllm", "--sessions", "12", "--repeats", "1",
-                     "--load-sweep", "0.6", "--probe-contention",
+                     "--load-sweep", "0.6", "--probe-contention", "--retries", "0",
                      "--calibration-grid", "32,128/0,256", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == (0 if all(g["met"] for g in out["goals"]) else 1)
@@ -58,6 +59,8 @@ def test_short_run_prints_every_policy_beside_the_simulator(
             assert 0 <= fig["local_hit_rate"] <= fig["hit_rate"] <= 1
             assert len(fig["busy"]) == 2 and all(0 <= b <= 1 for b in fig["busy"])
             assert 0 < sum(fig["busy"]) / 2 <= 1
+        assert r["retried"] == 0 and r["disturbed"] in (0, 1)  # the host's, reported
+        assert real["others"] is None or real["others"] >= 0
         assert r["err_median"] == pytest.approx(
             sim["ttft_median"] / real["ttft_median"] - 1)
     # sessions repeat their prefix: the policy that follows it hits the engine's own
