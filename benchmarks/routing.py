@@ -37,7 +37,11 @@ namespace, serving a Llama of random weights loaded from the store. The routing
 policies see vLLM's own KV cache events; a migration is the target loading the blocks
 from the store (the connector saved them when they were computed), for the engines and
 the simulator alike (``ThroughStore``). ``busy``: the fraction of the run each engine
-spent in steps serving a request. The goals (``_verdict``; the exit status is 1 unless
+spent in steps serving a request. The load fit leaves out the tenth of its requests
+that fit worst (``--fit-trim``), and a run during which the host's other processes took
+more than ``--max-others`` cores is run again (``others`` and ``rerun`` in the table):
+on a shared host their bursts, not the engines, decide a disturbed run. The goals
+(``_verdict``; the exit status is 1 unless
 all are met, and "not measured", with the reason, where vLLM's CPU build is missing):
 the simulator's median TTFT within 20% of the engines' for every policy and load, and
 the engines order every pair of policies the simulator separates by more than 10% as
@@ -48,7 +52,7 @@ Run:  .venv/bin/python benchmarks/routing.py [--sessions 2000] [--gap-median 8.2
       .venv/bin/python benchmarks/routing.py --engine toy [--instances 2]
           [--sessions 192] [--load-sweep 0.5,0.8] [--no-store] [--png toy.png]
       .venv-vllm-cpu/bin/python benchmarks/routing.py --engine vllm [--instances 2]
-          [--sessions 192] [--load-sweep 0.5,0.8] [--repeats 5] [--png vllm.png]
+          [--sessions 160] [--load-sweep 0.5,0.8] [--repeats 5] [--png vllm.png]
 """
 
 from __future__ import annotations
