@@ -1,9 +1,10 @@
 """What every benchmark here shares: percentiles, the memcpy limit, a throwaway
-PostgreSQL database, and the store clean-up. Scripts import it as ``_common`` (they
+PostgreSQL database, the store clean-up, and the CPU other processes take. Scripts import it as ``_common`` (they
 run as ``python benchmarks/NAME.py``, which puts this folder on the path)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import tempfile
@@ -29,6 +30,34 @@ def summary(xs_s: list[float]) -> dict[str, float]:
     ms = [x * 1e3 for x in xs_s]
     return {"median_ms": statistics.median(ms), "p90_ms": pctl(ms, 0.9), "min_ms": min(ms),
             "n": len(ms)}
+
+
+def cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
+    """``(the host's busy CPU seconds, the CPU seconds of processes pids)`` so far, from
+    /proc (all threads of each process); None where there is no /proc. The difference
+    of two readings over a wall time is how many cores everything else took meanwhile:
+    :func:`other_cores`."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        mine = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            mine += int(st[11]) + int(st[12])  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, mine / hz  # less idle and iowait
+
+
+def other_cores(before: tuple[float, float] | None, after: tuple[float, float] | None,
+                wall: float) -> float | None:
+    """Cores the host's other processes kept busy on average between two
+    :func:`cpu_seconds` readings ``wall`` seconds apart (None without /proc)."""
+    if before is None or after is None or wall <= 0:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall)
 
 
 def measure_memcpy(nbytes: int, reps: int) -> dict[str, float]:

@@ -43,7 +43,8 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import _verdict  # noqa: E402 - after the engine's environment
+import _llama  # noqa: E402 - after the engine's environment
+import _verdict  # noqa: E402
 import torch  # noqa: E402
 
 import tensordb  # noqa: E402
@@ -52,35 +53,10 @@ BLOCK = 32
 
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
-    heads = args.hidden // 64
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4,
-            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 4),
-            "head_dim": 64, "num_hidden_layers": args.layers, "vocab_size": 4096,
-            "max_position_embeddings": args.max_len, "rms_norm_eps": 1e-6,
-            "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1,
-            "eos_token_id": 2}
+    return _llama.config(args.hidden, args.layers, args.max_len)
 
 
-def checkpoint(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * 64, cfg["num_key_value_heads"] * 64
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.05
-
-    sd = {"model.embed_tokens.weight": r(vocab, h), "model.norm.weight": torch.ones(h),
-          "lm_head.weight": r(vocab, h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        sd.update({p + "self_attn.q_proj.weight": r(q, h), p + "self_attn.k_proj.weight": r(kv, h),
-                   p + "self_attn.v_proj.weight": r(kv, h), p + "self_attn.o_proj.weight": r(h, q),
-                   p + "mlp.gate_proj.weight": r(inter, h), p + "mlp.up_proj.weight": r(inter, h),
-                   p + "mlp.down_proj.weight": r(h, inter),
-                   p + "input_layernorm.weight": torch.ones(h),
-                   p + "post_attention_layernorm.weight": torch.ones(h)})
-    return sd
+checkpoint = _llama.checkpoint
 
 
 def engine_args(model_dir: Path, home: Path, args: argparse.Namespace, version: int,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,7 +71,7 @@ def store(tmp_path: Path) -> Iterator[tensordb.Database]:
 
 def test_public_surface() -> None:
     assert sorted(toy_engine.__all__) == sorted([
-        "CONTENTION_GRID", "PROBE_REPS", "Job", "LocalCache", "ModelConfig", "PromptTokens",
+        "CONTENTION_GRID", "PROBE_REPS", "EngineCluster", "Job", "LocalCache", "ModelConfig", "PromptTokens",
         "Served", "TinyDecoder", "ToyCluster", "ToyEngine", "ToyEngineConfig", "calibrate",
         "clock", "dispatch_overhead", "fit_costs", "fit_error", "fit_records",
         "fit_under_load", "instance_main", "measure_toy_engine", "open_kv", "recalibrate",
@@ -345,6 +346,29 @@ def test_fit_under_load_recovers_the_costs_of_a_loaded_run() -> None:
         fit_under_load(fake, costs, measured, [])
 
 
+def test_trimmed_fit_leaves_out_requests_the_host_preempted() -> None:
+    """One request in twenty of a run with the truth's costs took 10 x its service
+    (other work on the host preempted it): the least-squares fit on all of them is
+    pulled off the truth; leaving out the tenth that fits worst finds it again."""
+    _, costs, truth, work = _fit_case()
+    light = generate(WorkloadConfig.small(sessions=16, rate=10.0, gap_median=0.05))
+    runs = [simulate(w, "round_robin", instances=2, costs=truth, cache_output=False)
+            for w in (light, work)]
+    for res in runs:
+        res.records = [dataclasses.replace(r, prefill=r.prefill * 10) if i % 20 == 7 else r
+                       for i, r in enumerate(res.records)]
+    plain, fit = fit_records(runs, costs, 2)
+    assert fit["trimmed"] == 0
+    assert plain.contention >= 1.0 > truth.contention  # the preempted few read as contention
+    trimmed, fit = fit_records(runs, costs, 2, trim=0.1)
+    assert fit["trim"] == 0.1 and fit["trimmed"] == pytest.approx(0.1 * fit["requests"], abs=1)
+    assert trimmed.contention == pytest.approx(truth.contention, abs=0.05)
+    assert trimmed.prefill_per_token == pytest.approx(truth.prefill_per_token, rel=0.05)
+    assert trimmed.request_overhead == pytest.approx(truth.request_overhead, rel=0.1)
+    with pytest.raises(InvalidInput, match="trim"):
+        fit_records(runs, costs, 2, trim=0.5)
+
+
 def test_fit_under_load_fits_every_repeat_and_compares_medians() -> None:
     """With repeats=3 every request of every run is fitted (the truth, exactly), and
     each workload's real figures are the medians over its runs: one run of three
@@ -511,3 +535,94 @@ def test_benchmark_utilization_is_work_over_instance_time() -> None:
             SimpleNamespace(arrival=1.0, ttft=0.5, kv_load=0.0, prefill=0.25)]
     assert bench.utilization(SimpleNamespace(records=recs), 2) == pytest.approx(0.5 / 3.0)
     assert bench.utilization(SimpleNamespace(records=[]), 2) == 0.0
+
+
+# -- the real engines' harness (benchmarks.vllm_engine): what runs without vLLM ---------
+def test_vllm_harness_imports_without_vllm_and_its_migrations_are_routes() -> None:
+    """The harness imports without vLLM (the benchmark says why it cannot run instead
+    of failing); on engines that save every block to the store a migration is a plain
+    route to the target, counted, in the simulator as on the engines."""
+    from benchmarks import vllm_engine
+
+    assert vllm_engine.VLLMEngineConfig().block_nbytes == 4 * 2 * 1 * 64 * 32 * 4
+    with pytest.raises(InvalidInput):
+        vllm_engine.VLLMEngineConfig(block_tokens=48)
+    pol = vllm_engine.ThroughStore(bench.policy("migrate", bench.parse_args(
+        ["--engine", "vllm"])))
+    assert pol.name == "migrate"
+    reqs = generate(WorkloadConfig.small(sessions=40, rate=40.0, gap_median=0.05, seed=2))
+    costs = Costs(prefill_per_token=1e-3, block_tokens=32, cache_capacity_blocks=512)
+    plain = simulate(reqs, bench.policy("migrate", bench.parse_args([])), instances=2,
+                     costs=costs, cache_output=False, ewma_tau=0.1)
+    through = simulate(reqs, pol, instances=2, costs=costs, cache_output=False,
+                       ewma_tau=0.1)
+    assert through.policy == "migrate" and pol.migrations > 0
+    assert through.summary()["migrations"] == 0 < plain.summary()["migrations"]
+    pol.reset()
+    assert pol.migrations == 0
+    a = bench.parse_args(["--engine", "vllm"])
+    assert (a.instances, a.sessions, a.repeats, a.d_model, a.layers, a.max_num_seqs,
+            a.load_sweep, a.fit_repeats, a.fit_trim) == (2, 160, 5, 256, 4, 1, "0.5,0.8", 2, 0.1)
+    assert bench.grid(bench.parse_args(["--engine", "vllm", "--calibration-grid",
+                                        "32,128/0,256"])) == {
+        "new_tokens": (32, 128), "past_tokens": (0, 256)}
+    toy = bench.parse_args(["--engine", "toy", "--repeats", "4"])
+    assert (toy.fit_repeats, toy.fit_trim, toy.fit_policies) == (None, 0.0, "round_robin")
+    for bad in (["--calibration-grid", "32,128"], ["--fit-trim", "0.5"], ["--fit-repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--engine", "vllm", *bad])
+
+
+def test_busy_is_each_instances_serving_time_over_the_run() -> None:
+    """Instance 0 serves 0-0.2 s and (batched beside it) 0.1-0.3 s: 0.3 s of the 1 s
+    run; instance 1 serves 0.5-1.0 s."""
+    recs = [SimpleNamespace(arrival=0.0, start=0.0, ttft=0.2, kv_load=0.0, prefill=0.2,
+                            instance=0),
+            SimpleNamespace(arrival=0.1, start=0.1, ttft=0.2, kv_load=0.05, prefill=0.15,
+                            instance=0),
+            SimpleNamespace(arrival=0.5, start=0.5, ttft=0.5, kv_load=0.0, prefill=0.5,
+                            instance=1)]
+    assert bench.busy(SimpleNamespace(records=recs), 2) == pytest.approx([0.3, 0.5])
+    assert bench.busy(SimpleNamespace(records=[]), 2) == [0.0, 0.0]
+
+
+def test_other_cores_is_the_hosts_cpu_less_ours_over_the_wall_time() -> None:
+    """Over 2 s the host's busy CPU grew by 4 s and ours by 1 s: the others kept 1.5
+    cores busy; /proc readings of this process are plausible."""
+    from benchmarks._common import cpu_seconds, other_cores
+
+    assert other_cores((10.0, 2.0), (14.0, 3.0), 2.0) == pytest.approx(1.5)
+    assert other_cores(None, (1.0, 1.0), 1.0) is None
+    assert other_cores((1.0, 1.0), (1.0, 1.5), 1.0) == 0.0  # never below 0
+    now = cpu_seconds([os.getpid()])
+    if now is not None:  # Linux
+        assert now[0] > 0 and 0 < now[1] <= now[0]
+
+
+def test_disturbed_runs_are_repeated_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes took 0.5, then 0.3, then 0.1 cores during successive runs: with
+    0.15 allowed and 2 retries the third run is kept; with 1 retry the least disturbed
+    of two, flagged; with no budget left, the first; without --max-others, the first."""
+    seen: list[float] = []
+
+    def fake_run(*_args):  # type: ignore[no-untyped-def]
+        others = [0.5, 0.3, 0.1][len(seen)]
+        seen.append(others)
+        return {"real": {"others": others}}
+
+    monkeypatch.setattr(bench, "one_run", fake_run)
+    monkeypatch.setattr(bench, "wait_quiet", lambda *_: None)
+
+    def kept(argv: list[str], budget: float = 60.0) -> tuple[float, int, int]:
+        seen.clear()
+        a = bench.parse_args(["--engine", "vllm", *argv])
+        got = bench.quiet_run(None, [], "round_robin", a, None, {}, bench.RetryBudget(budget))
+        return got["real"]["others"], got["retried"], got["disturbed"]
+
+    assert kept([]) == (0.1, 2, 0)
+    assert kept(["--retries", "1"]) == (0.3, 1, 1)
+    assert kept([], budget=0.0) == (0.5, 0, 1)
+    toy = bench.parse_args(["--engine", "toy"])
+    seen.clear()
+    got = bench.quiet_run(None, [], "round_robin", toy, None, {}, bench.RetryBudget(60.0))
+    assert (got["real"]["others"], got["retried"], got["disturbed"]) == (0.5, 0, 0)

@@ -33,7 +33,7 @@ from ._calibrate import (
     fit_under_load,
     recalibrate,
 )
-from ._cluster import PromptTokens, ToyCluster
+from ._cluster import EngineCluster, PromptTokens, ToyCluster
 from ._engine import Job, LocalCache, Served, ToyEngine, ToyEngineConfig, clock, open_kv
 from ._instance import instance_main, measure_toy_engine
 from ._model import ModelConfig, TinyDecoder, split_blocks
@@ -41,6 +41,7 @@ from ._model import ModelConfig, TinyDecoder, split_blocks
 __all__ = [
     "CONTENTION_GRID",
     "PROBE_REPS",
+    "EngineCluster",
     "Job",
     "LocalCache",
     "ModelConfig",

@@ -8,7 +8,9 @@ grid of new and cached tokens, a local hit, a store load and a migration per blo
 relative error, of ``prefill = overhead + a n + b (n p + n (n + 1) / 2) + c p`` (the
 ``c p`` term, stacking the cached blocks for attention, is charged to each cached block
 as part of its hit or load cost), the measured per-block costs, and the toy engine's
-cache capacity. :func:`calibrate` does both on a running :class:`ToyCluster`.
+cache capacity. :func:`calibrate` does both on a running :class:`EngineCluster` (the toy
+engine's, or any whose instances answer ``calibrate`` with the same measurements:
+``benchmarks.vllm_engine``'s).
 
 A bare probe does not see what a loaded run gets on a host with no core to spare (the
 router and the toy engines' saving threads take CPU too). :func:`fit_under_load` runs
@@ -30,7 +32,7 @@ import numpy as np
 from engine_bindings.router import Costs, Request, RequestRecord, SimResult, simulate
 from tensordb.errors import InvalidInput
 
-from ._cluster import ToyCluster
+from ._cluster import EngineCluster
 from ._engine import ToyEngineConfig
 
 __all__ = ["CONTENTION_GRID", "PROBE_REPS", "calibrate", "dispatch_overhead", "fit_costs",
@@ -83,7 +85,7 @@ CONTENTION_GRID = tuple(round(0.05 * i, 2) for i in range(31))
 PROBE_REPS = 15
 
 
-def _probe(cluster: ToyCluster, n: int, p: int, spec: dict[str, Any], *,
+def _probe(cluster: EngineCluster, n: int, p: int, spec: dict[str, Any], *,
            together: bool = True) -> tuple[float, float | None]:
     """One grid point's prefill time (the fastest of ``PROBE_REPS``) in instance 0
     alone, then (``together``) in all at once: the mean over the instances of each
@@ -106,7 +108,7 @@ def _contention(instances: int, alone: float, together: float) -> float:
     return min(max(CONTENTION_GRID), max(0.0, (together / alone - 1) / (instances - 1)))
 
 
-def calibrate(cluster: ToyCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
+def calibrate(cluster: EngineCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     """Measure ``cluster``'s toy engines and fit the simulator's costs; returns ``(costs,
     measurements)``. The grid is measured in instance 0 alone; then its longest point
     (the least noisy) alone and in every instance at once: how much slower the latter
@@ -127,7 +129,7 @@ def calibrate(cluster: ToyCluster, **spec: Any) -> tuple[Costs, dict[str, Any]]:
     return costs, m
 
 
-def dispatch_overhead(cluster: ToyCluster, costs: Costs, *, requests: int = 12,
+def dispatch_overhead(cluster: EngineCluster, costs: Costs, *, requests: int = 12,
                       spacing: float = 0.05) -> tuple[float, float]:
     """What a request costs beyond its prefill, measured end to end: a few requests
     that never queue (``spacing`` apart, round robin, fresh sessions: nothing cached)
@@ -198,8 +200,8 @@ def _handoffs(records: Sequence[RequestRecord]) -> tuple[list[float], list[float
     return tails, lat
 
 
-def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
-                ) -> tuple[Costs, dict[str, Any]]:
+def fit_records(results: Sequence[SimResult], costs: Costs, instances: int, *,
+                trim: float = 0.0) -> tuple[Costs, dict[str, Any]]:
     """The simulator's costs fitted on the records of loaded runs (real ones, of
     ``instances`` instances): ``costs``' per-token and per-block terms give each
     request's compute ``M`` for the hits it had; its service time ``S`` (start to first
@@ -213,7 +215,13 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     on every request of the runs. Beside it, from the same records: ``request_tail``, the
     mean time a backlogged instance takes from a first token to its next start, and
     ``dispatch_latency``, the mean time an idle instance takes from an arrival to the
-    start. Returns ``(costs, fit)``."""
+    start. ``trim`` (0 to 0.5) leaves the fraction of requests that fit worst out of each
+    ``c``'s fit (least trimmed squares: fitted on all, then again on the rest, judged on
+    the rest): on a host that other work shares, a request whose prefill that work
+    preempted is the host's, not the engine's, and one in ten of them was enough to
+    triple the fitted contention of vLLM's engines. Returns ``(costs, fit)``."""
+    if not 0.0 <= trim < 0.5:
+        raise InvalidInput(f"trim must be in [0, 0.5), got {trim}")
     bt = costs.block_tokens
     bare = dataclasses.replace(costs, request_overhead=0.0)
     service, compute, shares, tails, lat = [], [], [], [], []
@@ -237,18 +245,21 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     # least squares in seconds, not relative: with the overhead term the fitted services
     # add up to the real ones, so the simulated instances are as busy as the real were
     x = np.stack([np.ones_like(m_), m_], axis=1)
-    best: tuple[float, float, float, float, np.ndarray] | None = None
+    best: tuple[float, float, float, float, np.ndarray, np.ndarray] | None = None
+    everyone = np.ones(len(m_), dtype=bool)
     for c in CONTENTION_GRID:
         work = (t_ / (1.0 + c * np.arange(instances))).sum(axis=1)
-        overhead, speed = np.linalg.lstsq(x, work, rcond=None)[0]
-        if overhead < 0:  # a negative term is noise: fit again without it
-            overhead, speed = 0.0, float(np.linalg.lstsq(x[:, 1:], work, rcond=None)[0][0])
-        speed = max(float(speed), 1e-6)
-        err = float(np.sum((overhead + speed * m_ - work) ** 2))
+        overhead, speed = _fit_line(x, work, everyone)
+        keep = everyone
+        if trim:
+            res = np.abs(overhead + speed * m_ - work)
+            keep = res <= np.quantile(res, 1.0 - trim)
+            overhead, speed = _fit_line(x, work, keep)
+        err = float(np.sum((overhead + speed * m_[keep] - work[keep]) ** 2))
         if best is None or err < best[0]:
-            best = (err, c, float(overhead), speed, work)
+            best = (err, c, overhead, speed, work, keep)
     assert best is not None
-    _, c, overhead, speed, work = best
+    _, c, overhead, speed, work, keep = best
     tail = statistics.mean(tails) if tails else 0.0
     # the mean: a hand-off's slow tail (the instance's threads waiting for a core)
     # delays requests as much as its usual time does
@@ -264,19 +275,32 @@ def fit_records(results: Sequence[SimResult], costs: Costs, instances: int
     return fitted, {"contention": c, "speed": speed, "overhead": overhead, "tail": tail,
                     "dispatch_latency": fitted.dispatch_latency, "requests": len(service),
                     "rel_error_median": float(np.median(rel)),
-                    "rel_error_p90": float(np.percentile(rel, 90))}
+                    "rel_error_p90": float(np.percentile(rel, 90)),
+                    "trim": trim, "trimmed": int(len(keep) - keep.sum())}
 
 
-def fit_under_load(cluster: ToyCluster, costs: Costs, measured: dict[str, Any],
+def _fit_line(x: np.ndarray, work: np.ndarray, keep: np.ndarray) -> tuple[float, float]:
+    """``(overhead, speed)``: least squares of ``work`` on ``x``'s rows ``keep``, the
+    overhead never below 0 (a negative term is noise: fitted again without it)."""
+    overhead, speed = np.linalg.lstsq(x[keep], work[keep], rcond=None)[0]
+    if overhead < 0:
+        overhead, speed = 0.0, float(np.linalg.lstsq(x[keep, 1:], work[keep],
+                                                     rcond=None)[0][0])
+    return float(overhead), max(float(speed), 1e-6)
+
+
+def fit_under_load(cluster: EngineCluster, costs: Costs, measured: dict[str, Any],
                    workloads: Sequence[Sequence[Request]], *,
-                   policy: str | Sequence[str] = "round_robin", repeats: int = 1) -> Costs:
+                   policy: str | Sequence[str] = "round_robin", repeats: int = 1,
+                   trim: float = 0.0) -> Costs:
     """``costs`` fitted on loaded real runs (:func:`fit_records`): on a host with no core
     to spare, what a bare probe sees of the contention, the per-request overhead, the
     compute speed and the hand-offs is not what a loaded run gets. Each of ``workloads``
     (calibration workloads, never ones that are compared) goes through ``cluster`` with
     ``policy`` (or with each of several routing policies: ones that balance load and
     ones that pile sessions onto their instance load the cores differently),
-    ``repeats`` times in turn, and every request of every run is fitted. The last
+    ``repeats`` times in turn, and every request of every run is fitted (but the
+    ``trim`` fraction that fits worst: :func:`fit_records`). The last
     workload runs once untimed first, as a warm-up. The fit is recorded in
     ``measured["load_fit"]``, with each
     workload's real median and p90 TTFT (medians over the repeats) beside the
@@ -298,7 +322,8 @@ def fit_under_load(cluster: ToyCluster, costs: Costs, measured: dict[str, Any],
         for i, (work, pol) in enumerate(cases):
             cluster.reset()
             runs[i].append(cluster.run(work, pol))
-    fitted, fit = fit_records([r for got in runs for r in got], costs, cluster.n)
+    fitted, fit = fit_records([r for got in runs for r in got], costs, cluster.n,
+                              trim=trim)
     reals = [SimResult.median_summary([r.summary() for r in got]) for got in runs]
     sims = [simulate(work, pol, instances=cluster.n, costs=fitted,
                      shared_store=cluster.cfg.use_store, cache_output=False).summary()
@@ -317,7 +342,7 @@ def fit_under_load(cluster: ToyCluster, costs: Costs, measured: dict[str, Any],
     return fitted
 
 
-def recalibrate(cluster: ToyCluster, costs: Costs, measured: dict[str, Any], *,
+def recalibrate(cluster: EngineCluster, costs: Costs, measured: dict[str, Any], *,
                 rescale: bool = True) -> tuple[Costs, dict[str, float]]:
     """``costs`` brought up to the host's speed now: the probe point of
     :func:`calibrate` measured again (a second or two), the compute terms scaled by

@@ -1,9 +1,16 @@
-"""The toy engine's router: a workload, a routing policy, N toy engine processes.
+"""The router in front of engine processes: a workload, a routing policy, N instances.
 
-:class:`ToyCluster` starts one process per instance (``_instance.instance_main``: the
-tiny model, a bounded local KV cache, the shared tensordb KV store) and
-:meth:`ToyCluster.run` feeds a workload to them through a routing policy with real
-wall-clock arrivals.
+:class:`EngineCluster` is the router side, shared by the toy engine and the real
+engines (``benchmarks.vllm_engine``): it starts one process per instance on its
+``target`` and :meth:`EngineCluster.run` feeds a workload to them through a routing
+policy with real wall-clock arrivals. :class:`ToyCluster` runs toy engine instances
+(``_instance.instance_main``: the tiny model, a bounded local KV cache, the shared
+tensordb KV store).
+
+An instance process speaks one protocol (``_instance.instance_main`` documents it):
+jobs, ``reset`` and ``calibrate`` in; ``ready``, ``start`` (its local cache's change),
+``done`` (a :class:`Served`), ``reset``, ``calibrated`` and ``error`` out; the toy
+engine's migrations add ``publish`` / ``prefetch``.
 
 What the routing policy sees is live, and the same as in the simulator:
 
@@ -54,7 +61,7 @@ from tensordb.errors import InvalidInput, NodeUnavailable
 from ._engine import Job, Served, ToyEngineConfig, clock, open_kv
 from ._instance import instance_main
 
-__all__ = ["PromptTokens", "ToyCluster"]
+__all__ = ["EngineCluster", "PromptTokens", "ToyCluster"]
 
 _RUN_MESSAGES = ("start", "done", "published", "prefetched")
 
@@ -107,59 +114,81 @@ class _Inst(LoadTracker):
         return n
 
 
-class ToyCluster:
-    """``instances`` toy engine processes sharing one tensordb store.
+class EngineCluster:
+    """``instances`` engine processes sharing one tensordb store, behind one router.
 
-    ``home`` (default: a temporary directory, removed on close) and ``url`` pick the
-    store, as ``tensordb.connect`` does. Processes start in ``start_method`` mode
-    (``forkserver`` or ``spawn``: a forked torch is not safe) and stay up across runs;
-    ``close`` (or the context manager) stops them and removes what the runs stored.
-    ``warm_bytes`` of the store's arena are faulted in before the instances start
-    (default: half the arena, at most 64 MiB); runs that store more than that pay page
-    faults in their first slabs that later runs do not. Not thread-safe: one run at a
-    time."""
+    Each runs ``target(index, cfg, connect_kw, inbox, outbox, *self._target_args())`` (a
+    function importable by name). ``cfg`` is the engine's configuration: the router reads its
+    ``block_tokens``, ``cache_blocks``, ``namespace`` and ``use_store``. ``home``
+    (default: a temporary directory, removed on close) and ``url`` pick the store, as
+    ``tensordb.connect`` does. Processes start in ``start_method`` mode (``forkserver``,
+    preloading ``preload``, or ``spawn``: a forked torch is not safe) and stay up across
+    runs; ``close`` (or the context manager) stops them and removes what the runs
+    stored. The ``ready`` message of each instance may carry a dict about it
+    (``self.info[i]``). Not thread-safe: one run at a time."""
 
-    def __init__(self, instances: int, engine: ToyEngineConfig | None = None, *,
+    def __init__(self, instances: int, cfg: Any, target: Any, *, vocab: int,
                  home: str | Path | None = None, url: str | None = None,
                  start_method: str = "forkserver", timeout: float = 120.0,
-                 warm_bytes: int | None = None) -> None:
+                 preload: Sequence[str] = ()) -> None:
         if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
             raise InvalidInput(f"instances must be a positive int, not {instances!r}")
         if start_method not in ("forkserver", "spawn"):
             raise InvalidInput(f"start_method must be 'forkserver' or 'spawn', not "
                                f"{start_method!r}")
-        if warm_bytes is not None and (isinstance(warm_bytes, bool) or
-                                       not isinstance(warm_bytes, int) or warm_bytes < 0):
-            raise InvalidInput(f"warm_bytes must be an int >= 0, not {warm_bytes!r}")
         self.n = instances
-        self.cfg = engine or ToyEngineConfig()
+        self.cfg = cfg
+        self.vocab = vocab
         self.timeout = timeout
+        self._procs: list[Any] = []
         self._tmp = None if home is not None else Path(
-            tempfile.mkdtemp(prefix="tensordb-toy-engine-"))
+            tempfile.mkdtemp(prefix="tensordb-engines-"))
         root = Path(home) if home is not None else self._tmp
         assert root is not None
         self.connect_kw: dict[str, Any] = {"url": url, "home": root, "data_dir": root / "data"}
         self.db = tensordb.connect(**self.connect_kw)
-        self.kv = open_kv(self.db, self.cfg)
+        #: the router's keys of a prompt's full blocks (``kv.keys``); the toy engine
+        #: stores its blocks here too
+        self.kv = self._open_kv()
         self._stored: list[bytes] = []
-        self._warm(min(self.cfg.store_bytes // 2, 64 << 20) if warm_bytes is None
-                   else min(warm_bytes, self.cfg.store_bytes))
+        self._prepare()
         ctx = mp.get_context(start_method)
-        if start_method == "forkserver":  # one import of torch for all instances
-            ctx.set_forkserver_preload(["torch", "tensordb", "benchmarks.toy_engine._instance"])
+        if start_method == "forkserver" and preload:
+            ctx.set_forkserver_preload(list(preload))
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(instances)]
-        self._procs = [ctx.Process(target=instance_main, name=f"tensordb-instance-{i}",
-                                   args=(i, self.cfg, self.connect_kw, self._inboxes[i],
-                                         self._outbox), daemon=True)
+        self._procs = [ctx.Process(target=target, name=f"tensordb-instance-{i}",
+                                   args=(i, cfg, self.connect_kw, self._inboxes[i],
+                                         self._outbox, *self._target_args()), daemon=True)
                        for i in range(instances)]
-        for p in self._procs:
-            p.start()
+        self.info: list[dict[str, Any]] = [{} for _ in range(instances)]
         try:
-            self._expect("ready", instances)
+            for p in self._procs:
+                p.start()
+            for msg in self._expect("ready", instances):
+                if len(msg) > 2:
+                    self.info[msg[1]] = msg[2]
         except BaseException:
             self.close()
             raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The instances' process ids."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def _open_kv(self) -> tensordb.KVCache:
+        """The namespace the router keys prompts in (``cfg.namespace``); it stores
+        nothing here, so its arena is small."""
+        return self.db.kv(self.cfg.namespace, self.cfg.block_tokens, capacity_bytes=16 << 20,
+                          spill=False)
+
+    def _prepare(self) -> None:
+        """Set-up in the router's process before the instances start (none here)."""
+
+    def _target_args(self) -> tuple[Any, ...]:
+        """The instances' arguments after the common ones (none here)."""
+        return ()
 
     # -- messages ----------------------------------------------------------------------
     def _get(self, stop: threading.Event | None = None) -> tuple[Any, ...] | None:
@@ -172,11 +201,11 @@ class ToyCluster:
             except queue.Empty:
                 dead = [p.name for p in self._procs if not p.is_alive()]
                 if dead or clock() > deadline:
-                    raise NodeUnavailable(f"toy engine instances {dead or 'all'} "
+                    raise NodeUnavailable(f"engine instances {dead or 'all'} "
                                           f"{'died' if dead else 'did not answer'}") from None
                 continue
             if msg[0] == "error":
-                raise NodeUnavailable(f"toy engine instance {msg[1]} failed:\n{msg[2]}")
+                raise NodeUnavailable(f"engine instance {msg[1]} failed:\n{msg[2]}")
             return msg
         return None
 
@@ -188,19 +217,9 @@ class ToyCluster:
             if msg[0] == kind:
                 out.append(msg)
             elif msg[0] not in _RUN_MESSAGES:  # those are late news of a run that failed
-                raise NodeUnavailable(f"toy cluster: expected {kind!r} from the instances, got "
-                                      f"{msg[0]!r}")
+                raise NodeUnavailable(f"engine cluster: expected {kind!r} from the instances, "
+                                      f"got {msg[0]!r}")
         return out
-
-    def _warm(self, nbytes: int) -> None:
-        """Have the store's arena take its shared-memory pages now: the first blocks
-        into a fresh slab pay for faulting it in, which is set-up, not a request's
-        time."""
-        block = torch.zeros(self.cfg.model.block_shape(self.cfg.block_tokens))
-        keys = [b"warm-%d" % i for i in range(max(1, nbytes // self.cfg.block_nbytes))]
-        for lo in range(0, len(keys), 64):
-            self.kv.put(keys[lo:lo + 64], [block] * len(keys[lo:lo + 64]))
-        self.kv.delete(keys)
 
     def _broadcast(self, *msg: Any) -> None:
         for q in self._inboxes:
@@ -209,7 +228,8 @@ class ToyCluster:
     def reset(self) -> None:
         """Every instance drops its local cache, and the store forgets the blocks of
         the last run (its arena stays allocated, so a run does not pay for fresh
-        shared-memory pages)."""
+        shared-memory pages): the router's namespace here, an instance's own where it
+        stores elsewhere."""
         self._broadcast("reset")
         self._expect("reset", self.n)
         if self._stored:
@@ -217,8 +237,9 @@ class ToyCluster:
             self._stored = []
 
     def calibrate(self, instance: int = 0, **spec: Any) -> dict[str, Any]:
-        """Run ``measure_toy_engine`` inside instance ``instance`` (its own process,
-        threads and store) with ``spec`` and return the measurements."""
+        """Run the engine's measurements (the toy engine's ``measure_toy_engine``)
+        inside instance ``instance`` (its own process, threads and store) with ``spec``
+        and return them."""
         self._inboxes[instance].put(("calibrate", spec))
         return self._expect("calibrated", 1)[0][2]
 
@@ -244,7 +265,7 @@ class ToyCluster:
                 raise InvalidInput(f"requests must be sorted by arrival: request {i} "
                                    f"(session {requests[i].session!r}) comes too early")
         self.reset()
-        toks = PromptTokens(self.cfg.model.vocab, seed)
+        toks = PromptTokens(self.vocab, seed)
         jobs = []
         for r in requests:
             t = toks(r)
@@ -263,7 +284,7 @@ class ToyCluster:
 
     def close(self) -> None:
         """Stop the instances and remove the run's store namespaces (idempotent)."""
-        procs, self._procs = self._procs, []
+        procs, self._procs = [p for p in self._procs if p.pid is not None], []  # started
         for p, q in zip(procs, self._inboxes, strict=False):  # procs: [] once closed
             if p.is_alive():
                 q.put(("stop",))
@@ -283,11 +304,54 @@ class ToyCluster:
                 if self._tmp is not None:
                     shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> ToyCluster:
+    def __enter__(self) -> EngineCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ToyCluster(EngineCluster):
+    """``instances`` toy engine processes sharing one tensordb store.
+
+    ``home``, ``url``, ``start_method`` and ``timeout`` as :class:`EngineCluster`
+    (forkserver by default, with torch imported once for all instances).
+    ``warm_bytes`` of the store's arena are faulted in before the instances start
+    (default: half the arena, at most 64 MiB); runs that store more than that pay page
+    faults in their first slabs that later runs do not."""
+
+    def __init__(self, instances: int, engine: ToyEngineConfig | None = None, *,
+                 home: str | Path | None = None, url: str | None = None,
+                 start_method: str = "forkserver", timeout: float = 120.0,
+                 warm_bytes: int | None = None) -> None:
+        if warm_bytes is not None and (isinstance(warm_bytes, bool) or
+                                       not isinstance(warm_bytes, int) or warm_bytes < 0):
+            raise InvalidInput(f"warm_bytes must be an int >= 0, not {warm_bytes!r}")
+        cfg = engine or ToyEngineConfig()
+        self._warm_bytes = (min(cfg.store_bytes // 2, 64 << 20) if warm_bytes is None
+                            else min(warm_bytes, cfg.store_bytes))
+        super().__init__(instances, cfg, instance_main, vocab=cfg.model.vocab, home=home,
+                         url=url, start_method=start_method, timeout=timeout,
+                         preload=["torch", "tensordb", "benchmarks.toy_engine._instance"])
+
+    def _open_kv(self) -> tensordb.KVCache:
+        return open_kv(self.db, self.cfg)
+
+    def _prepare(self) -> None:
+        self._warm(self._warm_bytes)
+
+    def __enter__(self) -> ToyCluster:
+        return self
+
+    def _warm(self, nbytes: int) -> None:
+        """Have the store's arena take its shared-memory pages now: the first blocks
+        into a fresh slab pay for faulting it in, which is set-up, not a request's
+        time."""
+        block = torch.zeros(self.cfg.model.block_shape(self.cfg.block_tokens))
+        keys = [b"warm-%d" % i for i in range(max(1, nbytes // self.cfg.block_nbytes))]
+        for lo in range(0, len(keys), 64):
+            self.kv.put(keys[lo:lo + 64], [block] * len(keys[lo:lo + 64]))
+        self.kv.delete(keys)
 
 
 class _Run:
