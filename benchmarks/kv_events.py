@@ -56,6 +56,7 @@ if not __package__:  # run as a script: the checkout's root, for benchmarks._ver
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _verdict
+from benchmarks._common import remove_store
 from engine_bindings.router import KVEventIndex
 from tensordb import connect
 from tensordb.client import BlockRemoved, BlockStored, KVBlockInfo, KVEventBatch
@@ -148,7 +149,7 @@ def _writers(home: Path, blocks: int) -> dict[str, list[float]]:
         asleep.close()
         for kv in kvs.values():
             kv.destroy()
-        db.close()
+        remove_store(db)  # its shared memory too
     return out
 
 
@@ -182,7 +183,7 @@ def _delivery(home: Path, blocks: int) -> tuple[float, int]:
     sub.close(linger=0)
     pub.close()
     kv.destroy()
-    db.close()
+    remove_store(db)  # its shared memory too
     return rate, want
 
 
@@ -225,7 +226,7 @@ def _lag(home: Path, n: int) -> list[float]:
     child.join(30)
     index.close()
     kv.destroy()
-    db.close()
+    remove_store(db)  # its shared memory too
     return lags
 
 

@@ -2936,7 +2936,7 @@ typedef struct {
     size_t len, cap;
 } evbuf_t;
 
-static int evbuf_add(evbuf_t *b, const char *src, size_t n) {
+static int evbuf_add(evbuf_t *b, const void *src, size_t n) {
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 1 << 16;
         while (cap < b->len + n)
@@ -3057,6 +3057,47 @@ static PyObject *Idx_events_claim(Idx *s, PyObject *unused) {
     return out;
 }
 
+/* under the lock: the events since ring position *pos into b (whole entries, padding
+ * skipped), until about max_bytes or max_events of them are taken. 1 when this process
+ * publishes (seq is kept for the next publisher; *lost: the events lost so far;
+ * *overrun: the ring was overwritten past *pos, which then moves to the head), 0 when it
+ * does not, -1 out of memory. */
+static int ev_take(Idx *s, uint64_t *pos, uint64_t seq, size_t max_bytes,
+                   uint64_t max_events, evbuf_t *b, uint64_t *lost, int *overrun) {
+    hdr_t *h = s->hdr;
+    if (h->ev_pub != (uint32_t)s->slot + 1 || !h->ev_on)
+        return 0;
+    h->ev_pub_seq = seq;
+    *lost = h->ev_lost;
+    uint64_t head = h->ev_head, ring = h->ev_ring, taken = 0;
+    if (*pos > head || head - *pos > ring || ev_map(s) < 0) {
+        *overrun = 1;
+        *pos = head;
+        return 1;
+    }
+    while (*pos < head && b->len < max_bytes && taken < max_events) {
+        uint64_t off = *pos % ring;
+        if (ring - off < sizeof(evh_t)) {
+            *pos += ring - off;
+            continue;
+        }
+        evh_t e;
+        memcpy(&e, s->ev_map + off, sizeof e);
+        if (e.len < sizeof(evh_t) || e.len > ring - off) { /* cannot be: start over */
+            *overrun = 1;
+            *pos = head;
+            return 1;
+        }
+        if (e.type != EVT_PAD) {
+            if (evbuf_add(b, s->ev_map + off, e.len) < 0)
+                return -1;
+            taken++;
+        }
+        *pos += e.len;
+    }
+    return 1;
+}
+
 /* events_read(pos, max_bytes, seq) -> None (this process no longer publishes), or
  * (events, pos, lost, overrun): the events written since ring position pos (at most
  * about max_bytes of them), where to read on, the events lost so far, and whether the
@@ -3069,55 +3110,26 @@ static PyObject *Idx_events_read(Idx *s, PyObject *args) {
     if (!usable(s))
         return NULL;
     evbuf_t b = {NULL, 0, 0};
-    int r, mine = 0, overrun = 0, err = 0;
-    uint64_t lost = 0;
+    int r, mine = 0, overrun = 0;
+    uint64_t at = pos, lost = 0;
     Py_BEGIN_ALLOW_THREADS
     r = lock(s);
     if (r == 0) {
-        hdr_t *h = s->hdr;
-        mine = h->ev_pub == (uint32_t)s->slot + 1 && h->ev_on;
-        if (mine) {
-            h->ev_pub_seq = seq;
-            lost = h->ev_lost;
-            uint64_t head = h->ev_head, ring = h->ev_ring;
-            if (pos > head || head - pos > ring || ev_map(s) < 0) {
-                overrun = 1;
-                pos = head;
-            }
-            while (!overrun && pos < head && b.len < max_bytes) {
-                uint64_t off = pos % ring;
-                if (ring - off < sizeof(evh_t)) {
-                    pos += ring - off;
-                    continue;
-                }
-                evh_t e;
-                memcpy(&e, s->ev_map + off, sizeof e);
-                if (e.len < sizeof(evh_t) || e.len > ring - off) { /* cannot be: start over */
-                    overrun = 1;
-                    pos = head;
-                    break;
-                }
-                if (e.type != EVT_PAD && evbuf_add(&b, s->ev_map + off, e.len) < 0) {
-                    err = ENOMEM;
-                    break;
-                }
-                pos += e.len;
-            }
-        }
+        mine = ev_take(s, &at, seq, (size_t)max_bytes, UINT64_MAX, &b, &lost, &overrun);
         unlock(s);
     }
     Py_END_ALLOW_THREADS
     PyObject *out = NULL;
     if (r < 0) {
         out = lock_error();
-    } else if (err) {
+    } else if (mine < 0) {
         out = PyErr_NoMemory();
     } else if (!mine) {
         out = Py_NewRef(Py_None);
     } else {
         PyObject *lst = ev_list(&b);
         if (lst != NULL)
-            out = Py_BuildValue("(NKKO)", lst, (unsigned long long)pos,
+            out = Py_BuildValue("(NKKO)", lst, (unsigned long long)at,
                                 (unsigned long long)lost, overrun ? Py_True : Py_False);
     }
     free(b.p);
@@ -3132,8 +3144,6 @@ static PyObject *Idx_events_read(Idx *s, PyObject *args) {
  * (from its info, or no_info), and the tail of its medium. The pieces are the caller's
  * (tensordb.client._kv_events): this code only splices them. cleared: a cleared event
  * was read (announce the store afresh: events_claim). */
-static int wire_add(evbuf_t *o, const void *p, size_t n) { return evbuf_add(o, p, n); }
-
 static PyObject *Idx_events_wire(Idx *s, PyObject *args) {
     unsigned long long pos, max_events, seq;
     Py_buffer heads[2], tails[2], noinfo;
@@ -3143,70 +3153,39 @@ static PyObject *Idx_events_wire(Idx *s, PyObject *args) {
     PyObject *out = NULL;
     evbuf_t b = {NULL, 0, 0}, o = {NULL, 0, 0};
     int r = -1, mine = 0, overrun = 0, err = 0, cleared = 0;
-    uint64_t lost = 0, count = 0, taken = 0;
+    uint64_t at = pos, lost = 0, count = 0;
     if (!usable(s))
         goto done;
     Py_BEGIN_ALLOW_THREADS
     r = lock(s);
     if (r == 0) {
-        hdr_t *h = s->hdr;
-        mine = h->ev_pub == (uint32_t)s->slot + 1 && h->ev_on;
-        if (mine) {
-            h->ev_pub_seq = seq;
-            lost = h->ev_lost;
-            uint64_t head = h->ev_head, ring = h->ev_ring;
-            if (pos > head || head - pos > ring || ev_map(s) < 0) {
-                overrun = 1;
-                pos = head;
-            }
-            while (!overrun && pos < head && taken < max_events) {
-                uint64_t off = pos % ring;
-                if (ring - off < sizeof(evh_t)) {
-                    pos += ring - off;
-                    continue;
-                }
-                evh_t e;
-                memcpy(&e, s->ev_map + off, sizeof e);
-                if (e.len < sizeof(evh_t) || e.len > ring - off) {
-                    overrun = 1;
-                    pos = head;
-                    break;
-                }
-                if (e.type != EVT_PAD) {
-                    if (evbuf_add(&b, s->ev_map + off, e.len) < 0) {
-                        err = ENOMEM;
-                        break;
-                    }
-                    if (e.type == EVT_CLEARED)
-                        cleared = 1;
-                    else
-                        count++;
-                    taken++;
-                }
-                pos += e.len;
-            }
-        }
+        mine = ev_take(s, &at, seq, SIZE_MAX, max_events, &b, &lost, &overrun);
         unlock(s);
     }
-    /* the splice, outside the lock */
-    uint8_t hdr[3];
-    size_t hn;
-    if (count < 16) {
-        hdr[0] = (uint8_t)(0x90 | count);
-        hn = 1;
-    } else {
+    err = mine < 0;
+    /* the splice, outside the lock: the array's length first */
+    for (size_t k = 0; r == 0 && mine > 0 && k + sizeof(evh_t) <= b.len;) {
+        evh_t e;
+        memcpy(&e, b.p + k, sizeof e);
+        k += e.len;
+        count += e.type == EVT_STORED || e.type == EVT_REMOVED;
+        cleared |= e.type == EVT_CLEARED;
+    }
+    uint8_t hdr[3] = {(uint8_t)(0x90 | count), 0, 0};
+    size_t hn = 1;
+    if (count >= 16) {
         hdr[0] = 0xdc;
         hdr[1] = (uint8_t)(count >> 8);
         hdr[2] = (uint8_t)count;
         hn = 3;
     }
-    if (r == 0 && mine && !err && wire_add(&o, hdr, hn) < 0)
-        err = ENOMEM;
-    for (size_t at = 0; r == 0 && mine && !err && at + sizeof(evh_t) <= b.len;) {
+    if (r == 0 && mine > 0 && evbuf_add(&o, hdr, hn) < 0)
+        err = 1;
+    for (size_t k = 0; r == 0 && mine > 0 && !err && k + sizeof(evh_t) <= b.len;) {
         evh_t e;
-        memcpy(&e, b.p + at, sizeof e);
-        const uint8_t *key = (const uint8_t *)b.p + at + sizeof e, *meta = key + e.klen;
-        at += e.len;
+        memcpy(&e, b.p + k, sizeof e);
+        const uint8_t *key = (const uint8_t *)b.p + k + sizeof e, *meta = key + e.klen;
+        k += e.len;
         if (e.type != EVT_STORED && e.type != EVT_REMOVED)
             continue;
         const uint8_t *hashes = NULL, *rest = (const uint8_t *)noinfo.buf;
@@ -3230,12 +3209,12 @@ static PyObject *Idx_events_wire(Idx *s, PyObject *args) {
         memcpy(keyarr + 3, key, e.klen);
         int stored = e.type == EVT_STORED;
         Py_buffer *tail = &tails[e.medium == MED_STORAGE];
-        if (wire_add(&o, heads[!stored].buf, (size_t)heads[!stored].len) < 0 ||
-                (hashes != NULL ? wire_add(&o, hashes, hl)
-                                : wire_add(&o, keyarr, 3 + (size_t)e.klen)) < 0 ||
-                (stored && wire_add(&o, rest, rl) < 0) ||
-                wire_add(&o, tail->buf, (size_t)tail->len) < 0)
-            err = ENOMEM;
+        if (evbuf_add(&o, heads[!stored].buf, (size_t)heads[!stored].len) < 0 ||
+                (hashes != NULL ? evbuf_add(&o, hashes, hl)
+                                : evbuf_add(&o, keyarr, 3 + (size_t)e.klen)) < 0 ||
+                (stored && evbuf_add(&o, rest, rl) < 0) ||
+                evbuf_add(&o, tail->buf, (size_t)tail->len) < 0)
+            err = 1;
     }
     Py_END_ALLOW_THREADS
     if (r < 0)
@@ -3246,9 +3225,9 @@ static PyObject *Idx_events_wire(Idx *s, PyObject *args) {
         out = Py_NewRef(Py_None);
     else
         out = Py_BuildValue("(y#KKKOO)", o.p ? o.p : "", (Py_ssize_t)o.len,
-                            (unsigned long long)count,
-                            (unsigned long long)pos, (unsigned long long)lost,
-                            overrun ? Py_True : Py_False, cleared ? Py_True : Py_False);
+                            (unsigned long long)count, (unsigned long long)at,
+                            (unsigned long long)lost, overrun ? Py_True : Py_False,
+                            cleared ? Py_True : Py_False);
 done:
     for (int i = 0; i < 2; i++) {
         PyBuffer_Release(&heads[i]);

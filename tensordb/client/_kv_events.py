@@ -54,8 +54,8 @@ from storage_engine import (
 from tensordb.errors import InvalidInput
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVBlockInfo", "KVEventBatch",
-           "KVEventPublisher", "KVEvents", "close_publisher", "decode_info", "encode_info",
-           "join_meta", "open_publisher", "split_meta"]
+           "KVEventPublisher", "KVEvents", "close_publisher", "encode_info", "join_meta",
+           "open_publisher"]
 
 log = logging.getLogger("tensordb.kv.events")
 
@@ -124,7 +124,6 @@ class KVBlockInfo:
 
 _INFO_SEP = b"\0"
 _enc = msgspec.msgpack.Encoder().encode
-_dec = msgspec.msgpack.decode
 #: an info blob: this byte, the length of the hashes' msgpack (4 bytes, little-endian),
 #: the hashes' msgpack, then the rest of a BlockStored's fields as msgpack key/value
 #: pairs: the pieces of its events' wire bytes, so that the publisher splices events
@@ -171,12 +170,6 @@ def encode_info(info: KVBlockInfo, what: str = "info", block_tokens: int = 0) ->
             + _rest(info.parent_block_hash, tokens, size, info.lora_id, info.lora_name))
 
 
-def split_meta(meta: bytes) -> tuple[bytes, bytes]:
-    """A stored block's metadata: (its tensor's, its info's)."""
-    head, _, info = meta.partition(_INFO_SEP)
-    return head, info
-
-
 def _pieces(raw: bytes) -> tuple[bytes, bytes] | None:
     """An info blob's hashes (msgpack; b"" for none given) and the rest; None when it
     is none this version wrote."""
@@ -184,20 +177,6 @@ def _pieces(raw: bytes) -> tuple[bytes, bytes] | None:
         return None
     n = int.from_bytes(raw[1:5], "little")
     return raw[5:5 + n], raw[5 + n:]
-
-
-def decode_info(raw: bytes) -> KVBlockInfo | None:
-    """The info ``encode_info`` wrote; None for none (or bytes it did not write)."""
-    got = _pieces(raw) if raw else None
-    if got is None:
-        return None
-    try:
-        hashes = _dec(got[0]) if got[0] else []
-        rest = _dec(b"\x85" + got[1])
-    except msgspec.DecodeError:
-        return None
-    return KVBlockInfo(rest["token_ids"], hashes, rest["parent_block_hash"],
-                       rest["block_size"], rest["lora_id"], rest["lora_name"])
 
 
 def join_meta(meta: bytes, info: bytes) -> bytes:
