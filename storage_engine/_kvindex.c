@@ -1818,6 +1818,7 @@ typedef struct {
     const uint64_t *addrs, *sizes, *want;
     uint8_t (*keys)[KEYMAX + 1];
     int mode;
+    size_t stream_min; /* blocks of this many bytes or more go around the cache */
     Py_ssize_t lo, hi;
 } copy_job_t;
 
@@ -1843,11 +1844,12 @@ static void copy_range(copy_job_t *j) {
         }
         char *chunk = s->maps[r->slab].base + (size_t)r->chunk * h->slabs[r->slab].csize;
         if (j->mode == CP_PUT)
-            j->sums[k] = state != NULL ? copy_hash_one(state, chunk, ext, n) : 0;
+            j->sums[k] = state != NULL ? copy_hash_one(state, chunk, ext, n, j->stream_min) : 0;
         else if (j->mode == CP_READ)
-            j->sums[k] = state != NULL ? copy_hash_one(state, ext, chunk, n) : ~j->want[k];
+            j->sums[k] = state != NULL ? copy_hash_one(state, ext, chunk, n, j->stream_min)
+                                       : ~j->want[k];
         else
-            stream_copy(ext, chunk, n);
+            stream_copy(ext, chunk, n, j->stream_min);
     }
     fence();
     if (state != NULL)
@@ -1926,6 +1928,7 @@ static void copy_all(copy_job_t job, Py_ssize_t n) {
     uint64_t total = 0;
     for (Py_ssize_t k = 0; k < n; k++)
         total += job.sizes[job.res[k].i];
+    job.stream_min = total >= STREAM_BATCH ? STREAM_BLOCK_MIN : STREAM_MIN;
     long cpus = ncpus;
     int t = total < PARALLEL_MIN || n < 2 ? 1 : (int)(cpus < 2 ? 1 : cpus > 4 ? 4 : cpus);
     if (t > n)
@@ -2206,7 +2209,7 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         j = k;
     }
     /* the copies, outside the lock: writers copy in parallel */
-    copy_job_t job = {s, res, sums, addrs, sizes, NULL, ks.keys, CP_PUT, 0, 0};
+    copy_job_t job = {s, res, sums, addrs, sizes, NULL, ks.keys, CP_PUT, 0, 0, 0};
     copy_all(job, nres);
     if (nres && lock(s) == 0) {
         locked = 1;
@@ -2487,7 +2490,7 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
         }
         unlock(s);
         copy_job_t job = {s, res, sums, addrs, sizes, want, ks.keys,
-                          verify ? CP_READ : CP_READ_NOVERIFY, 0, 0};
+                          verify ? CP_READ : CP_READ_NOVERIFY, 0, 0, 0};
         copy_all(job, nres);
         if (nres == 0)
             break;

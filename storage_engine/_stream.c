@@ -41,8 +41,6 @@
 #define STREAMS 0
 #endif
 
-/* below this a copy stays in cache: the caller is likely to touch it again */
-#define STREAM_MIN (64 * 1024)
 
 /* whole 64-byte lines streamed, the rest copied; no fence: the caller fences once */
 static void stream_lines(char *d, const char *s, size_t n) {
@@ -74,8 +72,8 @@ HIDDEN void fence(void) {
 #endif
 }
 
-HIDDEN void stream_copy(char *d, const char *s, size_t n) {
-    if (n < STREAM_MIN) {
+HIDDEN void stream_copy(char *d, const char *s, size_t n, size_t stream_min) {
+    if (n < stream_min) {
         memcpy(d, s, n);
         return;
     }
@@ -150,18 +148,22 @@ static int same_length(Py_buffer *dst, Py_buffer *src, const char *what) {
     return 0;
 }
 
-/* one source: hashed piece by piece, each piece streamed (or copied, below STREAM_MIN)
+/* one source: hashed piece by piece, each piece streamed (or copied, below stream_min)
  * while it is in L1; a small one hashed in one call */
-HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n) {
+HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n,
+                              size_t stream_min) {
+    int streamed = n >= stream_min;
     /* up to STREAM_MIN the source stays in L2 between the hash and the copy: one call of
      * the one-shot hash (the streaming state's bookkeeping cost a quarter of an 8 KiB
      * block's read) */
     if (n < STREAM_MIN && xxh_oneshot != NULL) {
         uint64_t h = xxh_oneshot(s, n);
-        memcpy(d, s, n);
+        if (streamed)
+            stream_lines(d, s, n);
+        else
+            memcpy(d, s, n);
         return h;
     }
-    int streamed = n >= STREAM_MIN;
     xxh_reset(state);
     for (size_t lo = 0; lo < n; lo += HASH_PIECE) {
         size_t m = n - lo < HASH_PIECE ? n - lo : HASH_PIECE;
@@ -201,7 +203,8 @@ static PyObject *py_stream_copy_hash(PyObject *self, PyObject *args) {
     }
     uint64_t digest;
     Py_BEGIN_ALLOW_THREADS
-    digest = copy_hash_one(state, (char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    digest = copy_hash_one(state, (char *)dst.buf, (const char *)src.buf, (size_t)src.len,
+                           STREAM_MIN);
     fence();
     xxh_free(state);
     Py_END_ALLOW_THREADS
@@ -251,7 +254,8 @@ static PyObject *py_copy_hash_many(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     char *d = (char *)dst.buf;
     for (Py_ssize_t i = 0; i < count; i++)
-        out[i] = copy_hash_one(state, d + o[i], (const char *)(uintptr_t)a[i], (size_t)z[i]);
+        out[i] = copy_hash_one(state, d + o[i], (const char *)(uintptr_t)a[i], (size_t)z[i],
+                               STREAM_MIN);
     fence();
     Py_END_ALLOW_THREADS
     xxh_free(state);
@@ -274,7 +278,7 @@ static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
     if (!same_length(&dst, &src, "stream_copy"))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)src.len, STREAM_MIN);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);

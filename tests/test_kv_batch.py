@@ -451,6 +451,37 @@ def test_copy_workers_serve_concurrent_batches_and_forked_children(tmp_path: Pat
         store.close()
 
 
+def test_small_blocks_of_a_large_batch_round_trip_streamed(tmp_path: Path) -> None:
+    """A batch of 4 MiB or more is copied around the cache block by block, small blocks
+    too (from 1 KiB): blocks of odd sizes from unaligned sources, written and read that
+    way, come back byte for byte and pass the read's checksum, in a batch and one by one."""
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(900, 9000, 1200)  # about 5.6 MiB
+    assert sizes.sum() >= 4 << 20
+    pool = rng.integers(0, 256, int(sizes.sum()) + 64 * len(sizes), dtype=np.uint8)
+    offs = np.concatenate([[3], 3 + np.cumsum(sizes + 61)[:-1]])  # odd, unaligned
+    keys = [b"s%d" % i for i in range(len(sizes))]
+    store = BlockStore(tmp_path / "s", capacity_bytes=256 << 20, slab_bytes=8 << 20)
+    try:
+        base = pool.ctypes.data
+        stored = store.put_batch(keys, (base + offs).astype(np.uint64),
+                                 sizes.astype(np.uint64))
+        assert stored.all()
+        outs = np.zeros(int(sizes.sum()) + 64 * len(sizes), np.uint8)
+        status = store.read_into(keys, (outs.ctypes.data + offs + 1).astype(np.uint64),
+                                 sizes.astype(np.uint64))
+        assert status.all()
+        for i in range(0, len(sizes), 97):
+            o, n = int(offs[i]), int(sizes[i])
+            assert np.array_equal(outs[o + 1:o + 1 + n], pool[o:o + n])
+            one = np.zeros(n, np.uint8)  # a small read: copied through the cache
+            assert store.read_into([keys[i]], np.array([one.ctypes.data], np.uint64),
+                                   np.array([n], np.uint64)).all()
+            assert np.array_equal(one, pool[o:o + n])
+    finally:
+        store.close()
+
+
 def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
                                                                      ) -> None:
     """get_into reads spilled blocks straight from their files (a read never evicts), so
