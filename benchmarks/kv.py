@@ -1231,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-kib", type=float, nargs="+", default=[8, 64, 256, 2048, 8192],
                    help="block sizes in KiB (8 64 256 2048 8192)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions; the best is kept (3)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions; the best is kept (5)")
     p.add_argument("--arena-mib", type=int, default=1024, help="the arena's size (1024)")
     p.add_argument("--scale-blocks", type=int, default=1_000_000,
                    help="blocks of the scale run (10^6; 0 leaves it out)")
