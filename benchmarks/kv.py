@@ -42,7 +42,8 @@ Then, ours alone:
 * *cold*: the first put + get of a new namespace, counted from ``db.kv()``, in a new
   store (its first bytes: the populate bound) and in a store that already holds freed
   memory (a namespace destroyed before: its slabs went to the store's pool), against a
-  warm namespace;
+  warm namespace; and the same in new processes (what a new engine sees: it also maps
+  the freed memory, which the process that freed it keeps mapped), shown beside;
 * *scale*: a store of ``--scale-blocks`` (10^6) blocks of 1-8 KiB: the fill's rate,
   ``match`` over 1,000 keys, ``get_into`` of 1,000 random keys, ``stats()``;
 * *engines*: vLLM's scheduler-side lookup (``get_num_new_matched_tokens`` of our
@@ -102,6 +103,8 @@ GOAL_COLD_X = 1.25
 GOAL_LOOKUP_MS = 1.0
 #: rounds of the full-arena and cold-namespace comparisons (judged on medians)
 ROUNDS = 15
+#: new processes of the cold-namespace comparison (each imports torch: ~2-3 s)
+COLD_PROCESSES = 3
 #: keys per Mooncake batch call: its TCP transfers of thousands of small objects in one
 #: call fail (TRANSFER_FAIL) on this host; batches of this many succeed
 MOONCAKE_BATCH = 256
@@ -384,6 +387,9 @@ def measure_cold(tmp: str, reps: int) -> dict[str, float]:
             kv.get_into(keys, outs)
             warm.append(time.perf_counter() - t0)
             kv.delete(keys)
+        fresh = [_cold_process(home) for _ in range(COLD_PROCESSES)]
+        out["process_first_s"] = statistics.median(f for f, _ in fresh)
+        out["process_warm_s"] = statistics.median(w for _, w in fresh)
         out["recycled_s"] = statistics.median(recycled)
         out["warm_s"] = statistics.median(warm)
         out["recycled_best_s"] = min(recycled)
@@ -397,6 +403,48 @@ def measure_cold(tmp: str, reps: int) -> dict[str, float]:
     out["bytes"] = nb * n
     out["map_existing_s"] = measure_map_existing(nb * n)
     return out
+
+
+def _cold_process(home: str) -> tuple[float, float]:
+    """A new process (its imports untimed) on the store at ``home``, whose pool holds
+    memory another process freed and this one never mapped: its first put + get of a new
+    namespace counted from ``db.kv()``, and the median of 3 rounds in it after (warm)."""
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-process", home],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"the cold process failed: {r.stderr[-2000:]}")
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return got["first_s"], got["warm_s"]
+
+
+def cold_process(home: str) -> int:
+    """The body of ``_cold_process``, in the new process: prints its two figures."""
+    nb, n = MiB, 64
+    blocks = make_blocks(nb, n, 256)
+    outs = pretouched_like(blocks)
+    db = tensordb.connect(home=home, data_dir=os.path.join(home, "data"))
+    try:
+        t0 = time.perf_counter()
+        kv = db.kv(f"process-{os.getpid()}", block_tokens=256, capacity_bytes=256 * MiB)
+        keys = kv.keys(np.arange(n * 256))
+        kv.put(keys, blocks)
+        kv.get_into(keys, outs)
+        first = time.perf_counter() - t0
+        assert torch.equal(outs, blocks)
+        kv.delete(keys)
+        warm = []
+        for i in range(3):
+            keys = kv.keys(np.arange(n * 256) + ((i + 1) << 30))
+            t0 = time.perf_counter()
+            kv.put(keys, blocks)
+            kv.get_into(keys, outs)
+            warm.append(time.perf_counter() - t0)
+            kv.delete(keys)
+        kv.destroy()  # its slab back to the pool, for the next new process
+    finally:
+        db.close()
+    print(json.dumps({"first_s": first, "warm_s": statistics.median(warm)}))
+    return 0
 
 
 def measure_map_existing(nbytes: int) -> float:
@@ -1175,6 +1223,13 @@ def print_report(res: dict[str, Any]) -> None:
               f"{c['warm_s'] * 1e3:.1f} ({c['warm_best_s'] * 1e3:.1f}) ms "
               f"(the populate bound alone: {c['bytes'] / res['populate_gbps'] / 1e6:.1f} ms; "
               f"mapping that much existing memory: {c['map_existing_s'] * 1e3:.1f} ms)")
+    y = c["process_first_s"] / c["process_warm_s"]
+    floor = (c["process_warm_s"] + c["map_existing_s"]) / c["process_warm_s"]
+    con.print(f"the same in a new process (what a new engine sees; its imports untimed), "
+              f"medians of {COLD_PROCESSES} processes: {c['process_first_s'] * 1e3:.1f} ms "
+              f"against {c['process_warm_s'] * 1e3:.1f} ms warm in it: {y:.2f} x (the floor, "
+              f"a warm one plus mapping the freed memory: {floor:.2f} x; shown, not judged: the goal "
+              f"is judged on the new namespace of this process above)")
     sc = res.get("scale")
     if sc:
         con.print(f"scale: {sc['blocks']:,} blocks ({sc['bytes'] / GB:.2f} GB) filled at "
@@ -1242,9 +1297,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default=None, help="write a bar chart to this PNG file")
     p.add_argument("--engines-only", action="store_true",
                    help="only the engines' lookups (run it from an engine's venv)")
+    p.add_argument("--cold-process", metavar="HOME", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.engines_only:
         return engines_only()
+    if args.cold_process:
+        return cold_process(args.cold_process)
     res = run(args)
     if args.png:
         reason = write_png(res, args.png)
