@@ -42,19 +42,20 @@ def _groups(llm: Any) -> list[tuple[str, list[str]]]:
 
 
 def _second_engine_answers_like_none(store: tensordb.Database, model_dir: Path,
-                                     block: int, loads: bool = True
+                                     block: int, loads: bool = True, **more: Any
                                      ) -> tuple[list[tuple[str, list[str]]], Any]:
     """A reference engine without the connector, then engines A and B with it: A saves
     the prompt's blocks, B loads all of them but the last token's (none: ``loads``
-    False) and both answer like the reference. Returns the engines' KV cache groups, and the last engine's config and
-    KV cache config."""
+    False) and both answer like the reference. ``more``: the engines' other arguments.
+    Returns the engines' KV cache groups, and the last engine's config and KV cache
+    config."""
     hit = (len(PROMPT) - 1) // block * block if loads else 0
     groups = []
-    with serving(model_dir, store, block_size=block) as llm:
+    with serving(model_dir, store, block_size=block, **more) as llm:
         want = tokens(generate(llm))
         groups.append(_groups(llm))
     for cached in (0, hit):
-        with serving(model_dir, store, kv=_kv(store), block_size=block) as llm:
+        with serving(model_dir, store, kv=_kv(store), block_size=block, **more) as llm:
             out = generate(llm)
             groups.append(_groups(llm))
             core = llm.llm_engine.engine_core.engine_core
@@ -101,8 +102,10 @@ def test_mla_model_saves_its_latent_cache_and_never_loads_it_on_the_cpu(
     answers like an engine without the connector."""
     store.commit("llama", mla_checkpoint(1))
     model_dir = write_model_config(tmp_path / "mla", MLA)
-    groups, configs = _second_engine_answers_like_none(store, model_dir, block=16,
-                                                       loads=False)
+    # the reference MLA backend: on a CPU with AMX tiles vLLM would pick its AMX one,
+    # which takes bfloat16 weights only (this model is float32)
+    groups, configs = _second_engine_answers_like_none(
+        store, model_dir, block=16, loads=False, attention_config={"backend": "CPU_MLA"})
     assert groups == [("MLAAttentionSpec", [f"model.layers.{i}.self_attn.attn"
                                             for i in range(2)])]
     assert _stored_blocks(configs) == len(PROMPT) // 16
