@@ -342,6 +342,18 @@ def measure_full_arena(db: tensordb.Database, reps: int) -> dict[str, float]:
             "rounds": rounds, "evictions_per_put": evicted / (rounds * n)}
 
 
+def _warm_round(kv: KVCache, blocks: torch.Tensor, outs: torch.Tensor, tag: int) -> float:
+    """Seconds of one put + get_into of ``blocks`` in an open namespace, on keys of their
+    own (``tag``), deleted after."""
+    keys = kv.keys(np.arange(blocks.shape[0] * blocks.shape[2]) + (tag << 30))
+    t0 = time.perf_counter()
+    kv.put(keys, blocks)
+    kv.get_into(keys, outs)
+    t = time.perf_counter() - t0
+    kv.delete(keys)
+    return t
+
+
 def _first_put_get(db: tensordb.Database, name: str, blocks: torch.Tensor, cap: int
                    ) -> float:
     """Seconds from ``db.kv()`` of a namespace to its first put + get_into returning."""
@@ -377,20 +389,12 @@ def measure_cold(tmp: str, reps: int) -> dict[str, float]:
         # freed memory for the new namespaces: a namespace filled and destroyed, untimed
         kv = db.kv("warm", block_tokens=256, capacity_bytes=cap)
         outs = pretouched_like(blocks)
-        keys = kv.keys(np.arange(n * 256) + (1 << 40))
-        kv.put(keys, blocks)
-        kv.get_into(keys, outs)
-        kv.delete(keys)
+        _warm_round(kv, blocks, outs, 1 << 10)
         _first_put_get(db, "filler", blocks, cap)
         recycled, warm = [], []
         for i in range(rounds):
             recycled.append(_first_put_get(db, f"cold-{i + 1}", blocks, cap))
-            keys = kv.keys(np.arange(n * 256) + (i << 30))
-            t0 = time.perf_counter()
-            kv.put(keys, blocks)
-            kv.get_into(keys, outs)
-            warm.append(time.perf_counter() - t0)
-            kv.delete(keys)
+            warm.append(_warm_round(kv, blocks, outs, i))
         fresh = [_cold_process(home) for _ in range(COLD_PROCESSES)]
         out["process_first_s"] = statistics.median(f for f, _ in fresh)
         out["process_warm_s"] = statistics.median(w for _, w in fresh)
@@ -437,14 +441,7 @@ def cold_process(home: str) -> int:
         first = time.perf_counter() - t0
         assert torch.equal(outs, blocks)
         kv.delete(keys)
-        warm = []
-        for i in range(3):
-            keys = kv.keys(np.arange(n * 256) + ((i + 1) << 30))
-            t0 = time.perf_counter()
-            kv.put(keys, blocks)
-            kv.get_into(keys, outs)
-            warm.append(time.perf_counter() - t0)
-            kv.delete(keys)
+        warm = [_warm_round(kv, blocks, outs, i + 1) for i in range(3)]
         kv.destroy()  # its slab back to the pool, for the next new process
     finally:
         db.close()

@@ -41,7 +41,6 @@
 #define STREAMS 0
 #endif
 
-
 /* whole 64-byte lines streamed, the rest copied; no fence: the caller fences once */
 static void stream_lines(char *d, const char *s, size_t n) {
 #if STREAMS
