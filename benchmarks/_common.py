@@ -144,6 +144,50 @@ def measure_shm_write(nbytes: int, reps: int) -> dict[str, float]:
             "shmem_thp": shmem_thp()}
 
 
+def _populate_once(nbytes: int, threads: int) -> float:
+    """Seconds to write ``nbytes`` into a fresh shared-memory file on ``threads``
+    threads (every page faulted in, zeroed by the kernel, then written once)."""
+    import mmap
+
+    fd, path = tempfile.mkstemp(prefix="tensordb-bench-populate-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        dst = np.frombuffer(mm, np.uint8)
+        step = -(-nbytes // threads)
+        parts = [slice(i, min(nbytes, i + step)) for i in range(0, nbytes, step)]
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda s: dst[s].fill(1), parts))
+            took = time.perf_counter() - t0
+        del dst
+        mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return took
+
+
+def measure_populate(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
+    """The populate bound, the one every benchmark prints: GB/s at which this host
+    makes new shared-memory pages, a fresh tmpfs file (``/dev/shm``) written once, the
+    best of ``reps`` (each a new file, removed after). ``populate_1t_gbps`` on one
+    thread, the bound a single writer meets; ``populate_all_gbps`` on every core, the
+    one printed beside it. A fresh store's first bytes pay it; its steady state (pooled
+    segments) must not."""
+    threads = max(1, os.cpu_count() or 1)
+    one = min(_populate_once(nbytes, 1) for _ in range(reps))
+    every = min(_populate_once(nbytes, threads) for _ in range(reps))
+    return {"populate_1t_gbps": nbytes / one / 1e9, "populate_all_gbps": nbytes / every / 1e9,
+            "populate_threads": threads, "populate_bytes": nbytes}
+
+
+def populate_text(p: dict[str, float]) -> str:
+    """The populate bound as printed beside a figure."""
+    return (f"populate bound {p['populate_1t_gbps']:.2f} GB/s on one thread, "
+            f"{p['populate_all_gbps']:.2f} on {p['populate_threads']:g}")
+
+
 class PgUnavailable(Exception):
     """No PostgreSQL server answers; the message says why (the benchmark skips it)."""
 
