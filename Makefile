@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean
+.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -70,6 +70,47 @@ e2e-sglang: $(SGLANG_STAMP)
 
 e2e: e2e-vllm e2e-sglang
 
+# Every benchmark at a small size (about ten minutes on 2 cores): a verdict line a goal,
+# a summary table at the end and bench-report.json (python -m benchmarks; exit 1 if a
+# goal is not met; docs/benchmarks.md). It installs every peer first: the bench extra;
+# the system libraries Mooncake's wheel links (Debian's, only where missing); a Redis
+# server where none answers; LMCache in a venv of its own (it pins numpy <= 2.2.6 and
+# CUDA wheels), from which kv.py runs its LMCache side. ARGS="--only kv" for one.
+BENCH_STAMP := $(VENV)/.bench-installed
+LMCACHE := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE)/.installed
+MOONCAKE_DEBS := libibverbs1
+LMCACHE_DEPS := py-cpuinfo psutil cachetools PyYAML numba llvmlite aiofile caio msgspec \
+	pyzmq cryptography cffi pycparser transformers tokenizers regex huggingface_hub tqdm \
+	httpx h11 sortedcontainers aiohttp requests 'prometheus_client<=0.24.1'
+.PHONY: bench bench-system
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+$(LMCACHE_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c
+	test -x $(LMCACHE)/bin/python || $(PY) -m venv $(LMCACHE)
+	$(LMCACHE)/bin/pip install -q --upgrade pip
+	$(LMCACHE)/bin/pip install -q torch==2.13.0
+	$(LMCACHE)/bin/pip install -q -e . 'numpy<=2.2.6'
+	$(LMCACHE)/bin/pip install -q --no-deps lmcache==0.5.6
+	$(LMCACHE)/bin/pip install -q $(LMCACHE_DEPS)
+	touch $(LMCACHE_STAMP)
+
+bench-system:
+	@missing=$$(for d in $(MOONCAKE_DEBS); do dpkg -s $$d >/dev/null 2>&1 || echo $$d; done); \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+		echo "apt-get install$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	@redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 || \
+		redis-server --bind 127.0.0.1 --port 6379 --save '' --appendonly no --daemonize yes
+
+bench: $(BENCH_STAMP) $(LMCACHE_STAMP) bench-system
+	$(BIN)/python -m benchmarks $(ARGS)
+
 # mutation testing of the modules that keep the promises (by hand, not in CI: every
 # mutant takes hours on 2 cores; ARGS="--sample 10" about half an hour; tools/mutate.py
 # --help for one module or a few mutants)
@@ -77,4 +118,4 @@ mutate: $(STAMP)
 	$(BIN)/python tools/mutate.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_CPU) $(SGLANG) .tensordb
+	rm -rf $(VENV) $(VLLM_CPU) $(SGLANG) $(LMCACHE) .tensordb

@@ -70,21 +70,6 @@ class LoadPlan:
 
 # -- worker processes -------------------------------------------------------------------
 
-def _transport() -> Any:
-    """The ``transport`` package: benchmarks/transport.py would shadow it, as this folder
-    is first on the path, so it is imported with the folder left out."""
-    import importlib
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    try:
-        return importlib.import_module("transport")
-    finally:
-        sys.path[:] = saved
-
-
 def _pool_engine(url: str) -> Any:
     """The catalog's own SQL engine (``make_engine``: a pool of 4 connections, 8 more
     opened and closed under a burst), as every tensordb process makes it."""
@@ -122,8 +107,7 @@ def node_proc(plan: LoadPlan, index: int, names: list[str], segment_ids: list[st
               ready: Any, start: Any, out: Any) -> None:
     """Drive ``names`` as nodes: register each, then beat on schedule until the end."""
     from tensordb.catalog import NodeDirectory
-
-    NodeRegistration = _transport().NodeRegistration
+    from transport import NodeRegistration
     engine = _pool_engine(_named(plan.url, "bench-node"))
     directory = NodeDirectory(engine)
     regs = [NodeRegistration(directory, n, f"10.0.{index}.{i % 250}:{8815 + i // 250}",

@@ -1,6 +1,6 @@
 """What every benchmark here shares: percentiles, the memcpy limit, a throwaway
-PostgreSQL database, the store clean-up, and the CPU other processes take. Scripts import it as ``_common`` (they
-run as ``python benchmarks/NAME.py``, which puts this folder on the path)."""
+PostgreSQL database, the store clean-up, and the CPU other processes take. Scripts import it as
+``from benchmarks import _common`` (they run as ``python -m benchmarks.NAME``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ the checkpoint ``weights.py`` wrote (page cache warm), in the same run:
 
 Goal: import in place >= 0.8 x the hash bound (2 threads).
 
-Run alone:  .venv/bin/python benchmarks/weights.py --in-place-only [--sizes 512M,2G]
+Run alone:  .venv/bin/python -m benchmarks.weights --in-place-only [--sizes 512M,2G]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import benchmarks
 
 GB = 1e9
 GOAL_HASH = 0.8
@@ -156,8 +158,8 @@ def peer_child(path: str) -> dict[str, Any]:
 
 
 def _run(args: list[str], timeout: float = 600) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                         check=False, timeout=timeout)
+    out = subprocess.run(benchmarks.command(__spec__.name, *args), capture_output=True,
+                         text=True, check=False, timeout=timeout, env=benchmarks.child_env())
     if out.returncode != 0:
         tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"exit {out.returncode}: {tail[0][:300]}")
@@ -222,7 +224,7 @@ def section(res: dict[str, Any], path: Path, nbytes: int, args: Any) -> bool:
 def goal_of(s: dict[str, Any]) -> Any:
     """The section's goal as a ``_verdict.Verdict``: the first import (fresh process,
     cold store) >= GOAL_HASH x the hash bound."""
-    import _verdict
+    from benchmarks import _verdict
 
     x = s["in_place"]["x_hash"]
     return _verdict.at_least(f"import in place, cold >= {GOAL_HASH} x the hash bound", x,

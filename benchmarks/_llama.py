@@ -6,8 +6,7 @@ Heads are 64 wide (vLLM's CPU attention takes head sizes of 32 and up), a quarte
 many KV heads as query heads (at least one), weights small enough (x 0.05) that
 activations stay finite through many layers.
 
-Scripts import it as ``_llama`` (benchmarks/ is on their path), packages as
-``benchmarks._llama``; torch only.
+Scripts and packages import it as ``benchmarks._llama``; torch only.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ as failed, never as met and never left out). *Bounded* is a miss where the physi
 bound measured in the same run (memcpy of the same bytes, say) is itself short of the
 goal: the line gives both figures, and the goal still counts as failed.
 
-Scripts import it as ``_verdict`` (they run as ``python benchmarks/NAME.py``, which puts
-this folder on the path); tests as ``benchmarks._verdict``. Standard library and rich
-only, so that both work.
+Scripts and tests import it as ``from benchmarks import _verdict`` (the scripts run as
+``python -m benchmarks.NAME``); so does the runner of them all (``python -m
+benchmarks``), which reads their verdicts back with :func:`from_json`. Standard library
+and rich only, so that any of the venvs here can import it.
 """
 
 from __future__ import annotations

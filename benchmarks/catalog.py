@@ -22,8 +22,8 @@ simulated nodes heartbeating and registering replicas on the real node API while
 processes commit, beside the server's durable-commit floor measured in the same run
 (see ``_cluster_load``); goals: 1,000 heartbeats/s and 200 commits/s at once.
 
-Run:  .venv/bin/python benchmarks/catalog.py [--tensors 1000] [--reps 30] [--json]
-      .venv/bin/python benchmarks/catalog.py --cluster [--nodes 1000] [--duration 20] [--json]
+Run:  .venv/bin/python -m benchmarks.catalog [--tensors 1000] [--reps 30] [--json]
+      .venv/bin/python -m benchmarks.catalog --cluster [--nodes 1000] [--duration 20] [--json]
 """
 
 from __future__ import annotations
@@ -40,14 +40,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _verdict
 import torch
-from _cluster_load import LoadPlan, run_cluster
-from _common import PgUnavailable, remove_store, summary, temp_pg_database, temp_pg_store
-from _verdict import Verdict
 from sqlalchemy import create_engine, text
 
 import tensordb
+from benchmarks import _perf, _verdict
+from benchmarks._cluster_load import LoadPlan, run_cluster
+from benchmarks._common import (
+    PgUnavailable,
+    remove_store,
+    temp_pg_database,
+    temp_pg_store,
+)
+from benchmarks._verdict import Verdict
 from tensordb.catalog import NewTensor
 
 GOALS_MS = {"sqlite": 20.0, "postgresql": 50.0}
@@ -67,9 +72,17 @@ def timed(fn: Callable[..., object], *args: Any, **kwargs: Any) -> float:
     return time.perf_counter() - t0
 
 
-def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> dict[str, object]:
+def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int,
+                  benches: list[Any] | None = None, backend: str = "") -> dict[str, object]:
+    """Each steady-state loop's values become a pyperf benchmark (``_perf``): its median,
+    p90 and spread are the figures, and ``benches`` collects them for --pyperf-json."""
     cat = db.catalog
     out: dict[str, object] = {}
+    kept = [] if benches is None else benches
+
+    def summary(op: str, values: list[float]) -> dict[str, float]:
+        kept.append(_perf.benchmark(f"{backend} {op}".strip(), values))
+        return _perf.summary(kept[-1])
 
     def meta_commit(coll: str, base: int, tag: int) -> None:
         sid = uuid.uuid4().hex
@@ -87,7 +100,7 @@ def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> d
         rows = fake_rows(n, sid, r)
         fresh.append(timed(cat.commit, f"fresh-{r}", 0, rows, unchanged=[], deletes=[],
                            segment=(sid, "host", n * 64), message="fresh"))
-    out["metadata commit (fresh)"] = summary(fresh)
+    out["metadata commit (fresh)"] = summary("metadata commit (fresh)", fresh)
 
     meta_commit("replace", 0, 0)
     replace: list[float] = []
@@ -96,29 +109,25 @@ def bench_backend(db: tensordb.Database, n: int, reps: int, full_reps: int) -> d
         rows = fake_rows(n, sid, r + 1)
         replace.append(timed(cat.commit, "replace", r + 1, rows, unchanged=[], deletes=[],
                              segment=(sid, "host", n * 64), message="replace"))
-    out["metadata commit (replace)"] = summary(replace)
+    out["metadata commit (replace)"] = summary("metadata commit (replace)", replace)
 
     info = cat.require("replace")
-    manifests: list[float] = []
-    got = 0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        got = len(cat.manifest(info.id, info.head))
-        manifests.append(time.perf_counter() - t0)
-    assert got == n, (got, n)
-    out["manifest read (mid-history)"] = summary(manifests)
-    fresh_info = cat.require("fresh-0")
-    out["manifest read (v1)"] = summary(
-        [timed(cat.manifest, fresh_info.id, 1) for _ in range(reps)])
+    assert len(cat.manifest(info.id, info.head)) == n
+    for op, version in (("manifest read (mid-history)", info.head),
+                        ("manifest read (v1)", 1)):
+        cid = info.id if version == info.head else cat.require("fresh-0").id
+        kept.append(_perf.time_calls(f"{backend} {op}".strip(),
+                                     lambda c=cid, v=version: cat.manifest(c, v), reps))
+        out[op] = _perf.summary(kept[-1])
 
     tiny = [{f"model.layers.{i}.weight": torch.full((16,), float(r * n + i))
              for i in range(n)} for r in range(full_reps + 1)]
     db.commit("full-warm", tiny[-1])
     full_fresh = [timed(db.commit, f"full-{r}", tiny[r]) for r in range(full_reps)]
-    out["full db.commit (fresh)"] = summary(full_fresh)
+    out["full db.commit (fresh)"] = summary("full db.commit (fresh)", full_fresh)
     db.commit("full-replace", tiny[-1])
     full_repl = [timed(db.commit, "full-replace", tiny[r]) for r in range(full_reps)]
-    out["full db.commit (replace)"] = summary(full_repl)
+    out["full db.commit (replace)"] = summary("full db.commit (replace)", full_repl)
     return out
 
 
@@ -130,7 +139,8 @@ def sqlite_part(args: argparse.Namespace) -> dict[str, object]:
             level = conn.exec_driver_sql("PRAGMA synchronous").scalar()
             journal = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
         names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
-        res = bench_backend(db, args.tensors, args.reps, args.full_reps)
+        res = bench_backend(db, args.tensors, args.reps, args.full_reps, args.benches,
+                            "sqlite")
         res["settings"] = {"sqlite_synchronous (config)": db.config.sqlite_synchronous,
                            "PRAGMA synchronous": names.get(level, str(level)),
                            "journal_mode": journal, "catalog": str(Path(tmp) / "catalog.db")}
@@ -146,7 +156,8 @@ def postgres_part(args: argparse.Namespace) -> dict[str, object]:
             with db.catalog.engine.connect() as conn:
                 sync = conn.execute(text("SHOW synchronous_commit")).scalar()
                 fsync = conn.execute(text("SHOW fsync")).scalar()
-            res = bench_backend(db, args.tensors, args.reps, args.full_reps)
+            res = bench_backend(db, args.tensors, args.reps, args.full_reps, args.benches,
+                                "postgresql")
             res["settings"] = {"server_version": version, "synchronous_commit": sync,
                                "fsync": fsync,
                                "database": db.catalog.engine.url.database}
@@ -175,7 +186,7 @@ def goals(results: dict[str, dict[str, Any]]) -> list[Verdict]:
 
 def cluster_goals(res: dict[str, Any]) -> list[Verdict]:
     """The cluster load's two goals (``_cluster_load``); not measured if it did not run."""
-    from _cluster_load import GOAL_COMMITS, GOAL_HEARTBEATS
+    from benchmarks._cluster_load import GOAL_COMMITS, GOAL_HEARTBEATS
 
     hb = f"heartbeats/s >= {GOAL_HEARTBEATS:g} while writers commit"
     cm = f"commits/s >= {GOAL_COMMITS:g} beside the heartbeats"
@@ -318,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="sqlite,postgresql", help="comma-separated")
     p.add_argument("--tmp-dir", default=None, help="where the temporary stores go")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--pyperf-json", default=None, metavar="PATH",
+                   help="write the steady-state loops as a pyperf suite (python -m pyperf "
+                        "compare_to A.json B.json compares two runs)")
     c = p.add_argument_group("--cluster: the catalog under many nodes and writers (PostgreSQL)")
     c.add_argument("--cluster", action="store_true", help="run the cluster-scale load instead")
     c.add_argument("--nodes", type=int, default=1000, help="simulated nodes (1000)")
@@ -350,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return _verdict.exit_code(verdicts)
 
     results: dict[str, dict[str, object]] = {}
+    args.benches = []
     load_before = os.getloadavg()[0]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "sqlite" in backends:
@@ -358,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         results["postgresql"] = postgres_part(args)
     load = (load_before, os.getloadavg()[0])
     verdicts = goals(results)
+    if args.pyperf_json:
+        _perf.dump(args.benches, args.pyperf_json)
     if args.json:
         print(json.dumps({"tensors": args.tensors, "reps": args.reps, "goals_ms": GOALS_MS,
                           "loadavg_before_after": load, "results": results,

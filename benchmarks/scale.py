@@ -33,7 +33,7 @@ the largest size <= 1.5 x the one at the smallest; the second process's open +
 not answering) prints each of its goals "not measured" with the reason; such a goal
 fails, as a missed one does, and the script exits 1 unless every goal is met.
 
-Run:  .venv/bin/python benchmarks/scale.py [--sizes 1000,10000,100000]
+Run:  .venv/bin/python -m benchmarks.scale [--sizes 1000,10000,100000]
       [--backends sqlite,postgresql] [--reps 5] [--json] [--png scale.png]
 """
 
@@ -52,13 +52,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _common
-import _verdict
 import torch
-from _verdict import Verdict
 from sqlalchemy import text
 
 import tensordb
+from benchmarks import _common, _verdict
+from benchmarks._verdict import Verdict
 
 GOAL_BULK = 3.0
 GOAL_ONE_CHANGE = 1.5

@@ -38,7 +38,7 @@ applied: the publisher's own copy into the store is a memcpy of the model in any
 Without the disk round trip (``--skip-disk``) its two goals print "not measured" and
 fail (``_verdict``); the script exits 1 unless every goal is met.
 
-Run:  .venv/bin/python benchmarks/weight_sync.py [--total-mib 1024] [--tensors 224] [--json]
+Run:  .venv/bin/python -m benchmarks.weight_sync [--total-mib 1024] [--tensors 224] [--json]
 """
 
 from __future__ import annotations
@@ -54,12 +54,11 @@ import tempfile
 import time
 from typing import Any
 
-import _common
-import _verdict
 import torch
-from _verdict import Verdict
 
 import tensordb
+from benchmarks import _common, _verdict
+from benchmarks._verdict import Verdict
 from engine_bindings import UpdateReport, WeightUpdater
 
 GB = 1e9

@@ -56,7 +56,7 @@ fresh process, and a second process's snapshot + state_dict of the in-place vers
 (zero-copy over the source file). Goal: import in place >= 0.8 x the hash bound.
 ``--in-place-only`` runs that section alone; ``--no-in-place`` skips it.
 
-Run:  .venv/bin/python benchmarks/weights.py [--sizes 512M,2G] [--reps 3] [--json]
+Run:  .venv/bin/python -m benchmarks.weights [--sizes 512M,2G] [--reps 3] [--json]
       [--png weights.png] [--in-place-only | --no-in-place]
 """
 
@@ -75,11 +75,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common
-import _inplace
-import _verdict
 import torch
-from _verdict import Verdict
+
+import benchmarks
+from benchmarks import _common, _inplace, _verdict
+from benchmarks._verdict import Verdict
 
 GB = 1e9
 MiB = 1 << 20
@@ -345,8 +345,8 @@ def measure_populate(nbytes: int, reps: int) -> float:
 
 
 def run_child(args: list[str], timeout: float = 300) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                         check=False, timeout=timeout)
+    out = subprocess.run(benchmarks.command(__spec__.name, *args), capture_output=True,
+                         text=True, check=False, timeout=timeout, env=benchmarks.child_env())
     if out.returncode != 0:
         tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"exit {out.returncode}: {tail[0][:200]}")

@@ -1,14 +1,13 @@
 """The benchmarks' shared goal verdict (benchmarks/_verdict.py): three states, a goal
 whose figure or peer did not run fails with its reason, and the scripts judge like with
 like: kv.py every peer at every size, weights.py every peer asked for (a missing peer
-is listed, not dropped), weight_sync.py against the 2-thread memcpy, query.py every
-backend."""
+is listed, not dropped), weight_sync.py against the 2-thread memcpy, query_bench.py
+every backend."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,9 +94,7 @@ def test_kv_judges_each_peer_at_each_size(monkeypatch: pytest.MonkeyPatch) -> No
     """kv.py: a verdict per peer and size ("not measured" where the peer did not run,
     saying how far the memory bound allows where it is missed), the blocks-a-second and
     memcpy goals, the scale, full-arena, cold-namespace and engine-lookup goals."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "kv", raising=False)
-    kv = importlib.import_module("kv")
+    kv = _script(monkeypatch, "kv")
     row8 = {"block_kib": 8, "memcpy_bound_gbps": 10.0,
             "tensordb": {"put_get": 4.0, "put_bps": 900_000, "get_bps": 700_000},
             "mooncake": {"put_get": 0.5}, "redis": {"put_get": 0.3}}
@@ -156,9 +153,7 @@ def test_kv_judges_each_peer_at_each_size(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_checkpoint_judges_first_and_steady_saves(monkeypatch: pytest.MonkeyPatch) -> None:
     """checkpoint.py judges each save goal on the first saves and on the best ones."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, "checkpoint", raising=False)
-    ckpt = importlib.import_module("checkpoint")
+    ckpt = _script(monkeypatch, "checkpoint")
 
     def fig(first: float, best: float) -> dict[str, float]:
         return {"first_s": first, "best_s": best, "median_s": best}
@@ -189,10 +184,8 @@ def test_checkpoint_judges_first_and_steady_saves(monkeypatch: pytest.MonkeyPatc
 
 
 def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
-    """A benchmark script imported as it runs (its folder first on the path)."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module(name)
+    """A benchmark script imported as ``python -m benchmarks.NAME`` runs it."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _weights_size(child: dict[str, object] | None = None) -> dict[str, object]:
@@ -267,12 +260,7 @@ def test_query_lists_a_backend_not_run_as_not_measured(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A PostgreSQL part that did not run, or was left out of --backends, is not a met
     goal: it is listed as not measured, and the run fails."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    # query.py takes its own folder off the path (it is named like the query package)
-    spec = importlib.util.spec_from_file_location("bench_query", BENCH / "query.py")
-    assert spec is not None and spec.loader is not None
-    query = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(query)
+    query = _script(monkeypatch, "query_bench")
     assert list(query.BACKENDS) == ["sqlite", "postgresql"]
     vs = query.goals({"sqlite": {"ratio": 1.1},
                       "postgresql": {"skipped": "not asked for (--backends)"}})

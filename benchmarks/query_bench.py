@@ -18,7 +18,7 @@ PostgreSQL runs in a throwaway database, dropped at the end; if the server does 
 answer, or a backend is left out of ``--backends``, its goal prints "not measured" with
 the reason and fails (exit 1), as a missed one does.
 
-Run:  .venv/bin/python benchmarks/query.py [--rows 100000] [--reps 50] [--json]
+Run:  .venv/bin/python -m benchmarks.query_bench [--rows 100000] [--reps 50] [--json]
 """
 
 from __future__ import annotations
@@ -33,25 +33,17 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select, text
 
-# run as a script, this file's folder comes first on sys.path, and this file is named
-# like the package it measures: take the folder off so that "query" is the package
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-import tensordb  # noqa: E402
-from query import _execute, _parser, _plan  # noqa: E402
-from tensordb.catalog import NewTensor  # noqa: E402
-from tensordb.catalog.schema import collections, tensors  # noqa: E402
-
-sys.path.append(str(_HERE))  # after the query package: now the shared helpers
-import _verdict  # noqa: E402
-from _common import PgUnavailable, summary, temp_pg_store  # noqa: E402
-from _verdict import Verdict  # noqa: E402
+import tensordb
+from benchmarks import _verdict
+from benchmarks._common import PgUnavailable, summary, temp_pg_store
+from benchmarks._verdict import Verdict
+from query import _execute, _parser, _plan
+from tensordb.catalog import NewTensor
+from tensordb.catalog.schema import collections, tensors
 
 GOAL_RATIO = 1.2
 CHUNK = 10_000

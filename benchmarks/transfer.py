@@ -44,7 +44,7 @@ All processes share this host's cores: on a machine with few of them, the cascad
 parallel rounds compete for the same CPUs, so its gain over one source understates what
 separate hosts would see (each has its own NIC and cores).
 
-Run:  .venv/bin/python benchmarks/transport.py [--gib 1] [--fanout-mib 512] [--targets 4]
+Run:  .venv/bin/python -m benchmarks.transfer [--gib 1] [--fanout-mib 512] [--targets 4]
       [--reps 3] [--json]
 """
 
@@ -64,21 +64,15 @@ import tempfile
 import time
 from typing import Any
 
-import _common
 import numpy as np
 import torch
 
+import benchmarks
 import storage_engine as se
 import tensordb
+from benchmarks import _common, _verdict
 from tensordb.catalog import NodeDirectory
-
-# this script's folder is first on the path, and this file would shadow the transport
-# package: import the package with the folder left out
-_here = sys.path.pop(0)
-try:
-    from transport import DEFAULT_STREAMS, FlightTransport
-finally:
-    sys.path.insert(0, _here)
+from transport import DEFAULT_STREAMS, FlightTransport
 
 GB = 1e9
 MiB = 1 << 20
@@ -105,8 +99,9 @@ def measure_tcp(nbytes: int, reps: int, shm: str) -> list[float]:
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MiB)  # inherited by conn
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
-        child = subprocess.Popen([sys.executable, __file__, "--tcp-sender",
-                                  str(ls.getsockname()[1]), str(nbytes), str(reps)])
+        child = subprocess.Popen(benchmarks.command(__spec__.name, "--tcp-sender",
+                                                    str(ls.getsockname()[1]), str(nbytes),
+                                                    str(reps)), env=benchmarks.child_env())
         conn, _ = ls.accept()
     times = []
     with conn:
@@ -170,8 +165,8 @@ def measure_flight(nbytes: int, reps: int, shm: str) -> list[float]:
     src = os.path.join(shm, "flight-src")
     with open(src, "wb") as fh:
         fh.write(np.random.default_rng(0).integers(0, 255, nbytes, np.uint8).tobytes())
-    child = subprocess.Popen([sys.executable, __file__, "--flight-sender", src],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(benchmarks.command(__spec__.name, "--flight-sender", src),
+                             stdout=subprocess.PIPE, text=True, env=benchmarks.child_env())
     times = []
     try:
         assert child.stdout is not None
@@ -410,6 +405,23 @@ def report(res: dict[str, Any]) -> None:
           f"({s / c:.2f} x the cascade's time)")
 
 
+GOALS = (f"node-to-node pull >= {GOAL_VS_TCP} x raw TCP",
+         f"plain Flight read_all() >= {GOAL_PLAIN_VS_TCP} x raw TCP")
+
+
+def goals(res: dict[str, Any]) -> list[_verdict.Verdict]:
+    """The two goals the report marks, as verdicts (in ``--json``; the exit status stays
+    0): the pull and a plain Flight client against raw TCP, best of the runs each."""
+    n = res["bytes"]
+    tcp = n / min(res["tcp_s"]) / GB
+    pull = n / min(res["transfer_s"]) / GB
+    plain = n / min(res["plain_flight_s"]) / GB
+    return [_verdict.at_least(GOALS[0], pull / tcp, GOAL_VS_TCP,
+                              f"{pull / tcp:.2f} x: {pull:.2f} against {tcp:.2f} GB/s"),
+            _verdict.at_least(GOALS[1], plain / tcp, GOAL_PLAIN_VS_TCP,
+                              f"{plain / tcp:.2f} x: {plain:.2f} against {tcp:.2f} GB/s")]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--flight-sender":
@@ -429,11 +441,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run(args)
     except _common.PgUnavailable as exc:
-        print(f"skipped: {exc}")
+        if args.json:
+            print(json.dumps({"skipped": str(exc), "goals": _verdict.to_json(
+                [_verdict.not_measured(g, f"no PostgreSQL catalog: {exc}") for g in GOALS])}))
+        else:
+            print(f"skipped: {exc}")
         return 0
     if args.json:
-        print(json.dumps(res, indent=2))
-    report(res)
+        print(json.dumps({**res, "goals": _verdict.to_json(goals(res))}, indent=2))
+    else:
+        report(res)
     return 0
 
 
