@@ -117,5 +117,30 @@ bench: $(BENCH_STAMP) $(LMCACHE_STAMP) bench-system
 mutate: $(STAMP)
 	$(BIN)/python tools/mutate.py $(ARGS)
 
+# The GPU tier on a CUDA host: its tests and benchmarks in one report (gpu-report/, or
+# $OUT), under 8 minutes (tools/gpu_check.py; docs/testing.md). Its venv layers over a
+# python that has CUDA torch (a GPU image's), installing the rest from .whl-gpu with no
+# index where that holds wheels (`make gpu-wheels` fills it on a host with a registry);
+# elsewhere it gets torch 2.14.1 (a CUDA build) and the driver's cuda-python by pip.
+# GPU_STANDIN=1 runs the same flow on the stand-in CUDA runtime, in .venv.
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_WHEELS := .whl-gpu
+.PHONY: gpu gpu-wheels
+
+$(GPU_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c storage_engine/_stream.h
+	$(PY) tools/gpu_check.py prepare --venv $(GPU_VENV) --wheels $(GPU_WHEELS)
+
+ifeq ($(GPU_STANDIN),1)
+gpu: $(STAMP)
+	$(BIN)/python tools/gpu_check.py run --standin $(ARGS)
+else
+gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python tools/gpu_check.py run $(ARGS)
+endif
+
+gpu-wheels:
+	$(PY) tools/gpu_check.py wheels --dest $(GPU_WHEELS)
+
 clean:
 	rm -rf $(VENV) $(VLLM_CPU) $(SGLANG) $(LMCACHE) .tensordb

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from benchmarks import _verdict
+
 MiB = 1 << 20
 GB = 1e9
 BLOCK_TOKENS = 256
@@ -99,6 +101,25 @@ def run(sizes: list[float], reps: int) -> dict[str, object]:
     return res
 
 
+def goals(res: dict[str, object]) -> list[_verdict.Verdict]:
+    """The goal's two halves at each block size: the GPU tier's reads at >= 0.8 x the
+    device-to-device copy, and faster than pinned host to device (the PCIe link, which
+    bounds any read from host memory). Not measured where the run did not happen."""
+    out: list[_verdict.Verdict] = []
+    rows = res.get("sizes") or [{"block_mib": s} for s in res.get("asked_mib", [])]
+    for r in rows:  # type: ignore[union-attr]
+        g1 = f"GPU tier get_into >= 0.8 x device memcpy, {r['block_mib']:g} MiB blocks"
+        g2 = f"GPU tier get_into faster than pinned host to device, {r['block_mib']:g} MiB"
+        if "x_d2d" not in r:
+            why = str(res.get("skipped") or "not run")
+            out += [_verdict.not_measured(g1, why), _verdict.not_measured(g2, why)]
+            continue
+        x_pin = r["gpu_tier_GBps"] / r["h2d_pinned_GBps"]
+        out.append(_verdict.at_least(g1, r["x_d2d"], 0.8, f"{r['x_d2d']:.2f} x"))
+        out.append(_verdict.at_least(g2, x_pin, 1.0, f"{x_pin:.2f} x"))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[0.5, 2, 8, 16])
@@ -109,12 +130,19 @@ def main() -> int:
 
     if not torch.cuda.is_available() or not GpuTier.available():
         why = GpuTier.unavailable_reason() or "torch sees no CUDA device"
-        print(f"kv_gpu: skipped, no GPU here ({why})")
+        if args.json:  # the goals, each not measured, saying why
+            skipped = {"skipped": f"no GPU here ({why})", "asked_mib": args.sizes_mib}
+            print(json.dumps({**skipped, "goals": _verdict.to_json(goals(skipped))},
+                             indent=2))
+        else:
+            print(f"kv_gpu: skipped, no GPU here ({why})")
         return 0
     res = run(args.sizes_mib, args.reps)
+    vs = goals(res)
+    res["goals"] = _verdict.to_json(vs)
     if args.json:
         print(json.dumps(res, indent=2))
-        return 0
+        return _verdict.exit_code(vs)
     print(f"KV blocks into GPU memory on {res['device']} (GB/s of block bytes; best of "
           f"{args.reps})")
     cols = ("block", "d2d (limit)", "h2d pinned", "host -> GPU", "GPU tier", "x d2d",
@@ -126,7 +154,10 @@ def main() -> int:
             f"{r['host_to_gpu_GBps']:.1f}", f"{r['gpu_tier_GBps']:.1f}",
             f"{r['x_d2d']:.2f}", f"{r['x_host']:.1f}", f"{r['views_ms']:.3f}")))
     print(f"tier counters: {res['stats']}")
-    return 0
+    from rich.console import Console
+
+    _verdict.print_verdicts(Console(), vs)
+    return _verdict.exit_code(vs)
 
 
 if __name__ == "__main__":
