@@ -236,7 +236,10 @@ def prepare(args: argparse.Namespace) -> int:
         or sys.executable
     info = probe_python(base) or {}
     layered = bool(info.get("torch_cuda")) or args.layered
-    offline = wheels is not None and wheels.is_dir() and any(wheels.glob("*.whl"))
+    # the wheelhouse is made for a GPU image's python (``wheels``): a fresh venv, whose
+    # torch and cuda-python come from the index, does not use it
+    offline = (layered and wheels is not None and wheels.is_dir()
+               and any(wheels.glob("*.whl")))
     index = ["--no-index", "--find-links", str(wheels)] if offline else []
     log: list[str] = []
     pip = _make_venv(base if layered else (args.python or sys.executable), venv, log)
