@@ -96,7 +96,7 @@ def test_outcomes_and_exit_status() -> None:
 def test_a_run_this_host_cannot_do_is_one_listed_line() -> None:
     o = runner.run_one(_bench(why_not=lambda: "needs a CUDA device"))
     (row,) = runner.rows([o])
-    assert row == {"bench": "demo", "goal": "demo: every goal", "state": NOT_MEASURED,
+    assert row == {"bench": "demo", "goal": "every goal", "state": NOT_MEASURED,
                    "figure": "needs a CUDA device", "host_lacks": True, "fails": False}
     assert runner.exit_code([row]) == 0
 
