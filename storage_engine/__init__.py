@@ -51,6 +51,7 @@ from ._kv_types import (
 from ._procs import boot_id, current_holder, gc_paused, holder_alive
 from ._sources import SourceFile
 from ._tier import Pooling, Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
+from ._work import WorkCounts, add_work, counting, work_counts
 
 __all__ = [
     "ALGORITHM",
@@ -95,6 +96,8 @@ __all__ = [
     "Tier",
     "TierFull",
     "WHOLE",
+    "WorkCounts",
+    "add_work",
     "arrow_buffer",
     "bloom_may_hold",
     "boot_id",
@@ -103,6 +106,7 @@ __all__ = [
     "checksum",
     "copy",
     "copy_and_checksum",
+    "counting",
     "current_holder",
     "fill_from_addresses",
     "fill_segment",
@@ -114,4 +118,5 @@ __all__ = [
     "keys_fit",
     "pack",
     "shm_root",
+    "work_counts",
 ]

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
+from ._work import add_work
+
 try:
     from ._stream import stream_copy as _stream_copy
 except ImportError:  # built without a C compiler, or a platform without the extension
@@ -81,12 +83,14 @@ def _streamable(dst: np.ndarray, src: np.ndarray) -> bool:
 
 def checksum(buf: np.ndarray | memoryview | bytes) -> str:
     """Checksum of a byte buffer (releases the GIL while hashing)."""
+    add_work("bytes_hashed", memoryview(buf).nbytes)
     return xxhash.xxh3_64_hexdigest(buf)
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy the uint8 array ``src`` into ``dst`` (same length, both contiguous), streamed
     around the cache where the extension is built (releases the GIL)."""
+    add_work("bytes_copied", src.nbytes)
     if _stream_copy is None or not _streamable(dst, src):
         np.copyto(dst, src)
     else:
@@ -96,6 +100,8 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
 def copy_and_checksum(dst: np.ndarray, src: np.ndarray) -> str:
     """Copy the uint8 array ``src`` into ``dst`` (same length) and return its checksum."""
     n = src.shape[0]
+    add_work("bytes_copied", src.nbytes)
+    add_work("bytes_hashed", src.nbytes)
     if _copy_hash is not None and _streamable(dst, src):
         return f"{_copy_hash(dst, src):016x}"
     if _stream_copy is not None and _streamable(dst, src):

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._checksum import checksum, copy_and_checksum, copy_hash_many
 from ._tier import SegmentWriter
+from ._work import add_work
 
 __all__ = ["ALIGN", "pack", "fill_segment", "fill_from_addresses", "BATCH_FILL", "Source",
            "io_pool"]
@@ -105,7 +106,10 @@ def fill_from_addresses(writer: SegmentWriter, addresses: Sequence[int],
     size = np.asarray(sizes, dtype=np.uint64)
     digests = np.empty(n, dtype=np.uint64)
     buf = writer.buffer
-    if int(size.sum()) < (8 << 20) or n == 1:
+    total = int(size.sum())
+    add_work("bytes_copied", total)
+    add_work("bytes_hashed", total)
+    if total < (8 << 20) or n == 1:
         copy_hash_many(buf, addr, size, offs, digests)
     else:
         def job(idx: np.ndarray) -> Callable[[], None]:

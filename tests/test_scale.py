@@ -4,6 +4,7 @@ batched copy of a commit's tensors."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from sqlalchemy import event
 
 import storage_engine as se
 import tensordb
-from tensordb.catalog import PACK_MIN_ROWS, _versions
+from tensordb.catalog import CHUNK_ROWS, PACK_MIN_ROWS, _versions
 from tensordb.client._inputs import _problem, check_name
 from tensordb.errors import InvalidInput, NotFound
 
@@ -138,7 +139,7 @@ def test_a_large_version_opens_from_its_packed_manifest(db: tensordb.Database) -
     db.commit("p", {"experts.00003.w": torch.full((4,), -3.0)})  # derived from v1's file
     drain(db)
     assert db.catalog.manifests is not None
-    assert len(list(db.catalog.manifests.root.glob("*.arrow"))) == 2
+    assert len(list(db.catalog.manifests.root.glob("*.manifest"))) == 2
     with statements(db) as seen:
         snap = db.snapshot("p")
     assert not [s for s, _ in seen if "FROM tensors" in s]  # rows from the file
@@ -154,11 +155,15 @@ def test_a_large_version_opens_from_its_packed_manifest(db: tensordb.Database) -
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
-def test_a_damaged_packed_manifest_is_never_believed(db: tensordb.Database, damage: str) -> None:
+@pytest.mark.parametrize("part", ["list", "chunk"])
+def test_a_damaged_packed_manifest_is_never_believed(db: tensordb.Database, damage: str,
+                                                     part: str) -> None:
     db.commit("d", model(BIG))
     drain(db)
     assert db.catalog.manifests is not None
-    (path,) = db.catalog.manifests.root.glob("*.arrow")
+    root = db.catalog.manifests.root
+    files = sorted(root.glob("*.manifest" if part == "list" else "*.chunk"))
+    path = files[-1]
     size = path.stat().st_size
     if damage == "flip":
         flip_byte(path, size // 2)
@@ -177,15 +182,43 @@ def test_a_damaged_packed_manifest_is_never_believed(db: tensordb.Database, dama
     assert not [s for s, _ in seen if "FROM tensors" in s]
 
 
+def test_a_one_change_commit_writes_one_chunk_and_shares_the_rest(
+        db: tensordb.Database) -> None:
+    n = 3 * CHUNK_ROWS
+    db.commit("s", model(n))
+    drain(db)
+    assert db.catalog.manifests is not None
+    root = db.catalog.manifests.root
+    before = set(root.glob("*.chunk"))
+    assert len(before) == 3
+    db.commit("s", {"experts.00005.w": torch.full((4,), -5.0)})  # in the first chunk
+    db.commit("s", {"zzz.new": torch.zeros(2)}, )  # after the last name: the last chunk
+    drain(db)
+    made = set(root.glob("*.chunk")) - before
+    assert len(made) == 2 and len(list(root.glob("*.manifest"))) == 3
+    with db.snapshot("s") as snap:
+        assert snap.keys()[-1] == "zzz.new" and len(snap) == n + 1
+        assert torch.equal(snap["experts.00005.w"], torch.full((4,), -5.0))
+        assert torch.equal(snap["experts.05000.w"], torch.full((4,), 5000.0))
+    with db.snapshot("s", version=1) as old:
+        assert torch.equal(old["experts.00005.w"], torch.full((4,), 5.0))
+        assert "zzz.new" not in old
+
+
 def test_gc_deletes_the_manifests_of_dropped_versions(db: tensordb.Database) -> None:
     db.commit("g", model(BIG))
     db.commit("g", model(BIG, 1.0))
     drain(db)
     assert db.catalog.manifests is not None
-    assert len(list(db.catalog.manifests.root.glob("*.arrow"))) == 2
+    assert len(list(db.catalog.manifests.root.glob("*.manifest"))) == 2
+    chunks = list(db.catalog.manifests.root.glob("*.chunk"))
+    for p in chunks:  # older than a writer's window between its chunks and its list
+        os.utime(p, (p.stat().st_atime - 60, p.stat().st_mtime - 60))
     db.drop_versions("g", keep_last=1)
     db.gc()
-    (left,) = db.catalog.manifests.root.glob("*.arrow")
+    (left,) = db.catalog.manifests.root.glob("*.manifest")
+    # every chunk changed (every tensor did): the old version's chunks went with it
+    assert len(list(db.catalog.manifests.root.glob("*.chunk"))) == len(chunks) // 2
     with db.snapshot("g") as snap:
         assert torch.equal(snap["experts.00002.w"], torch.full((4,), 3.0))
     assert left.exists()

@@ -26,7 +26,7 @@ from ._groups import (
     check_tiling,
     combined_checksum,
 )
-from ._manifests import PACK_MIN_ROWS, Manifest
+from ._manifests import CHUNK_ROWS, PACK_MIN_ROWS, Manifest
 from ._nodes import Beat, NodeDirectory, NodeInfo, SegmentInfo
 from ._sql import (
     current_revision,
@@ -40,6 +40,7 @@ from .schema import HEAD_REVISION, metadata
 
 __all__ = [
     "HEAD_REVISION",
+    "CHUNK_ROWS",
     "PACK_MIN_ROWS",
     "Beat",
     "Manifest",

@@ -198,6 +198,7 @@ def tensor_rows(raw: Sequence[Sequence[Any]], tiers: Mapping[str, str]) -> list[
     version) as TensorRows, with their segment's tier, ordered by name."""
     rows = [TensorRow(r[0], r[1], parse_shape(r[2]), r[3], r[4], r[5], r[6],
                       tiers.get(r[5]), r[7]) for r in raw]
+    se.add_work("rows_built", len(rows))
     rows.sort()
     return rows
 

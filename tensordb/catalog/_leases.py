@@ -184,9 +184,9 @@ class Leases:
         manifests = self.versions.manifests
         if rows is None:
             assert manifests is not None and txn is not None
-            table = manifests.load(txn)
-            if table is not None:
-                manifest = Manifest(table=table)
+            packed = manifests.load(txn)
+            if packed is not None:
+                manifest = Manifest(packed=packed)
                 manifest.set_tiers(self.versions.segment_tiers(manifest.segment_ids()))
                 return manifest
             rows = self.versions.manifest(cid, version)

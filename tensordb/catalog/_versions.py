@@ -29,6 +29,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
+import storage_engine as se
+
 from ..errors import CommitConflict, InvalidInput, NotFound
 from ._common import (
     CollectionInfo,
@@ -613,8 +615,10 @@ class Versions:
             q = q.where(c.version == version)
         with self.engine.connect() as conn:
             rows = conn.execute(q)
-            return [Commit(name, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
-                           json.loads(r[8]) if r[8] else None) for r in rows]
+            out = [Commit(name, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
+                          json.loads(r[8]) if r[8] else None) for r in rows]
+        se.add_work("commits_built", len(out))
+        return out
 
     def commit_info(self, name: str, version: int) -> Commit:
         found = self.history(name, version=version)

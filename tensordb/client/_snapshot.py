@@ -150,7 +150,7 @@ class Snapshot:
         """The shards of every sharded row of the version (one catalog query, the first
         time a sharded row is read)."""
         if self._shard_rows is None:
-            sharded = [r for r in self._rows.values() if _is_sharded(r)]
+            sharded = self._rows.sharded_rows()
             self._shard_rows = self._catalog.shards(self._cid, sharded) if sharded else {}
         return self._shard_rows
 
@@ -286,7 +286,7 @@ class Snapshot:
         self._check()
         for r in self._rows.first_of_segments():
             self._view(r)
-        if self._rows.nbytes and any(_is_sharded(r) for r in self._rows.values()):
+        if self._rows.has_sharded():
             # the shards' segments too, and where the shards are: the mapping must not
             # need the catalog (nor the lease) after the snapshot is closed
             for name, parts in self._all_shards().items():
