@@ -158,7 +158,7 @@ def _populate_once(nbytes: int, threads: int) -> float:
         parts = [slice(i, min(nbytes, i + step)) for i in range(0, nbytes, step)]
         with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
-            list(pool.map(lambda s: dst[s].fill(1), parts))
+            list(pool.map(np.ndarray.fill, [dst[s] for s in parts], [1] * len(parts)))
             took = time.perf_counter() - t0
         del dst
         mm.close()

@@ -341,3 +341,141 @@ def test_a_commit_faults_at_most_once_a_page_and_not_at_all_once_warm(
             assert c["bytes_copied"] == nbytes
         finally:
             remove_store(db)
+
+
+# -- replication ------------------------------------------------------------------------
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[tensordb.Database, tensordb.Database, Any]]:
+    """Node "w" (the writer) and node "r" (a replica) on one SQLite catalog, "r"
+    reading "w" through the in-process transport, which records each read."""
+    from test_transport_pull import FaultyTransport
+
+    from tensordb.catalog import NodeDirectory
+
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    w = open_store(tmp_path / "w", url, node="w")
+    r = open_store(tmp_path / "r", url, node="r")
+    fake = FaultyTransport({"w": w}, chunk=1 << 20)
+    r._flight = fake
+    NodeDirectory(w.catalog.engine).register("w", "in-process", ["host", "disk"], None)
+    try:
+        yield w, r, fake
+    finally:
+        remove_store(r)
+        remove_store(w)
+
+
+def test_a_replication_pull_costs_what_changed(pair: tuple[Any, Any, Any]) -> None:
+    """Replicating a version one tensor past the last one replicated: the new segment's
+    bytes cross, and the catalog work is the same at 200 or 20,000 tensors."""
+    w, r, fake = pair
+    sizes = (200, 20_000)
+    for n in sizes:
+        w.commit(f"c{n}", model(n))
+        r.replicate(f"c{n}", to=["r"])
+        w.commit(f"c{n}", {"experts.000001.w": torch.full((4,), -1.0)})
+    costs = []
+    for n in sizes:
+        drain(w)
+        drain(r)
+        fake.reads.clear()
+        with cost_of(r) as c:
+            r.replicate(f"c{n}", to=["r"])
+        c.work["bytes_pulled"] = sum(length for _, _, length in fake.reads)
+        costs.append(c)
+    small, big = costs
+    # the new segment: its one 16-byte tensor, padded to the extent alignment
+    assert small["bytes_pulled"] == big["bytes_pulled"] == se.ALIGN
+    assert_flat(small, big)
+    with r.snapshot(f"c{sizes[1]}") as snap:
+        assert torch.equal(snap["experts.000001.w"], torch.full((4,), -1.0))
+
+
+# -- KV lookups -------------------------------------------------------------------------
+def _syscalls() -> tuple[int, int]:
+    """(read-like, write-like) system calls this process made so far (/proc)."""
+    with open("/proc/self/io") as f:
+        got = dict(line.split(": ") for line in f.read().splitlines())
+    return int(got["syscr"]), int(got["syscw"])
+
+
+def test_kv_lookups_cost_the_same_in_any_namespace(sqlite_db: tensordb.Database) -> None:
+    """``match`` / ``contains`` (what the vLLM connector's get_num_new_matched_tokens and
+    SGLang's batch_exists call, once per lookup) and a ``get`` of the blocks found, in a
+    namespace of 100 and of 10,000 blocks: no SQL statement, no read or write system
+    call, nothing built, copied or hashed but the blocks got."""
+    costs = []
+    for n in (100, 10_000):
+        kv = tensordb.KVCache(sqlite_db, f"kv{n}", block_tokens=4,
+                              capacity_bytes=n * 2 * 1024 + (8 << 20), slab_bytes=4 << 20)
+        try:
+            keys = kv.keys(list(range(4 * n)))
+            for lo in range(0, n, 1000):
+                kv.put(keys[lo:lo + 1000],
+                       [torch.full((256,), float(i)) for i in range(lo, min(n, lo + 1000))])
+            probe = keys[n // 2:n // 2 + 16]
+            kv.match(probe)  # this process's first look at the namespace maps it
+            s0 = _syscalls()
+            with cost_of(sqlite_db) as c:
+                assert kv.match(probe) == 16
+                assert kv.contains(probe) == [True] * 16
+                got = kv.get(probe)
+            s1 = _syscalls()
+            assert torch.equal(got[3], torch.full((256,), float(n // 2 + 3)))
+            e0 = _syscalls()
+            e1 = _syscalls()  # what reading the counters itself costs
+            c.work["syscalls"] = sum(s1) - sum(s0) - (sum(e1) - sum(e0))
+            costs.append(c)
+        finally:
+            kv.destroy()
+    small, big = costs
+    for c in (small, big):
+        assert c.statements == []
+        assert c["syscalls"] == 0
+        assert c["rows_built"] == c["bytes_copied"] == 0
+    assert big["bytes_hashed"] == small["bytes_hashed"]  # the 16 blocks' checksums
+    assert big.faults <= small.faults + 16
+
+
+_FILL_CODE = """
+import sys, torch, tensordb
+db = tensordb.connect(home=sys.argv[1], data_dir=sys.argv[1] + "/data")
+kv = tensordb.KVCache(db, "fill", block_tokens=4, capacity_bytes=512 << 20,
+                      slab_bytes=64 << 20)
+blocks = [torch.full((1 << 18,), float(i)) for i in range(64)]  # 64 x 1 MiB a batch
+for b in range(int(sys.argv[2])):
+    keys = kv.keys(list(range(b * 256, (b + 1) * 256)))
+    kv.put(keys, blocks)
+print("done", flush=True)
+kv.destroy(); db.close()
+"""
+
+
+def test_filling_a_kv_arena_maps_each_new_slab_once(tmp_path: Path) -> None:
+    """Puts of new 1 MiB blocks, 64 a batch, into a fresh 512 MiB namespace with 64 MiB
+    slabs: the mmap calls the KV puts make (strace) are at most the slabs they create
+    (8 for 7 batches more), beside what a process's start and its first put map
+    (measured with one batch: about 3,000, nearly all the interpreter's imports)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+
+    def mmaps(batches: int) -> int:
+        home = tmp_path / f"b{batches}"
+        out = subprocess.run(["strace", "-f", "-c", "-e", "trace=mmap", "-o",
+                              str(home) + ".strace", sys.executable, "-c", _FILL_CODE,
+                              str(home), str(batches)], capture_output=True, text=True,
+                             timeout=600, check=True)
+        assert "done" in out.stdout
+        for line in Path(str(home) + ".strace").read_text().splitlines():
+            parts = line.split()
+            if parts and parts[-1] == "mmap":
+                return int(parts[3])
+        return 0
+
+    base = mmaps(1)
+    full = mmaps(8)  # 512 MiB: every slab of the arena made
+    assert 0 < full - base <= 8

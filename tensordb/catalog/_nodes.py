@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, Engine, delete, func, or_, select, update
+from sqlalchemy import Connection, Engine, delete, exists, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -324,16 +324,20 @@ class NodeDirectory:
             return [(r[0], r[1], r[2]) for r in conn.execute(q)]
 
     def version_segments(self, collection_id: int, version: int) -> list[tuple[str, int]]:
-        """(segment id, nbytes) of every segment a version's tensors live in, on any node."""
-        t = tensors.c
+        """(segment id, nbytes) of every segment a version's tensors live in, on any node.
+
+        Asked segment by segment (does a live row of the version lie in it? one probe
+        of the rows' segment index each), not row by row: a replication of a version
+        one tensor past the last costs the catalog's segments, not the version's
+        tensors (a join over its rows read all 200,000 of them: tests/test_costs.py)."""
+        t, sh = tensors.c, tensor_shards.c
         live = (t.collection_id == collection_id, t.first_version <= version,
                 or_(t.end_version.is_(None), t.end_version > version))
-        q = (select(segments.c.id, segments.c.nbytes)
-             .select_from(tensors.join(segments, segments.c.id == t.segment_id)).where(*live)
-             .union(select(segments.c.id, segments.c.nbytes)
-                    .select_from(shards_of_rows().join(
-                        segments, segments.c.id == tensor_shards.c.segment_id)).where(*live))
-             .order_by("id"))
+        in_rows = exists().where(t.segment_id == segments.c.id, *live)
+        in_shards = exists(select(1).select_from(shards_of_rows())
+                           .where(sh.segment_id == segments.c.id, *live))
+        q = (select(segments.c.id, segments.c.nbytes).where(or_(in_rows, in_shards))
+             .order_by(segments.c.id))
         with self.engine.connect() as conn:
             return [(r[0], r[1]) for r in conn.execute(q)]
 
