@@ -82,8 +82,12 @@ class HostView(mmap.mmap):
 
 
 class _FileWriter(SegmentWriter):
+    """A segment being written. ``mm`` None: a fresh file nothing maps yet, written
+    through ``write_fd`` (``_direct``) until someone asks for ``buffer``, which then
+    allocates the rest of its pages and maps it as a fresh file was before."""
+
     def __init__(self, tier: FileTier, segment_id: str, path: Path, fd: int,
-                 map_fd: int, mm: mmap.mmap, nbytes: int) -> None:
+                 map_fd: int | None, mm: mmap.mmap | None, nbytes: int) -> None:
         self._tier = tier
         self.segment_id = segment_id
         self.nbytes = nbytes
@@ -91,25 +95,47 @@ class _FileWriter(SegmentWriter):
         self._fd: int | None = fd
         self._map_fd = map_fd
         self._mm: mmap.mmap | None = mm
-        self._buffer = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        self._done = False
+        self._room_made = False
+        self._buffer = np.frombuffer(mm, dtype=np.uint8, count=nbytes) if mm is not None \
+            else None
 
     @property
     def buffer(self) -> np.ndarray:
+        if self._buffer is None:  # a fresh file written through its descriptor so far
+            assert self._fd is not None
+            self._tier._allocate(self._fd, 0, self.nbytes)  # no SIGBUS on a full tmpfs
+            self._map_fd, self._mm = map_shared(self._path, self.nbytes, "fresh")
+            self._buffer = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
         return self._buffer
 
+    @property
+    def write_fd(self) -> int | None:
+        return self._fd if self._mm is None and not self._done else None
+
+    def out_of_space(self, exc: OSError) -> bool:
+        if not self._room_made:
+            self._room_made = True
+            if self._tier.trim_pool(0):
+                return True
+        raise TierFull(self._tier.name, self.nbytes, self._tier.used_bytes(),
+                       self._tier.capacity or self._tier.used_bytes()) from exc
+
     def _unmap(self) -> None:
+        self._done = True
+        self._buffer = np.empty(0, np.uint8)
         if self._mm is not None:
-            self._buffer = np.empty(0, np.uint8)
             mm, self._mm = self._mm, None
+            assert self._map_fd is not None
             # only once the catalog commit is done (release), never beside it: the
             # mapping is kept for the file's next turn from the pool, or unmapped in
             # the background
             self._tier._retire_mapping(self._map_fd, mm)
 
     def finish(self) -> None:
-        if self._mm is None or self._fd is None:
+        if self._done or self._fd is None:
             return
-        if self._tier.persistent:
+        if self._tier.persistent and self._mm is not None:
             self._mm.flush()
         if os.fstat(self._fd).st_size != self.nbytes:
             os.ftruncate(self._fd, self.nbytes)  # a spare larger than the segment
@@ -192,21 +218,43 @@ class FileTier(Tier):
                 raise TierFull(self.name, nbytes, self.used_bytes(),
                                self.capacity or self.used_bytes()) from exc
 
-    def _new_file(self, path: Path, nbytes: int, *, populate: bool = True
-                  ) -> tuple[int, int, mmap.mmap]:
-        """A new locked file of ``nbytes``, mapped shared: (locked fd, mapping's fd,
-        mapping). ``populate`` pre-faults the mapping (on every I/O worker at once when
-        large); without it the pages are allocated by fallocate and faulted in by the
-        caller."""
+    def _room_for(self, nbytes: int) -> None:
+        """TierFull now, not at the first write, when the medium has less room than
+        ``nbytes`` even after the pool gives its files back (a write that finds it full
+        later, racing another writer, is TierFull too: ``_FileWriter.out_of_space``)."""
+        st = os.statvfs(self.root)
+        if st.f_bavail * st.f_frsize >= nbytes:
+            return
+        self.trim_pool(0)
+        st = os.statvfs(self.root)
+        if st.f_bavail * st.f_frsize < nbytes:
+            used = self.used_bytes()
+            raise TierFull(self.name, nbytes, used, self.capacity or used)
+
+    def _new_file(self, path: Path, nbytes: int, *, how: str = "direct"
+                  ) -> tuple[int, int | None, mmap.mmap | None]:
+        """A new locked file of ``nbytes``: (locked fd, mapping's fd, mapping). ``how``:
+        ``"direct"``, not mapped (a writer fills it through its descriptor, and the
+        kernel makes each page as it is written: host pages are not allocated here, a
+        disk file's blocks are); ``"fresh"``, mapped shared and pre-faulted (on every
+        I/O worker at once when large); ``"lazy"``, mapped, its pages allocated by
+        fallocate and faulted in by the caller."""
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             if not _lock_nb(fd):  # nobody else can know this fresh name
                 raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {path}")
+            if how == "direct":
+                if self.persistent:
+                    self._allocate(fd, 0, nbytes)
+                else:
+                    self._room_for(nbytes)
+                    os.ftruncate(fd, nbytes)  # tmpfs: writes make the pages
+                return fd, None, None
             self._allocate(fd, 0, nbytes)
             # map through a second open file description: mmap keeps a dup of the fd it
             # is given, and a dup of the locked description would keep the lock for as
             # long as the mapping lives (its unmapping runs in the background)
-            map_fd, mm = map_shared(path, nbytes, "fresh" if populate else "lazy")
+            map_fd, mm = map_shared(path, nbytes, how)
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -656,7 +704,8 @@ class HostTier(FileTier):
         path = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
         # runs beside the caller's threads: fallocate and numpy's page walk release the
         # GIL, MAP_POPULATE would not
-        fd, map_fd, mm = self._new_file(path, nbytes, populate=False)
+        fd, map_fd, mm = self._new_file(path, nbytes, how="lazy")
+        assert map_fd is not None and mm is not None
         pages = np.frombuffer(mm, dtype=np.uint8)
         for lo in range(0, nbytes, _FAULT_PIECE):
             if self._closing.is_set():  # closed meanwhile: the spare would only be dropped

@@ -9,12 +9,13 @@ from typing import TypeAlias
 
 import numpy as np
 
-from ._checksum import checksum, copy_and_checksum, copy_hash_many
+from ._checksum import Hasher, checksum, copy_and_checksum, copy_hash_many
+from ._direct import DIRECT, read_file_direct, write_direct
 from ._tier import SegmentWriter
 from ._work import add_work
 
-__all__ = ["ALIGN", "pack", "fill_segment", "fill_from_addresses", "BATCH_FILL", "Source",
-           "io_pool"]
+__all__ = ["ALIGN", "pack", "fill_segment", "fill_from_addresses", "fill_from_file",
+           "BATCH_FILL", "Source", "io_pool"]
 
 #: extent alignment inside a segment: enough for every dtype and for cache lines
 ALIGN = 64
@@ -105,11 +106,16 @@ def fill_from_addresses(writer: SegmentWriter, addresses: Sequence[int],
     offs = np.asarray(offsets, dtype=np.uint64)
     size = np.asarray(sizes, dtype=np.uint64)
     digests = np.empty(n, dtype=np.uint64)
-    buf = writer.buffer
+    # a fresh file is written through its descriptor (``_direct``), not mapped
+    fd = writer.write_fd if DIRECT else None
+    buf = writer.buffer if fd is None else None
     total = int(size.sum())
     add_work("bytes_copied", total)
     add_work("bytes_hashed", total)
-    if total < (8 << 20) or n == 1:
+    if fd is not None:
+        write_direct(writer, fd, addr, offs, size, digests,
+                     lambda: _bins(sizes, total), _run_jobs)
+    elif total < (8 << 20) or n == 1:
         copy_hash_many(buf, addr, size, offs, digests)
     else:
         def job(idx: np.ndarray) -> Callable[[], None]:
@@ -122,6 +128,71 @@ def fill_from_addresses(writer: SegmentWriter, addresses: Sequence[int],
         _run_all([job(np.asarray(b, dtype=np.intp))
                   for b in _lpt_bins(list(sizes), io_pool()._max_workers)])
     return [f"{d:016x}" for d in digests.tolist()]
+
+
+def _bins(sizes: Sequence[int], total: int) -> list[list[int]]:
+    """The extents split over the I/O threads, or one bin under 8 MiB."""
+    if total < (8 << 20) or len(sizes) == 1:
+        return [list(range(len(sizes)))]
+    return _lpt_bins(list(sizes), io_pool()._max_workers)
+
+
+def _run_jobs(jobs: list[Callable[[], None]]) -> None:
+    """One job inline, more on the I/O pool (``_run_all``)."""
+    if len(jobs) == 1:
+        jobs[0]()
+    else:
+        _run_all(jobs)
+
+
+#: bytes a ``fill_from_file`` read into a mapped segment hashes while they are in cache
+_READ_PIECE = 1 << 20
+
+
+def fill_from_file(writer: SegmentWriter, src_fd: int, src_offsets: Sequence[int],
+                   offsets: Sequence[int], sizes: Sequence[int]) -> list[str]:
+    """Copy ``sizes[i]`` bytes of the file open as ``src_fd``, from ``src_offsets[i]``, to
+    ``offsets[i]`` of the segment, hashing as it copies, on the I/O threads (the kernel
+    copies; the GIL is released), and return the checksums in order. A source the file
+    ends inside (it shrank since its size was read) gets ``""``: the caller refuses the
+    fill. A fresh file is written through its descriptor (``_direct``): each piece read
+    into a small buffer, hashed, written; else each piece is read into the mapping
+    (``preadv``) and hashed there."""
+    n = len(sizes)
+    src = np.asarray(src_offsets, dtype=np.uint64)
+    offs = np.asarray(offsets, dtype=np.uint64)
+    size = np.asarray(sizes, dtype=np.uint64)
+    digests = np.zeros(n, dtype=np.uint64)
+    total = int(size.sum())
+    fd = writer.write_fd if DIRECT and copy_hash_many is not None else None
+    if fd is not None:
+        short = set(read_file_direct(writer, fd, src_fd, src, offs, size, digests,
+                                     lambda: _bins(sizes, total), _run_jobs))
+        return ["" if i in short else f"{d:016x}" for i, d in enumerate(digests.tolist())]
+    buf = writer.buffer
+    out: list[str] = [""] * n
+
+    def read(i: int) -> None:
+        o, m, at = int(offs[i]), int(size[i]), int(src[i])
+        view = memoryview(buf[o : o + m])
+        h = Hasher()
+        done = 0
+        while done < m:
+            got = os.preadv(src_fd, [view[done : min(m, done + _READ_PIECE)]], at + done)
+            if got <= 0:
+                return  # the file ended inside this source: no checksum
+            h.update(view[done : done + got])
+            done += got
+        out[i] = h.hexdigest()
+
+    def job(idx: list[int]) -> Callable[[], None]:
+        def run() -> None:
+            for i in idx:
+                read(i)
+        return run
+
+    _run_jobs([job(b) for b in _bins(sizes, total)])
+    return out
 
 
 def fill_segment(writer: SegmentWriter, sources: Sequence[Source], offsets: Sequence[int],

@@ -25,12 +25,31 @@
  * sizes, offsets and digests are uint64 buffers of one length. The caller keeps every
  * source alive and unchanged during the call; each destination range is checked
  * against dst's length before anything is copied. The GIL is released.
+ *
+ * pwrite_hash_many(fd, limit, addrs, sizes, offsets, digests): copy_hash_many into the
+ * file open as fd instead of a mapping of it, with pwrite: for a fresh shared-memory
+ * file the kernel then allocates each page as it is written, where a mapping would
+ * first fault it in and zero it (and a page fault per page costs more than the
+ * write). Each piece of a source is hashed, then written while it is in cache; small
+ * sources are gathered into a piece-sized staging buffer first, so that a commit of
+ * many small tensors costs a system call per piece, not per tensor. Sources are
+ * written in the order given (ascending offsets gather best); every destination range
+ * is checked against limit first. OSError with the errno of a failed write.
+ *
+ * pread_pwrite_hash(src_fd, dst_fd, limit, src_offsets, sizes, offsets, digests): the
+ * same for sources that are byte ranges of the file open as src_fd (an import): each
+ * piece is read into a staging buffer with pread, hashed there and written with pwrite,
+ * both kernel copies from cache. Returns -1, or the index of the first source the file
+ * ended inside (it shrank): nothing after it is written.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "_stream.h"
 
@@ -269,6 +288,258 @@ done:
     return result;
 }
 
+/* bytes a piece of pwrite_hash_many / pread_pwrite_hash: hashed, then written while it
+ * is in L2; a source below a quarter of it is gathered with others */
+#define WRITE_PIECE (256 * 1024)
+
+/* pwrite all n bytes at off: 0, or an errno */
+static int pwrite_all(int fd, const char *s, size_t n, uint64_t off) {
+    while (n) {
+        ssize_t w = pwrite(fd, s, n, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (w == 0)
+            return ENOSPC;
+        s += w; n -= (size_t)w; off += (uint64_t)w;
+    }
+    return 0;
+}
+
+/* a window of the destination file gathered in memory before one pwrite */
+typedef struct {
+    char *buf;
+    uint64_t start; /* file offset of buf[0] */
+    size_t len;     /* bytes of buf in use */
+} window_t;
+
+static int window_flush(int fd, window_t *w) {
+    int err = w->len ? pwrite_all(fd, w->buf, w->len, w->start) : 0;
+    w->len = 0;
+    return err;
+}
+
+/* room in the window for n bytes at off (flushing it first if they do not fit): the
+ * address to write them to; the gap before them is zeroed */
+static char *window_place(int fd, window_t *w, uint64_t off, size_t n, int *err) {
+    if (w->len && (off < w->start + w->len || off + n > w->start + WRITE_PIECE)) {
+        if ((*err = window_flush(fd, w)) != 0)
+            return NULL;
+    }
+    if (!w->len)
+        w->start = off;
+    size_t at = (size_t)(off - w->start);
+    memset(w->buf + w->len, 0, at - w->len);
+    w->len = at + n;
+    return w->buf + at;
+}
+
+static int check_ranges(const uint64_t *z, const uint64_t *o, Py_ssize_t count,
+                        uint64_t limit, const char *what) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (o[i] > limit || z[i] > limit - o[i]) {
+            PyErr_Format(PyExc_ValueError, "%s: source %zd (%llu bytes at %llu) does not "
+                         "fit the destination of %llu bytes", what, i,
+                         (unsigned long long)z[i], (unsigned long long)o[i],
+                         (unsigned long long)limit);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *py_pwrite_hash_many(PyObject *self, PyObject *args) {
+    Py_buffer addrs, sizes, offsets, digests;
+    int fd;
+    unsigned long long limit;
+    (void)self;
+    if (xxh_update == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "pwrite_hash_many: call bind_xxhash first");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "iKy*y*y*w*:pwrite_hash_many", &fd, &limit, &addrs, &sizes,
+                          &offsets, &digests))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = addrs.len / 8;
+    if (addrs.len % 8 || sizes.len != addrs.len || offsets.len != addrs.len
+            || digests.len != addrs.len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "pwrite_hash_many: addrs, sizes, offsets and digests must be uint64 "
+                        "buffers of one length");
+        goto done;
+    }
+    const uint64_t *a = (const uint64_t *)addrs.buf;
+    const uint64_t *z = (const uint64_t *)sizes.buf;
+    const uint64_t *o = (const uint64_t *)offsets.buf;
+    uint64_t *out = (uint64_t *)digests.buf;
+    if (!check_ranges(z, o, count, (uint64_t)limit, "pwrite_hash_many"))
+        goto done;
+    void *state = xxh_create();
+    window_t w = {malloc(WRITE_PIECE), 0, 0};
+    if (state == NULL || w.buf == NULL) {
+        if (state != NULL)
+            xxh_free(state);
+        free(w.buf);
+        PyErr_NoMemory();
+        goto done;
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count && !err; i++) {
+        const char *s = (const char *)(uintptr_t)a[i];
+        size_t n = (size_t)z[i];
+        if (n < WRITE_PIECE / 4) { /* gathered: copied and hashed into the window */
+            char *d = window_place(fd, &w, o[i], n, &err);
+            if (d != NULL)
+                out[i] = copy_hash_one(state, d, s, n, (size_t)-1);
+            continue;
+        }
+        if ((err = window_flush(fd, &w)) != 0)
+            break;
+        xxh_reset(state);
+        for (size_t lo = 0; lo < n && !err; lo += WRITE_PIECE) {
+            size_t m = n - lo < WRITE_PIECE ? n - lo : WRITE_PIECE;
+            xxh_update(state, s + lo, m); /* brings the piece into cache for the write */
+            err = pwrite_all(fd, s + lo, m, o[i] + lo);
+        }
+        out[i] = xxh_digest(state);
+    }
+    if (!err)
+        err = window_flush(fd, &w);
+    Py_END_ALLOW_THREADS
+    xxh_free(state);
+    free(w.buf);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&digests);
+    return result;
+}
+
+/* pread n bytes at off into d: the bytes read (fewer at the end of the file), or
+ * -errno */
+static ssize_t pread_full(int fd, char *d, size_t n, uint64_t off) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(fd, d + got, n - got, (off_t)(off + got));
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (r == 0)
+            break;
+        got += (size_t)r;
+    }
+    return (ssize_t)got;
+}
+
+static PyObject *py_pread_pwrite_hash(PyObject *self, PyObject *args) {
+    Py_buffer srcs, sizes, offsets, digests;
+    int src_fd, fd;
+    unsigned long long limit;
+    (void)self;
+    if (xxh_update == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "pread_pwrite_hash: call bind_xxhash first");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "iiKy*y*y*w*:pread_pwrite_hash", &src_fd, &fd, &limit,
+                          &srcs, &sizes, &offsets, &digests))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = srcs.len / 8;
+    if (srcs.len % 8 || sizes.len != srcs.len || offsets.len != srcs.len
+            || digests.len != srcs.len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "pread_pwrite_hash: src_offsets, sizes, offsets and digests must be "
+                        "uint64 buffers of one length");
+        goto done;
+    }
+    const uint64_t *f = (const uint64_t *)srcs.buf;
+    const uint64_t *z = (const uint64_t *)sizes.buf;
+    const uint64_t *o = (const uint64_t *)offsets.buf;
+    uint64_t *out = (uint64_t *)digests.buf;
+    if (!check_ranges(z, o, count, (uint64_t)limit, "pread_pwrite_hash"))
+        goto done;
+    void *state = xxh_create();
+    char *stage = malloc(WRITE_PIECE);
+    window_t w = {malloc(WRITE_PIECE), 0, 0};
+    if (state == NULL || stage == NULL || w.buf == NULL) {
+        if (state != NULL)
+            xxh_free(state);
+        free(stage);
+        free(w.buf);
+        PyErr_NoMemory();
+        goto done;
+    }
+    int err = 0;
+    Py_ssize_t shrank = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count && !err && shrank < 0; i++) {
+        size_t n = (size_t)z[i];
+        if (n < WRITE_PIECE / 4) { /* read straight into the window */
+            char *d = window_place(fd, &w, o[i], n, &err);
+            if (d == NULL)
+                break;
+            ssize_t got = pread_full(src_fd, d, n, f[i]);
+            if (got < 0)
+                err = (int)-got;
+            else if ((size_t)got < n)
+                shrank = i;
+            else
+                out[i] = hash_only(state, d, n);
+            continue;
+        }
+        if ((err = window_flush(fd, &w)) != 0)
+            break;
+        xxh_reset(state);
+        for (size_t lo = 0; lo < n && !err; lo += WRITE_PIECE) {
+            size_t m = n - lo < WRITE_PIECE ? n - lo : WRITE_PIECE;
+            ssize_t got = pread_full(src_fd, stage, m, f[i] + lo);
+            if (got < 0) {
+                err = (int)-got;
+                break;
+            }
+            if ((size_t)got < m) {
+                shrank = i;
+                break;
+            }
+            xxh_update(state, stage, m);
+            err = pwrite_all(fd, stage, m, o[i] + lo);
+        }
+        out[i] = xxh_digest(state);
+    }
+    if (!err && shrank < 0)
+        err = window_flush(fd, &w);
+    Py_END_ALLOW_THREADS
+    xxh_free(state);
+    free(stage);
+    free(w.buf);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = PyLong_FromSsize_t(shrank);
+done:
+    PyBuffer_Release(&srcs);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&digests);
+    return result;
+}
+
 static PyObject *py_stream_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     (void)self;
@@ -291,6 +562,10 @@ static PyMethodDef methods[] = {
      "stream_copy_hash(dst, src) -> int: stream_copy, returning the xxh3-64 of src."},
     {"copy_hash_many", py_copy_hash_many, METH_VARARGS,
      "copy_hash_many(dst, addrs, sizes, offsets, digests): many stream_copy_hash calls."},
+    {"pwrite_hash_many", py_pwrite_hash_many, METH_VARARGS,
+     "pwrite_hash_many(fd, limit, addrs, sizes, offsets, digests): copy_hash_many with pwrite."},
+    {"pread_pwrite_hash", py_pread_pwrite_hash, METH_VARARGS,
+     "pread_pwrite_hash(src_fd, fd, limit, src_offsets, sizes, offsets, digests) -> int."},
     {"bind_xxhash", py_bind_xxhash, METH_VARARGS,
      "bind_xxhash(path): take the XXH3 functions of the xxhash extension at path."},
     {NULL, NULL, 0, NULL},

@@ -116,6 +116,21 @@ class SegmentWriter(ABC):
     def buffer(self) -> np.ndarray:
         """The segment's bytes as a writable uint8 array of length ``nbytes``."""
 
+    @property
+    def write_fd(self) -> int | None:
+        """A descriptor to ``pwrite`` the segment's bytes through instead of filling
+        ``buffer``, while that costs less: a fresh file nothing has mapped yet, whose
+        pages the kernel makes as they are written (``buffer`` would fault each one in
+        and zero it first). None (the default): fill ``buffer``. The fills use it
+        (``fill_from_addresses``, ``fill_from_file``); a write through it that finds the
+        medium full is handed to ``out_of_space``."""
+        return None
+
+    def out_of_space(self, exc: OSError) -> bool:
+        """A write through ``write_fd`` found the medium full (``exc``): True when room
+        was made for writing again (the tier gave back its pool), else TierFull."""
+        raise exc
+
     @abstractmethod
     def finish(self) -> None:
         """Make the written bytes durable on the tier (fsync on disk). Keeps the lock."""

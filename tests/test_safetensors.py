@@ -401,32 +401,41 @@ def test_hostile_files_name_what_is_wrong(sqlite_db: tensordb.Database,
     assert sqlite_db.collections() == []
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh-file", "pooled-file"])
 def test_file_truncated_during_import(db: tensordb.Database, tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file cut short while its tensors are being read (another process rewriting it):
-    CorruptData naming the file and the tensor, no collection, no bytes left."""
+                                      monkeypatch: pytest.MonkeyPatch, pooled: bool) -> None:
+    """A file cut short after its header was read, while the store reads its tensors
+    (another process rewriting it): CorruptData naming the file and the tensor, no
+    collection, no bytes left; into a fresh segment file (read through a buffer and
+    written with pwrite) and into a pooled one (read into its mapping) alike."""
+    import storage_engine as se
+
     src = tmp_path / "m.safetensors"
     save_file({"a": torch.ones(1 << 20), "b": torch.full((1 << 20,), 2.0),
                "c": torch.full((1 << 20,), 3.0)}, str(src))
     db.commit("existing", {"x": torch.ones(2)})
+    if pooled:  # a freed file of the import's size waits in the pool
+        db.commit("freed", {"w": torch.zeros(3 << 20)})
+        db.drop("freed")
+        db.gc()
+    host = db.tier(db.config.default_tier)
+    claimed = host.pool_counters()["claimed"] if isinstance(host, se.Pooling) else 0
     before, used = db.collections(), db.stats()["host_bytes"]
-    real_preadv = os.preadv
-    reads = {"n": 0}
+    real = se.fill_from_file
 
-    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
-        if len(buffers[0]) >= 4096:  # a tensor's read, not the header's
-            reads["n"] += 1
-            if reads["n"] == 2:  # the second one: the file is cut to its header first
-                with open(src, "r+b") as f:
-                    f.truncate(64)
-        return real_preadv(fd, buffers, offset)
+    def fill_from_file(writer: Any, fd: int, *args: Any) -> list[str]:
+        with open(src, "r+b") as f:  # cut to its header once it was checked
+            f.truncate(64)
+        return real(writer, fd, *args)
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(se, "fill_from_file", fill_from_file)
     with pytest.raises(CorruptData, match="shrank") as info:
         import_safetensors(db, "victim", src)
     assert str(src) in str(info.value) and info.value.tensor in ("a", "b", "c")
     assert db.collections() == before
     assert db.stats()["host_bytes"] == used
+    if isinstance(host, se.Pooling) and host.pool_limit:
+        assert (host.pool_counters()["claimed"] > claimed) == pooled
 
 
 def test_hostile_sharded_folders(db: tensordb.Database, tmp_path: Path) -> None:

@@ -42,10 +42,10 @@ class TestHostTier(TierTests):
         cold: list[int] = []
         new_file = tier._new_file
 
-        def counting(path, nbytes, *, populate=True):  # type: ignore[no-untyped-def]
-            if populate:
+        def counting(path, nbytes, *, how="direct"):  # type: ignore[no-untyped-def]
+            if how != "lazy":  # a segment's fresh file, not the refill's spare
                 cold.append(nbytes)
-            return new_file(path, nbytes, populate=populate)
+            return new_file(path, nbytes, how=how)
 
         tier._new_file = counting  # type: ignore[method-assign]
         for i in range(3):

@@ -19,7 +19,7 @@ from ._inputs import DTYPES, check_name, dtype_name, numpy_to_torch, torch_dtype
 if TYPE_CHECKING:
     from ._write import Writer
 
-__all__ = ["Hasher", "Transaction", "RawPut", "ShardPut", "GroupSpec", "GROUP_TIMEOUT",
+__all__ = ["FileRange", "Hasher", "Transaction", "RawPut", "ShardPut", "GroupSpec", "GROUP_TIMEOUT",
            "group_spec", "as_tensor", "source", "digest"]
 
 
@@ -69,13 +69,28 @@ def as_tensor(value: object, name: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class FileRange:
+    """A put's bytes as a byte range of a file, read at commit by the storage engine
+    (``se.fill_from_file``): ``fd`` open on the file at ``path``, from ``offset``;
+    ``advance`` is told the bytes once they are in (a progress bar)."""
+
+    fd: int
+    offset: int
+    path: str
+    advance: Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
 class RawPut:
-    """A tensor whose bytes a function writes straight into the extent at commit."""
+    """A tensor whose bytes a function writes straight into the extent at commit; or,
+    with ``file``, that the store reads from a file's byte range (``fill`` is then not
+    called)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
     fill: Callable[[np.ndarray], str | None]
+    file: FileRange | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +362,21 @@ class Transaction:
         self._puts[name] = RawPut(dt, dims, numel * dt.itemsize, fill)
         self._deletes.discard(name)
         self._shards.pop(name, None)
+
+    def put_file_range(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                       file: FileRange) -> None:
+        """Put a tensor whose bytes are ``file``'s range from its offset (a loader's
+        tensor in a file it opened and checked: the safetensors import), read by the
+        store at commit straight into the extent, hashed as they are copied. The caller
+        keeps the descriptor open until the block ends; a file that ends inside the
+        range by then is CorruptData naming the tensor."""
+        def fill(dst: np.ndarray) -> str | None:  # never called: the store reads the file
+            raise AssertionError("a file range is read by the store")
+
+        self.put_raw(name, dtype, shape, fill)
+        put = self._puts[name]
+        assert isinstance(put, RawPut)
+        self._puts[name] = RawPut(put.dtype, put.shape, put.nbytes, fill, file)
 
     @staticmethod
     def hasher() -> Hasher:

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,7 +36,7 @@ from tensordb.errors import CorruptData, GroupAborted, InvalidInput, NotFound, S
 from ._inputs import dtype_name
 from ._notify import Notifier
 from ._placement import Tiers
-from ._transaction import GroupSpec, RawPut, ShardPut, digest, source
+from ._transaction import FileRange, GroupSpec, RawPut, ShardPut, digest, source
 
 __all__ = ["InPlaceFile", "Writer"]
 
@@ -51,12 +51,21 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
 
     Contiguous tensors go in one native call per I/O thread, straight from their
     memory (``fill_from_addresses``; the transaction holds them until the commit ends);
-    the rest (strided tensors, ``put_raw`` fills) through their own ``Source``."""
+    byte ranges of files (an import) likewise from the files (``fill_from_file``); the
+    rest (strided tensors, ``put_raw`` fills) through their own ``Source``. A fresh
+    segment file is written through its descriptor rather than a mapping (``se``'s
+    ``write_fd``). StoreFull when the tier fills up meanwhile."""
     batch: list[int] = []
     addresses: list[int] = []
+    files: dict[int, list[int]] = {}
     other: list[int] = []
     for i, (_, t) in enumerate(stored):
-        if se.BATCH_FILL and not isinstance(t, RawPut) and t.is_contiguous():
+        if isinstance(t, RawPut):
+            if t.file is not None:
+                files.setdefault(t.file.fd, []).append(i)
+            else:
+                other.append(i)
+        elif se.BATCH_FILL and t.is_contiguous():
             batch.append(i)
             addresses.append(t.data_ptr())
         else:
@@ -67,12 +76,42 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
                                      [sizes[i] for i in batch])
         for i, s in zip(batch, got, strict=True):
             sums[i] = s
+    for fd, idx in files.items():
+        for part in _batches(idx, sizes):
+            ranges = [cast(FileRange, cast(RawPut, stored[i][1]).file) for i in part]
+            got = se.fill_from_file(writer, fd, [r.offset for r in ranges],
+                                    [offsets[i] for i in part], [sizes[i] for i in part])
+            for i, r, s in zip(part, ranges, got, strict=True):
+                if not s:
+                    name = stored[i][0]
+                    raise CorruptData(f"{r.path}: the file shrank while tensor {name!r} was "
+                                      f"read (it ends inside its {sizes[i]:,} bytes)",
+                                      tensor=name)
+                sums[i] = s
+                r.advance(sizes[i])
     if other:
         got = se.fill_segment(writer, [source(stored[i][1]) for i in other],
                               [offsets[i] for i in other], [sizes[i] for i in other])
         for i, s in zip(other, got, strict=True):
             sums[i] = s
     return {n: s for (n, _), s in zip(stored, sums, strict=True)}
+
+
+#: bytes of file ranges read per ``fill_from_file`` call: a progress bar moves at each
+_FILE_BATCH = 256 << 20
+
+
+def _batches(idx: list[int], sizes: list[int]) -> list[list[int]]:
+    """``idx`` in runs of about ``_FILE_BATCH`` bytes."""
+    out: list[list[int]] = [[]]
+    held = 0
+    for i in idx:
+        if out[-1] and held + sizes[i] > _FILE_BATCH:
+            out.append([])
+            held = 0
+        out[-1].append(i)
+        held += sizes[i]
+    return out
 
 
 def _check_fits(collection: str, tier: se.Tier, puts: Mapping[str, torch.Tensor | RawPut],
@@ -243,6 +282,10 @@ class Writer:
         try:
             checksums = _fill(writer, stored, offsets, sizes)
             writer.finish()
+        except se.TierFull as exc:  # filled up by another writer since the create
+            writer.abort()
+            raise StoreFull(f"cannot commit {total} bytes to {collection!r}: {exc}; run "
+                            f"gc, or commit to the disk tier", collection=collection) from exc
         except BaseException:
             writer.abort()
             raise
