@@ -85,7 +85,7 @@ import torch
 
 import benchmarks
 import tensordb
-from benchmarks import _verdict
+from benchmarks import _common, _verdict
 from benchmarks._verdict import Verdict
 from tensordb import KVCache
 
@@ -155,27 +155,6 @@ def measure_memcpy(blocks: torch.Tensor, reps: int) -> tuple[float, float]:
             list(pool.map(lambda p: np.copyto(dst[p], src[p]), parts))
             two = min(two, time.perf_counter() - t0)
     return one, two
-
-
-def measure_populate(nbytes: int = 256 * MiB) -> float:
-    """GB/s at which this host makes new shared-memory pages: a fresh tmpfs file written
-    once (each page faulted in and zeroed, then written)."""
-    import mmap
-
-    fd, path = tempfile.mkstemp(prefix="tensordb-bench-populate-", dir="/dev/shm")
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes)
-        dst = np.frombuffer(mm, np.uint8)
-        t0 = time.perf_counter()
-        dst[:] = 1
-        t = time.perf_counter() - t0
-        del dst
-        mm.close()
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return nbytes / t / GB
 
 
 def measure_tensordb(kv: KVCache, blocks: torch.Tensor, reps: int, tag: int
@@ -1084,7 +1063,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["skipped"].setdefault(name, "skipped with --skip")
     if "redis" in res["skipped"]:
         r = None
-    res["populate_gbps"] = measure_populate()
+    res["populate"] = _common.measure_populate()
+    res["populate_gbps"] = res["populate"]["populate_1t_gbps"]
     db = tensordb.connect(home=tmp, data_dir=os.path.join(tmp, "data"))
     caches: dict[int, KVCache] = {}
     sizes = [(int(k * KiB), blocks_for(int(k * KiB))) for k in args.sizes_kib]
@@ -1286,8 +1266,8 @@ def print_report(res: dict[str, Any]) -> None:
     con = Console(width=170)
     con.print(f"[bold]KV blocks[/]; GB/s with GB = 1e9 bytes; best of {res['reps']}; one "
               f"process; {os.cpu_count()} CPUs; memcpy: 1 thread, one copy (put+get moves "
-              f"the bytes twice); this host makes new shared-memory pages at "
-              f"{res['populate_gbps']:.2f} GB/s")
+              f"the bytes twice); this host makes new shared-memory pages: "
+              f"{_common.populate_text(res['populate'])}")
     t = Table(title="tensordb (GB/s; blocks/s under put and get_into): the batch paths "
                     "(one tensor for the batch), then a list of tensors, then zero-copy views")
     for col in ("block", "blocks", "memcpy\n1 / bound", "put", "get_into", "get_into (no verify)",

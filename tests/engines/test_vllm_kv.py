@@ -397,3 +397,68 @@ def test_bad_paged_caches_are_typed_errors(store: tensordb.Database, model_dir: 
     w.register_kv_caches({n: good for n in LAYERS})
     assert w.block_shape == (3, 1, KV_HEADS, BLOCK, 2 * HEAD)
     w.shutdown()
+
+
+def test_a_lookup_costs_the_same_in_any_namespace(engines: list[Engine],
+                                                  store: tensordb.Database,
+                                                  model_dir: Path) -> None:
+    """The cost contract of the scheduler's lookup (tests/test_costs.py counts the
+    store's side): get_num_new_matched_tokens in a namespace of 20 blocks and of 2,000
+    asks each rank's namespace once (one ``match``), runs no SQL statement and no read
+    or write system call, and builds, copies and hashes nothing."""
+    from sqlalchemy import event
+    from sqlalchemy.pool import Pool
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    import storage_engine as se
+
+    a = Engine(_config(model_dir, _extra(store)))
+    engines.append(a)
+    a.add("r1", PROMPT)
+    a.step({"r1": 4})
+    sched = a.scheduler.connector
+    ns = a.worker.caches[0]
+    shape = ns.get(ns.keys(PROMPT[:BLOCK]))[0].shape
+
+    def fill(n: int, seed: int) -> None:
+        keys = ns.keys(list(range(seed, seed + n * BLOCK)))
+        ns.put(keys, [torch.full(shape, float(i)) for i in range(n)])
+
+    def syscalls() -> int:
+        with open("/proc/self/io") as f:
+            got = dict(line.split(": ") for line in f.read().splitlines())
+        return int(got["syscr"]) + int(got["syscw"])
+
+    statements: list[object] = []
+    matches: list[int] = []
+    match = type(ns).match
+
+    def checkout(dbapi_conn: object, *_: object) -> None:
+        statements.append(dbapi_conn)  # any catalog connection taken at all
+
+    def counted(self: object, keys: object) -> int:
+        matches.append(1)
+        return match(self, keys)  # type: ignore[arg-type]
+
+    costs = []
+    for i, more in enumerate((20, 1980)):  # 20 blocks beside the prompt's, then 2,000
+        fill(more, 100_000 * (i + 1))
+        req = Request(f"q{i}", list(PROMPT), SamplingParams(max_tokens=1), None)
+        statements.clear()
+        matches.clear()
+        event.listen(Pool, "checkout", checkout)
+        type(ns).match = counted  # type: ignore[method-assign]
+        try:
+            e0 = syscalls()
+            e1 = syscalls()
+            with se.counting() as work:
+                got = sched.get_num_new_matched_tokens(req, 0)
+            s1 = syscalls()
+        finally:
+            type(ns).match = match  # type: ignore[method-assign]
+            event.remove(Pool, "checkout", checkout)
+        assert got == (3 * BLOCK, False)
+        costs.append((len(statements), len(matches), s1 - e1 - (e1 - e0), dict(work)))
+    small, big = costs
+    assert small == big == (0, 1, 0, {})
