@@ -4,7 +4,6 @@ files that must give a typed error and leave the store unchanged."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from collections.abc import Callable
