@@ -95,7 +95,7 @@ PLAN: tuple[Bench, ...] = (
     Bench("catalog", "catalog", ("--tensors", "1000", "--reps", "10", "--full-reps", "3")),
     Bench("catalog --cluster", "catalog",
           ("--cluster", "--nodes", "1000", "--warmup", "1", "--duration", "5")),
-    Bench("scale", "scale", ("--sizes", "1000,10000", "--reps", "3")),
+    Bench("scale", "scale", ("--sizes", "2000,20000", "--reps", "3")),
     Bench("query_bench", "query_bench", ("--rows", "20000", "--reps", "30")),
     Bench("materialize", "materialize",
           ("--count", "200", "--total-mib", "128", "--reps", "2", "--child-runs", "2")),
