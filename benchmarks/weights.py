@@ -585,14 +585,21 @@ def goals(s: dict[str, Any]) -> list[tuple[str, Verdict]]:
     cold = s["tensordb"]["cold"]["median_s"]
     steady = s["tensordb"]["steady"]["best_s"]
     peer = s["peers"].get("safetensors")
-    out.append(("cold", _verdict.at_most(
-        "cold (connect + import, fresh process) <= safetensors load_file + clone, cold "
-        "(medians of fresh processes)", None if peer is None else cold,
-        peer["first_s"] if peer else 0.0,
-        f"{cold * 1e3:.0f} ms vs {peer['first_s'] * 1e3:.0f} ms" if peer else "",
-        reason=skipped.get("safetensors", "the peer was not run"))))
     pop = s["populate"]
     cold_gbps = s["bytes"] / cold / GB
+    cold_goal = ("cold (connect + import, fresh process) <= safetensors load_file + clone, "
+                 "cold (medians of fresh processes)")
+    if peer is None:
+        out.append(("cold", _verdict.not_measured(
+            cold_goal, skipped.get("safetensors", "the peer was not run"))))
+    else:
+        # bounded where a fresh shm file cannot be written as fast as the peer loads
+        # (into anonymous memory): the goal below then asks 0.9 x that bound
+        peer_gbps = s["bytes"] / peer["first_s"] / GB
+        out.append(("cold", _verdict.within_bound(
+            cold_goal, cold_gbps, peer_gbps, pop["populate_1t_gbps"],
+            f"{cold * 1e3:.0f} ms vs {peer['first_s'] * 1e3:.0f} ms; "
+            f"{_common.populate_text(pop)}")))
     if peer is not None and pop["populate_1t_gbps"] < s["bytes"] / peer["first_s"] / GB:
         # the peer (anonymous memory) outruns what a fresh shm file allows here
         out.append(("cold", _verdict.within_bound(
