@@ -269,8 +269,9 @@ def test_a_commit_copies_every_kind_of_tensor_right(sqlite_db: tensordb.Database
 
 
 def test_fill_from_addresses_checks_every_range_before_copying() -> None:
-    class Writer:
+    class Writer:  # a mapped segment's writer: no descriptor to write through
         buffer = np.zeros(256, np.uint8)
+        write_fd = None
 
     src = np.arange(100, dtype=np.uint8)
     w = Writer()
