@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_transport_pull
 import torch
 from conftest import open_store, remove_store, require_pg
 from sqlalchemy import event
@@ -344,25 +345,9 @@ def test_a_commit_faults_at_most_once_a_page_and_not_at_all_once_warm(
 
 
 # -- replication ------------------------------------------------------------------------
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[tensordb.Database, tensordb.Database, Any]]:
-    """Node "w" (the writer) and node "r" (a replica) on one SQLite catalog, "r"
-    reading "w" through the in-process transport, which records each read."""
-    from test_transport_pull import FaultyTransport
-
-    from tensordb.catalog import NodeDirectory
-
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    w = open_store(tmp_path / "w", url, node="w")
-    r = open_store(tmp_path / "r", url, node="r")
-    fake = FaultyTransport({"w": w}, chunk=1 << 20)
-    r._flight = fake
-    NodeDirectory(w.catalog.engine).register("w", "in-process", ["host", "disk"], None)
-    try:
-        yield w, r, fake
-    finally:
-        remove_store(r)
-        remove_store(w)
+#: the writer node "w" and the replica "r" of the pull tests, "r" reading "w" through the
+#: in-process transport that records each read
+pair = test_transport_pull.pair
 
 
 def test_a_replication_pull_costs_what_changed(pair: tuple[Any, Any, Any]) -> None:
