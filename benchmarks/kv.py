@@ -1135,7 +1135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def engines_only() -> int:
+def engines_only(as_json: bool = False) -> int:
     """The engines' lookups alone, with their goals: what an engine's venv can run."""
     from rich.console import Console
 
@@ -1145,10 +1145,13 @@ def engines_only() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res = {"engines": e}
-    con = Console(width=170)
-    _print_engines(con, res)
     vs = _engine_goals(e)
-    _verdict.print_verdicts(con, vs)
+    if as_json:
+        print(json.dumps({**res, "goals": _verdict.to_json(vs)}, indent=2))
+    else:
+        con = Console(width=170)
+        _print_engines(con, res)
+        _verdict.print_verdicts(con, vs)
     return _verdict.exit_code(vs)
 
 
@@ -1403,7 +1406,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lmcache_child:
         return lmcache_child()
     if args.engines_only:
-        return engines_only()
+        return engines_only(args.json)
     if args.cold_process:
         return cold_process(args.cold_process)
     res = run(args)

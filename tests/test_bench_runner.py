@@ -112,3 +112,15 @@ def test_summary_prints_every_goal_and_the_counts() -> None:
     assert "g1" in text and "g2" in text and "[red] 9 ms" in text  # markup shown as text
     assert "1 met, 1 missed, 0 bounded, 0 not measured" in text
     assert "1 goals fail the run" in text
+
+
+def test_a_run_from_an_engine_venv_keeps_the_goals_on_that_engine() -> None:
+    """The vLLM-venv run of kv_events is for the goal on vLLM's publisher; its other
+    goals are the main run's, and the main run lists the vLLM goal as measured there."""
+    (venv_run,) = [b for b in runner.PLAN if b.name == "kv_events (vLLM venv)"]
+    goals = [_verdict.judge("delivery >= 1 x vLLM's ZmqEventPublisher", True, "1.5 x"),
+             _verdict.judge("lag p90 <= 20 ms", False, "30 ms")]
+    out = runner.outcome_of(venv_run, 1, json.dumps({"goals": _verdict.to_json(goals)}),
+                            "", 1.0)
+    assert [v.goal for v in out.verdicts] == ["delivery >= 1 x vLLM's ZmqEventPublisher"]
+    assert runner.exit_code(runner.rows([out])) == 0
