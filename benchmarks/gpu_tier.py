@@ -141,11 +141,15 @@ def run(sizes_kib: list[float], reps: int, blocks: int | None = None,
     from storage_engine import BlockStore, _cuda
 
     scratch = Path(tempfile.mkdtemp(prefix="tensordb-gputier-bench-", dir="/dev/shm"))
-    if standin:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from cuda_standin import install
+    if standin:  # the tests' stand-in runtime, loaded from its file (no sys.path edit)
+        import importlib.util
 
-        install(scratch / "standin")
+        spec = importlib.util.spec_from_file_location("cuda_standin",
+                                                      ROOT / "tests" / "cuda_standin.py")
+        assert spec is not None and spec.loader is not None
+        standin_mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(standin_mod)
+        standin_mod.install(scratch / "standin")
     rt = _cuda.runtime()
     res: dict[str, Any] = {"runtime": "stand-in" if standin else "cuda-python",
                            "device": "stand-in (host memory)" if standin else
