@@ -46,14 +46,21 @@ DIRECT = pwrite_hash_many is not None and pread_pwrite_hash is not None
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _by_offset(bins: list[list[int]], offsets: np.ndarray) -> list[np.ndarray]:
-    """Each bin's extents in ascending offset order (small ones then gather into one
-    write)."""
-    out = []
-    for b in bins:
-        idx = np.asarray(b, dtype=np.intp)
-        out.append(idx[np.argsort(offsets[idx], kind="stable")])
-    return out
+def _by_offset(bins: list[list[int]], offsets: np.ndarray, sizes: np.ndarray
+               ) -> list[np.ndarray]:
+    """The extents of ``bins`` dealt again as as many runs of consecutive offsets, of
+    about equal bytes each, in ascending offset order: each thread then writes a range
+    of the file of its own, so that the small extents it gathers into one write are
+    neighbours (the gaps the native side pads between them hold no other thread's
+    bytes), where bins of even load interleave their extents across the file."""
+    idx = np.concatenate([np.asarray(b, dtype=np.intp) for b in bins]) if bins else \
+        np.empty(0, np.intp)
+    idx = idx[np.argsort(offsets[idx], kind="stable")]
+    if len(bins) <= 1 or len(idx) <= 1:
+        return [idx]
+    ends = np.cumsum(sizes[idx].astype(np.float64))
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, len(bins)) / len(bins))
+    return [part for part in np.split(idx, cuts) if len(part)]
 
 
 def _retrying(writer: SegmentWriter, run: Callable[[], None]) -> None:
@@ -85,7 +92,7 @@ def write_direct(writer: SegmentWriter, fd: int, addr: np.ndarray, offs: np.ndar
             digests[idx] = got
         return run
 
-    jobs = [job(idx) for idx in _by_offset(bins(), offs)]
+    jobs = [job(idx) for idx in _by_offset(bins(), offs, size)]
     _retrying(writer, lambda: run_all(jobs))
 
 
@@ -109,7 +116,7 @@ def read_file_direct(writer: SegmentWriter, fd: int, src_fd: int, src: np.ndarra
             digests[idx] = got
         return run
 
-    jobs = [job(idx) for idx in _by_offset(bins(), offs)]
+    jobs = [job(idx) for idx in _by_offset(bins(), offs, size)]
 
     def run() -> None:
         short.clear()

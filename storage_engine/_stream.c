@@ -321,10 +321,17 @@ static int window_flush(int fd, window_t *w) {
     return err;
 }
 
-/* room in the window for n bytes at off (flushing it first if they do not fit): the
- * address to write them to; the gap before them is zeroed */
+/* the widest gap a window pads with zeros between two sources: less than the extent
+ * alignment (storage_engine._io.ALIGN), so the gap holds no other extent's bytes, which
+ * another call (another I/O thread) may be writing */
+#define GATHER_GAP 64
+
+/* room in the window for n bytes at off (flushing it first if they do not fit, or lie
+ * further than GATHER_GAP past its end): the address to write them to; the gap before
+ * them is zeroed */
 static char *window_place(int fd, window_t *w, uint64_t off, size_t n, int *err) {
-    if (w->len && (off < w->start + w->len || off + n > w->start + WRITE_PIECE)) {
+    if (w->len && (off < w->start + w->len || off - (w->start + w->len) >= GATHER_GAP
+                   || off + n > w->start + WRITE_PIECE)) {
         if ((*err = window_flush(fd, w)) != 0)
             return NULL;
     }
