@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean bench
+.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean bench asan
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -110,6 +110,11 @@ bench-system:
 
 bench: $(BENCH_STAMP) $(LMCACHE_STAMP) bench-system
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# the sanitizer build: the C extension with ASan + UBSan (-Wall -Wextra -Werror), and the
+# tests that drive its code run against it (tools/asan.py; about 2 minutes; in CI)
+asan: $(STAMP)
+	$(BIN)/python tools/asan.py $(ARGS)
 
 # mutation testing of the modules that keep the promises (by hand, not in CI: every
 # mutant takes hours on 2 cores; ARGS="--sample 10" about half an hour; tools/mutate.py

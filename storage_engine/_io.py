@@ -164,6 +164,8 @@ def fill_from_file(writer: SegmentWriter, src_fd: int, src_offsets: Sequence[int
     size = np.asarray(sizes, dtype=np.uint64)
     digests = np.zeros(n, dtype=np.uint64)
     total = int(size.sum())
+    add_work("bytes_copied", total)
+    add_work("bytes_hashed", total)
     fd = writer.write_fd if DIRECT and copy_hash_many is not None else None
     if fd is not None:
         short = set(read_file_direct(writer, fd, src_fd, src, offs, size, digests,

@@ -2612,7 +2612,7 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
             leased_t *l = &ls[i];
             l->meta_at = mused;
             l->meta_len = mp != NULL ? rr->meta_len : 0;
-            if (mp != NULL)
+            if (mp != NULL && rr->meta_len) /* metas is NULL until the first meta */
                 memcpy(metas + mused, mp, rr->meta_len);
             mused += l->meta_len;
             slab_t *sl = &h->slabs[rr->slab];

@@ -579,7 +579,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "storage_engine._stream", NULL, -1, methods,
+    PyModuleDef_HEAD_INIT, "storage_engine._stream", NULL, -1, methods, NULL, NULL, NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__stream(void) {

@@ -230,6 +230,23 @@ def test_a_full_commit_copies_and_hashes_each_byte_once(tmp_path: Path) -> None:
         remove_store(db)
 
 
+def test_an_import_copies_and_hashes_each_byte_once(tmp_path: Path) -> None:
+    """A safetensors import of 10 and of 1,000 tensors: each byte of the file is read
+    into the store and hashed once (the store reads the tensors' byte ranges itself)."""
+    from safetensors.torch import save_file
+
+    for n in (10, 1000):
+        path = tmp_path / f"m{n}.safetensors"
+        save_file({f"w{i}": torch.full((1024,), float(i)) for i in range(n)}, str(path))
+        db = open_store(tmp_path / f"s{n}")
+        try:
+            with cost_of(db) as c:
+                db.import_safetensors("m", path)
+            assert c["bytes_copied"] == c["bytes_hashed"] == n * 4096
+        finally:
+            remove_store(db)
+
+
 # -- snapshot ---------------------------------------------------------------------------
 def open_touch_one(db: tensordb.Database, n: int) -> None:
     with db.snapshot(f"c{n}") as snap:
