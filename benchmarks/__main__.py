@@ -143,6 +143,8 @@ PLAN: tuple[Bench, ...] = (
     Bench("weights", "weights", ("--sizes", "64M", "--reps", "2", "--child-runs", "2")),
     Bench("weight_sync", "weight_sync", ("--total-mib", "64", "--reps", "6", "--cold", "2")),
     Bench("checkpoint", "checkpoint", ("--size", "128M", "--reps", "2")),
+    # a new store's default background scrub finding a flipped byte: up to ~70 s
+    Bench("scrub", "scrub", ("--gib", "1")),
     Bench("kv", "kv", ("--sizes-kib", "8", "64", "2048", "--reps", "3", "--arena-mib", "512"),
           timeout=600, host_lacks=_engine_goals),
     Bench("kv_events", "kv_events", ("--blocks", "8192"), host_lacks=_engine_goals),

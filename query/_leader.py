@@ -13,7 +13,6 @@ module's and is handed in here, so its name in stored jobs does not move.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from apscheduler.triggers.base import BaseTrigger
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
+import storage_engine as se
 from tensordb.catalog import write_conn
 
 __all__ = ["JOB_TABLE", "CatalogJobStore", "Leadership", "PolicyJobs"]
@@ -60,11 +60,8 @@ class Leadership:
         if dialect == "sqlite":
             path = self._engine.url.database
             if path and path != ":memory:":
-                fd = os.open(f"{path}.policy-lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
+                fd = se.try_lock_file(f"{path}.policy-lock")
+                if fd is None:
                     return False
                 self._fd = fd
         elif dialect == "postgresql":

@@ -49,6 +49,7 @@ from ._kv_types import (
     KVStoreFull,
     bloom_may_hold,
 )
+from ._pool import try_lock_file
 from ._procs import boot_id, current_holder, gc_paused, holder_alive
 from ._sources import SourceFile
 from ._tier import Pooling, Prefaulting, SegmentView, SegmentWriter, Tier, arrow_buffer
@@ -108,6 +109,7 @@ __all__ = [
     "copy",
     "copy_and_checksum",
     "counting",
+    "try_lock_file",
     "current_holder",
     "fill_from_addresses",
     "fill_from_file",

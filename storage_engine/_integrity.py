@@ -12,15 +12,16 @@ every process of the host sees it and a reboot clears it:
 - ``scrub.cursor``: where the last scrub of the store stopped;
 - ``generation``: a counter every new corrupt mark bumps (after writing the mark).
 
-Readers keep the counter open and the marks they last listed: checking a segment costs
-one 8-byte ``pread`` of the counter and a dict look-up while no mark is made, and one
-listing of the directory after one is. (A descriptor, not a mapping: a reader's only
-mappings of the store's area are its segments.)
+Readers keep the counter mapped (8 bytes, read-only, shared) and the marks they last
+listed: checking a segment costs a load of the counter and a dict look-up while no mark
+is made (about 0.2 µs: cheap enough to check on every access to a tensor a snapshot
+already made), and one listing of the directory after one is.
 """
 
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import struct
 import threading
@@ -38,6 +39,9 @@ __all__ = ["WHOLE", "Extent", "Marks", "check_extents"]
 
 #: the offset of a mark that covers every extent of its segment
 WHOLE = -1
+
+#: the shared counter's layout: one little-endian 64-bit count
+_COUNTER = struct.Struct("<Q")
 
 #: (offset, nbytes, checksum, what): one extent of a segment as the catalog records it;
 #: ``what`` names it in an error (collection/tensor)
@@ -84,6 +88,12 @@ class Marks:
         except BaseException:
             os.close(fd)
             raise
+        try:
+            self._gen_map: mmap.mmap | None = mmap.mmap(fd, 8, mmap.MAP_SHARED,
+                                                        mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
         self._gen_fd: int | None = fd
         self._seen = -1  # the generation the cache below was listed at
         self._marked: dict[str, dict[int, str]] = {}
@@ -93,16 +103,19 @@ class Marks:
         """Let go of the counter's descriptor (later looks open the file). Idempotent."""
         with self._lock:
             fd, self._gen_fd = self._gen_fd, None
+            gen_map, self._gen_map = self._gen_map, None
+        if gen_map is not None:
+            gen_map.close()
         if fd is not None:
             os.close(fd)
 
     def generation(self) -> int:
         """The counter of corrupt marks made in the store so far (this boot)."""
-        fd = self._gen_fd
-        if fd is not None:
+        gen_map = self._gen_map
+        if gen_map is not None:
             try:
-                return int(struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0])
-            except OSError:  # closed meanwhile: read the file below
+                return int(_COUNTER.unpack_from(gen_map)[0])
+            except ValueError:  # unmapped meanwhile: read the file below
                 pass
         # closed: tensors of a closed store may still be read
         fd = os.open(self._gen_path, os.O_RDONLY | os.O_CLOEXEC)

@@ -41,6 +41,21 @@ def lock_nb(fd: int) -> bool:
         raise
 
 
+def try_lock_file(path: str | os.PathLike[str]) -> int | None:
+    """A descriptor of ``path`` (created if missing) holding an exclusive flock on it,
+    or None when another open file holds one (no wait): a role one process of many
+    takes, given up by closing the descriptor (or by the holder's death)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if lock_nb(fd):
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
 def same_file(fd: int, path: Path) -> bool:
     """``path`` names the file open as ``fd`` (not moved or replaced since)."""
     try:

@@ -150,14 +150,17 @@ def _fmt_s(s: float) -> str:
 
 # -- the second process ----------------------------------------------------------------
 def _mappings(root: str) -> list[tuple[int, int, str, str]]:
-    """(start, end, perms, path) of this process's mappings of files under ``root``."""
+    """(start, end, perms, path) of this process's mappings of segment files under
+    ``root`` (the store's other shared files, such as the integrity counter, are not
+    tensors' bytes)."""
     out = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(root + "/"):
+            path = parts[5].rstrip("\n") if len(parts) == 6 else ""
+            if path.startswith(root + "/") and path.endswith(".seg"):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi, parts[1], parts[5].rstrip("\n")))
+                out.append((lo, hi, parts[1], path))
     return out
 
 

@@ -73,11 +73,12 @@ class Config:
                   file $TENSORDB_TOKEN_FILE names)
     node_timeout  seconds a dead or silent node may take to fail a request
                   ($TENSORDB_NODE_TIMEOUT, else 5)
-    scrub_interval  seconds between two full scrubs of this node's segments by a node
-                  server; ``gc`` scrubs ``scrub_rate`` bytes per second since the last
-                  scrub, at most this many seconds' worth (0: no scrub by default)
-                  ($TENSORDB_SCRUB_INTERVAL, else 600)
+    scrub_interval  the least seconds between the starts of two rounds of the store's
+                  background scrub, which one process per host runs (0: no background
+                  scrub) ($TENSORDB_SCRUB_INTERVAL, else 60)
     scrub_rate    bytes a second a scrub reads at most ($TENSORDB_SCRUB_RATE, else 256 MB)
+    scrub_cpu     the share of one core the background scrub may use (0: no background
+                  scrub) ($TENSORDB_SCRUB_CPU, else 0.05)
     """
 
     home: Path
@@ -95,8 +96,9 @@ class Config:
     gpu_capacity: int | None = None
     token: str | None = None
     node_timeout: float = 5.0
-    scrub_interval: float = 600.0
+    scrub_interval: float = 60.0
     scrub_rate: int = 256_000_000
+    scrub_cpu: float = 0.05
 
     @classmethod
     def resolve(cls, url: str | None = None, *, home: str | os.PathLike[str] | None = None,
@@ -122,8 +124,9 @@ class Config:
             # a token given wins: a broken $TENSORDB_TOKEN_FILE must not fail it
             "token": overrides["token"] if "token" in overrides else env_token(),
             "node_timeout": float(os.environ.get("TENSORDB_NODE_TIMEOUT") or 5.0),
-            "scrub_interval": float(os.environ.get("TENSORDB_SCRUB_INTERVAL") or 600.0),
+            "scrub_interval": float(os.environ.get("TENSORDB_SCRUB_INTERVAL") or 60.0),
             "scrub_rate": _env_int("TENSORDB_SCRUB_RATE", 256_000_000),
+            "scrub_cpu": float(os.environ.get("TENSORDB_SCRUB_CPU") or 0.05),
         }
         kw.update(overrides)
         return cls(home=home_p, catalog_url=url, node=node or "local", data_dir=data_p,

@@ -20,6 +20,12 @@ from sqlalchemy import create_engine, text
 
 import tensordb
 
+# The store's background scrub (one thread per store, hashing segments at 5 % of a core
+# from 2 s after it opens) would race the tests that damage bytes on purpose or count
+# the work a call does: the suite turns it off, for child processes too, and the tests
+# of the scrub (test_integrity.py) turn it on where they use it.
+os.environ["TENSORDB_SCRUB_CPU"] = "0"
+
 PG_BASE = os.environ.get("TENSORDB_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 _pg_reason: str | None = None
 

@@ -10,7 +10,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,10 +18,10 @@ import torch
 from conftest import flip_byte, open_store, remove_store
 from typer.testing import CliRunner
 
+import storage_engine as se
 import tensordb
 from tensordb import cli
 from tensordb.errors import CorruptData
-from transport import Scrubber
 
 A = torch.arange(4096, dtype=torch.float32)
 B = torch.full((1024,), 7, dtype=torch.int64)
@@ -248,22 +248,6 @@ def test_sharded_tensor_shard_flip(host_db: tensordb.Database, tmp_path: Path) -
     assert torch.equal(db.get("m", "a"), A)
 
 
-def test_gc_scrubs_by_default(home: Path) -> None:
-    db = open_store(home, scrub_interval=0.001, scrub_rate=10**12)
-    try:
-        db.commit("m", {"a": A, "b": B})
-        _flip(db, "host", "a")
-        db.gc()  # the store's first gc starts the clock: it scrubs nothing
-        assert db.get("m", "a")[0].item() == 0  # not found yet (the flip is past [0])
-        time.sleep(0.01)
-        db.gc()  # past the interval: scrubs
-        with pytest.raises(CorruptData):
-            db.get("m", "a")
-        assert torch.equal(db.get("m", "b"), B)
-    finally:
-        remove_store(db)
-
-
 def test_scrub_resumes_where_it_stopped(host_db: tensordb.Database) -> None:
     db = host_db
     db.commit("m", {"a": A})
@@ -277,25 +261,151 @@ def test_scrub_resumes_where_it_stopped(host_db: tensordb.Database) -> None:
         db.scrub(max_bytes=-1)
 
 
-def test_node_scrubber_marks_damage(host_db: tensordb.Database) -> None:
+def _wait_for(what: str, ok: Callable[[], bool], seconds: float = 60.0) -> None:
+    """Poll ``ok`` until it holds (a deadline, not a timing assertion: the scrub's
+    own pace decides when, and the bound is many times what it needs)."""
+    deadline = time.monotonic() + seconds
+    while not ok():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.05)
+
+
+def _refused(db: tensordb.Database, name: str) -> bool:
+    try:
+        db.get("m", name)
+    except CorruptData:
+        return True
+    return False
+
+
+def test_every_store_scrubs_in_the_background_by_default(home: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.delenv("TENSORDB_SCRUB_CPU", raising=False)  # what a new user gets
+    db = tensordb.connect(home=home, data_dir=home / "data")  # embedded, no gc, no server
+    try:
+        assert (db.config.scrub_cpu, db.config.scrub_interval) == (0.05, 60.0)
+        db.commit("m", {"a": A, "b": B})
+        _flip(db, "host", "a")
+        assert db.get("m", "a")[0].item() == 0  # not found yet (the flip is past [0])
+        _wait_for("the background scrub finds the flip", lambda: _refused(db, "a"))
+        assert torch.equal(db.get("m", "b"), B)
+        stats = db.stats()
+        assert stats["scrub_pid"] == os.getpid() and stats["scrub_found"] == 1
+        assert stats["scrub_segments"] >= 1 and stats["scrub_bytes"] >= A.nbytes
+    finally:
+        remove_store(db)
+
+
+_HOLDER = """
+import sys, time, tensordb
+db = tensordb.connect(home=sys.argv[1], data_dir=sys.argv[1] + "/data", scrub_cpu=0.05,
+                      scrub_interval=0.2)
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_one_process_per_host_scrubs_and_another_takes_over(home: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    db = open_store(home, scrub_cpu=0.05, scrub_interval=0.2)
+    db.commit("m", {"a": A})
+    db.close()
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(home)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "open"
+        _wait_for("the child scrubs", lambda: open_store(home, scrub_cpu=0.0).stats()
+                  ["scrub_pid"] == child.pid)
+        db = open_store(home, scrub_cpu=0.05, scrub_interval=0.2)
+        names = [t.name for t in threading.enumerate()]
+        assert "tensordb-scrub" in names  # it tries for the lock, and waits
+        rounds = db.stats()["scrub_rounds"]
+        _wait_for("the child goes on", lambda: db.stats()["scrub_rounds"] > rounds + 2)
+        assert db.stats()["scrub_pid"] == child.pid  # still the only scrubber
+        child.send_signal(signal.SIGKILL)  # its lock goes with it
+        child.wait()
+        _wait_for("this process takes over", lambda: db.stats()["scrub_pid"] == os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    remove_store(db)
+
+
+def test_the_background_scrub_can_be_turned_off_and_refuses_bad_settings(home: Path
+                                                                         ) -> None:
+    before = {t.ident for t in threading.enumerate() if t.name == "tensordb-scrub"}
+    for off in ({"scrub_cpu": 0.0}, {"scrub_interval": 0.0}):
+        db = open_store(home, **off)
+        now = {t.ident for t in threading.enumerate() if t.name == "tensordb-scrub"}
+        assert now == before, off  # no scrub thread at all
+        db.close()
+    for bad in ({"scrub_cpu": 1.5}, {"scrub_cpu": -0.1}, {"scrub_interval": -1.0},
+                {"scrub_rate": -5}, {"scrub_cpu": "fast"}, {"scrub_rate": 1.5}):
+        with pytest.raises(tensordb.errors.InvalidInput) as info:
+            open_store(home, **bad)
+        assert next(iter(bad)) in str(info.value)
+
+
+def test_a_tensor_made_before_a_mark_is_refused_after_it(host_db: tensordb.Database) -> None:
     db = host_db
     db.commit("m", {"a": A, "b": B})
+    snap = db.snapshot("m")
+    sd = snap.state_dict()
+    held = sd["a"]  # made now, cached by the snapshot
+    assert torch.equal(snap["a"], A)
     _flip(db, "host", "a")
-    scrubber = Scrubber(db, 0.01, 10**12)
-    scrubber.start()
-    try:
-        done = threading.Event()
-        for _ in range(500):
-            if scrubber.rounds:
-                done.set()
-                break
-            time.sleep(0.01)
-        assert done.is_set()
-    finally:
-        scrubber.stop()
-    with pytest.raises(CorruptData):
+    assert [c.tensor for c in db.scrub().corrupt] == ["a"]
+    for call in (lambda: sd["a"], lambda: snap["a"], lambda: dict(sd.items()),
+                 lambda: list(sd.values())):
+        with pytest.raises(CorruptData) as info:
+            call()
+        assert info.value.tensor == "a"
+    assert torch.equal(sd["b"], B) and torch.equal(snap["b"], B)
+    assert held[1].item() != 1.0  # the view handed out before is the reader's own mapping
+    snap.close()
+
+
+def test_a_move_between_tiers_hashes_what_it_copies(host_db: tensordb.Database) -> None:
+    db = host_db
+    db.commit("m", {"a": A, "b": B})
+    _flip(db, "host", "a")  # no scrub has seen it
+    with se.counting() as work:
+        report = db.evict("m", tier="host")
+    assert report.segments == 1
+    assert work["bytes_hashed"] == A.nbytes + B.nbytes  # each extent once, as copied
+    with db.snapshot("m") as snap:
+        sid = snap.extents()["a"][0]
+    marks = db.config.shm_dir / "integrity"
+    assert (marks / f"{sid}.corrupt").exists() and not (marks / f"{sid}.ok").exists()
+    with pytest.raises(CorruptData) as info:
         db.get("m", "a")
-    assert torch.equal(db.get("m", "b"), B)
+    assert "moving tiers" in str(info.value)
+    assert torch.equal(db.get("m", "b"), B)  # the good extent moved and is served
+    assert [p.tensor for p in db.verify()] == ["a"]
+
+
+def test_a_slice_into_a_buffer_refuses_what_its_own_first_open_finds(home: Path) -> None:
+    db = open_store(home, default_tier="disk")
+    try:
+        db.commit("m", {"a": A, "b": B})
+        db.close()
+        shutil.rmtree(db.config.shm_dir / "integrity")  # a reboot
+        db = open_store(home, default_tier="disk")
+        _flip(db, "disk", "a", delta=4)  # element 1; the slice reads elements 100-107
+        with pytest.raises(CorruptData) as info:
+            db.snapshot("m").slice("a", offsets=(100,), shape=(8,), out=torch.empty(8))
+        assert info.value.tensor == "a"
+        got = torch.empty(8, dtype=torch.int64)
+        assert torch.equal(db.snapshot("m").slice("b", offsets=(8,), shape=(8,), out=got),
+                           B[8:16])
+    finally:
+        remove_store(db)
 
 
 def test_commit_never_shares_a_marked_extent(host_db: tensordb.Database) -> None:

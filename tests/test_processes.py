@@ -42,7 +42,7 @@ def test_second_process_reads_zero_copy(sqlite_db: tensordb.Database, store_home
             spans = []
             with open("/proc/self/maps") as fh:
                 for line in fh:
-                    if {str(sqlite_db.config.shm_dir)!r} in line:
+                    if {str(sqlite_db.config.shm_dir)!r} in line and line.rstrip().endswith(".seg"):
                         lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
                         spans.append((lo, hi))
             inside = sum(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in sd.values())

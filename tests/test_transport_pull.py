@@ -529,3 +529,37 @@ def test_a_group_across_nodes_keeps_shards_where_written(pair) -> None:  # type:
         assert len(_leftovers(r)) == 1  # its own shard: read in place, no pull
         assert torch.equal(snap["w"], full)
     assert len(_leftovers(r)) == 2  # w's shard is now a verified replica on r
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_replica_is_checked_as_the_writers_own_segments_are(pair, tier: str  # type: ignore[no-untyped-def]
+                                                              ) -> None:
+    """A replica's bytes are in the integrity model: its first open per boot (disk),
+    the scrub and verify hash it against the catalog, and its damage is refused."""
+    from conftest import flip_byte
+
+    w, r, _ = pair
+    a, b = torch.arange(4096, dtype=torch.float32), torch.full((512,), 3.0)
+    with w.transaction("m", tier=tier) as tx:
+        tx.put("a", a)
+        tx.put("b", b)
+    assert torch.equal(r.get("m", "a"), a)  # pulled: r holds a replica now
+    seg = _segment(w, "m")
+    assert NodeDirectory(r.catalog.engine).holders(seg) == {"w": tier, "r": tier}
+    assert [e[3] for e in r.catalog.segment_extents(seg)] == ["m/a", "m/b"]
+    offset = r.snapshot("m").extents()["a"][1]
+    flip_byte(r.tier(tier).path(seg), offset + 4)  # type: ignore[attr-defined]
+    if tier == "disk":  # after a reboot: the replica's first open checks it
+        (r.config.shm_dir / "integrity" / f"{seg}.ok").unlink()
+        with pytest.raises(CorruptData) as info:
+            r.get("m", "a")
+    else:  # shared memory: the scrub finds it
+        assert torch.equal(r.get("m", "a")[:1], a[:1])  # not seen yet (element 1 flipped)
+        report = r.scrub()
+        assert [(c.tensor, c.segment_id) for c in report.corrupt] == [("a", seg)]
+        with pytest.raises(CorruptData) as info:
+            r.get("m", "a")
+    assert info.value.tensor == "a"
+    assert torch.equal(r.get("m", "b"), b)
+    assert [(p.tensor, p.segment_id) for p in r.verify()] == [("a", seg)]
+    assert torch.equal(w.get("m", "a"), a) and w.verify() == []  # the writer's copy is good

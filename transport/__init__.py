@@ -46,7 +46,6 @@ from ._node import (
     DEFAULT_HEARTBEAT,
     NodeRegistration,
     RunningNode,
-    Scrubber,
     ready_line,
     start_node,
 )
@@ -82,7 +81,6 @@ __all__ = [
     "NodeService",
     "NodeStore",
     "RunningNode",
-    "Scrubber",
     "Transport",
     "VersionReads",
     "cascade",

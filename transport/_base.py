@@ -87,11 +87,6 @@ class NodeStore(Protocol):
     def stats(self) -> dict[str, int]:
         """Counts of the store (``leases`` among them), for the metrics endpoint."""
 
-    def scrub(self, max_bytes: int | None = None, *, rate: int | None = None,
-              stop: Callable[[], bool] | None = None) -> Any:
-        """Hash this node's segments against their checksums, marking damaged ones
-        (one full round; at most ``rate`` bytes a second; ``stop`` ends it early)."""
-
 
 # -- the client side ---------------------------------------------------------------------
 class Transport(ABC):

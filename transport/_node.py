@@ -110,46 +110,6 @@ class NodeRegistration:
             _log.warning("could not deregister node %s: %s", self.name, exc)
 
 
-class Scrubber:
-    """The node's scrub (docs/storage.md, "Integrity model"): on a daemon thread, a full
-    round of ``db.scrub`` every ``interval`` seconds, reading at most ``rate`` bytes a
-    second; damage found is marked by the scrub (reads refuse it) and logged here."""
-
-    def __init__(self, db: NodeStore, interval: float, rate: int) -> None:
-        self.db = db
-        self.interval = interval
-        self.rate = rate
-        self.rounds = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self.interval <= 0 or self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="tensordb-scrub")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                report = self.db.scrub(rate=self.rate, stop=self._stop.is_set)
-            except Exception as exc:  # noqa: BLE001 - the next round tries again
-                _log.warning("scrub of node %s failed: %s", self.db.config.node, exc)
-                continue
-            self.rounds += 1
-            for c in getattr(report, "corrupt", ()):
-                _log.error("scrub: %s/%s (segment %s, %s tier) is corrupt: %s; not served",
-                           c.collection, c.tensor, c.segment_id, c.tier, c.reason)
-
-    def stop(self) -> None:
-        """Stop scrubbing (a round in progress ends at its next segment). Idempotent."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-
 @dataclass
 class RunningNode:
     """A started node: its server, registration and metrics. ``stop`` ends all three."""
@@ -159,14 +119,10 @@ class RunningNode:
     metrics: NodeMetrics
     address: str
     metrics_port: int | None
-    scrubber: Scrubber | None = None
 
     def stop(self) -> None:
-        """Deregister, stop serving, stop scrubbing, close the metrics endpoint.
-        Idempotent."""
+        """Deregister, stop serving, close the metrics endpoint. Idempotent."""
         self.registration.stop()
-        if self.scrubber is not None:
-            self.scrubber.stop()
         self.server.close()
         self.metrics.close()
 
@@ -204,9 +160,9 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
     on ``metrics_port`` (None: no endpoint; 0: any free port; off loopback it needs the
     token). Segment bytes go out on a data plane at ``data_port`` (0: any free port),
     on the same host. The token: ``token``, else the file ``token_file``, else the
-    environment's (``resolve_token``). The node scrubs its segments on a daemon thread
-    (``Config.scrub_interval``, ``scrub_rate``; ``Scrubber``). Returns once all of it is
-    up."""
+    environment's (``resolve_token``). The node's segments are scrubbed by its store's
+    background scrub, as every store's are (``Config.scrub_interval``, ``scrub_rate``,
+    ``scrub_cpu``). Returns once all of it is up."""
     token = resolve_token(token, token_file)
     tiers = {n: db.tier(n) for n in ("host", "disk")}
     metrics = NodeMetrics(db.config.node, tiers, lambda: db.stats()["leases"])
@@ -225,10 +181,7 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
         registration.stop()
         server.close()
         raise
-    scrubber = Scrubber(db, float(getattr(db.config, "scrub_interval", 0.0) or 0.0),
-                        int(getattr(db.config, "scrub_rate", 0) or 0))
-    scrubber.start()
-    return RunningNode(server, registration, metrics, address, bound, scrubber)
+    return RunningNode(server, registration, metrics, address, bound)
 
 
 def ready_line(node: RunningNode) -> str:

@@ -219,6 +219,10 @@ class Catalog:
         (of one segment, when ``segment_id`` is given)."""
         return self._segments.all_rows(segment_id)
 
+    def held_segments(self) -> list[tuple[str, str]]:
+        """(segment id, tier) of every segment this node holds, as writer or replica."""
+        return self._segments.held_segments()
+
     def segment_extents(self, segment_id: str) -> list[tuple[int, int, str, str]]:
         """The extents of a segment of this node, as (offset, nbytes, checksum,
         "collection/tensor"): what a check of its bytes compares."""

@@ -20,6 +20,7 @@ from .schema import (
     collections,
     leases,
     pins,
+    segment_replicas,
     segment_sources,
     segments,
     tensor_shards,
@@ -126,23 +127,33 @@ class Segments:
 
     @retrying
     def all_rows(self, segment_id: str | None = None) -> list[tuple[str, int, TensorRow]]:
-        """Every stored tensor row (collection name, first version, row) of this node
-        (of the segment ``segment_id`` only, when given), in the order of its bytes
-        (segment, offset)."""
+        """Every stored tensor row (collection name, first version, row) whose bytes this
+        node holds, as the writer or as a replica (of the segment ``segment_id`` only,
+        when given), in the order of its bytes (segment, offset); a row's tier is where
+        this node holds it. Replicas are in the integrity model like the writer's own
+        segments: their first open, the scrub and ``verify`` check them the same way."""
         t = tensors.c
+        rep = segment_replicas.c
+        here = or_(segments.c.node == self.node, rep.node.is_not(None))
+        tier = func.coalesce(rep.tier, segments.c.tier)  # a writer has no replica row
+
+        def held(j: Join) -> Join:
+            return j.outerjoin(segment_replicas, and_(rep.segment_id == segments.c.id,
+                                                      rep.node == self.node))
+
         q = (select(collections.c.name, t.name, t.dtype, t.shape, t.nbytes, t.checksum,
-                    t.segment_id, t.offset, segments.c.tier, t.first_version)
-             .select_from(tensors.join(collections, collections.c.id == t.collection_id)
-                          .join(segments, segments.c.id == t.segment_id))
-             .where(segments.c.node == self.node)
+                    t.segment_id, t.offset, tier, t.first_version)
+             .select_from(held(tensors.join(collections, collections.c.id == t.collection_id)
+                               .join(segments, segments.c.id == t.segment_id)))
+             .where(here)
              .order_by(t.segment_id, t.offset))
         sh = tensor_shards.c
         q2 = (select(collections.c.name, t.name, t.dtype, sh.offsets, sh.shape, sh.nbytes,
-                     sh.checksum, sh.segment_id, sh.offset, segments.c.tier, t.first_version)
-              .select_from(shards_of_rows().join(
+                     sh.checksum, sh.segment_id, sh.offset, tier, t.first_version)
+              .select_from(held(shards_of_rows().join(
                   collections, collections.c.id == t.collection_id)
-                  .join(segments, segments.c.id == sh.segment_id))
-              .where(segments.c.node == self.node))
+                  .join(segments, segments.c.id == sh.segment_id)))
+              .where(here))
         if segment_id is not None:
             q = q.where(t.segment_id == segment_id)
             q2 = q2.where(sh.segment_id == segment_id)
@@ -154,6 +165,20 @@ class Segments:
                                             r[2], parse_shape(r[4]), r[5], r[6], r[7], r[8],
                                             r[9], r[10])) for r in conn.execute(q2)]
         out.sort(key=lambda x: (x[2].segment_id or "", x[2].offset))
+        return out
+
+    @retrying
+    def held_segments(self) -> list[tuple[str, str]]:
+        """(segment id, tier) of every segment whose bytes this node holds, written here
+        or replicated here, by id: what a scrub walks (its rows asked segment by
+        segment, so a step of it costs its segments, not the node's every row)."""
+        rep = segment_replicas.c
+        with self.engine.connect() as conn:
+            out = [(r[0], r[1]) for r in conn.execute(
+                select(segments.c.id, segments.c.tier).where(segments.c.node == self.node))]
+            out += [(r[0], r[1]) for r in conn.execute(
+                select(rep.segment_id, rep.tier).where(rep.node == self.node))]
+        out.sort()
         return out
 
     @retrying

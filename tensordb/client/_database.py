@@ -39,6 +39,7 @@ from ._orphans import record_owner
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
 from ._read import Reader
 from ._safetensors import export_safetensors, import_safetensors
+from ._scrubber import BackgroundScrub, check_scrub_config, scrub_status
 from ._snapshot import Snapshot, tensors_arrow
 from ._transaction import GROUP_TIMEOUT, Transaction, group_spec
 from ._write import InPlaceFile, Writer
@@ -81,6 +82,7 @@ class Database:
     def __init__(self, config: Config) -> None:
         self.config = config
         check_tier_config(config)
+        check_scrub_config(config)
         self._engine, self._lease_engine = _open_catalog(config)
         self.catalog = Catalog(self._engine, config.node, lease_engine=self._lease_engine,
                                manifest_dir=config.home / "manifests")
@@ -96,10 +98,13 @@ class Database:
         self._writer = Writer(self.catalog, self._tiers, self._notifier,
                               default_tier=config.default_tier, workers=se.io_workers())
         self._placement = Placement(self.catalog, self._tiers)
-        self._maintenance = Maintenance(self.catalog, self._tiers,
-                                        scrub_interval=config.scrub_interval,
-                                        scrub_rate=config.scrub_rate)
+        self._maintenance = Maintenance(self.catalog, self._tiers)
+        self._scrub = BackgroundScrub(self._maintenance, self._tiers.marks.root,
+                                      interval=config.scrub_interval,
+                                      rate=config.scrub_rate, cpu=config.scrub_cpu,
+                                      node=config.node)
         self._closed = False
+        self._scrub.start()
 
     # -- plumbing ----------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -123,6 +128,7 @@ class Database:
         if self._closed:
             return
         self._closed = True
+        self._scrub.stop()
         for cache in self._kv_caches:
             cache.close()
         self._cluster.close()
@@ -357,14 +363,18 @@ class Database:
         where the last scrub of the store stopped (``max_bytes``: about that many, None:
         one full round; ``rate``: bytes a second at most; ``stop``: asked between
         segments), marking each that fails corrupt: no read begun afterwards returns
-        its bytes (docs/storage.md, "Integrity model"). Runs by default in a node server
-        and in ``gc``."""
+        its bytes (docs/storage.md, "Integrity model"). The store's background scrub
+        (one process per host, ``Config.scrub_cpu`` of a core) runs it by default."""
         self._check_open()
         return self._maintenance.scrub(max_bytes, rate=rate, stop=stop)
 
     def stats(self) -> dict[str, int]:
+        """The catalog's counts, the bytes of each tier of this node, and the host's
+        background scrub (``scrub_*``: the scrubbing process's pid, rounds completed,
+        bytes and segments of the current round, damage found, when the last round
+        ended, in Unix seconds)."""
         self._check_open()
-        return self._maintenance.stats()
+        return {**self._maintenance.stats(), **scrub_status(self._tiers.marks.root)}
 
     # -- formats and the other interfaces ------------------------------------------------
     def import_safetensors(self, collection: str, path: str | os.PathLike[str], *,

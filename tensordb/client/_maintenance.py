@@ -66,9 +66,6 @@ class ScrubReport:
     complete: bool = True
 
 
-#: the least a gc scrubs once it scrubs at all (fewer bytes wait for a later gc)
-_MIN_GC_SCRUB = 64 << 20
-
 #: the tiers a scrub reads (the GPU tier's bytes live in the writing process)
 _SCRUBBED = ("host", "disk")
 
@@ -88,15 +85,11 @@ def _by_segment(rows: list[tuple[str, int, TensorRow]]
 
 class Maintenance:
     """Retention, gc, verification, scrubs and usage figures over ``catalog`` and
-    ``tiers``. ``scrub_interval`` / ``scrub_rate``: how often, and how fast, ``gc``
-    scrubs (``Config``)."""
+    ``tiers`` (the store's background scrub is ``BackgroundScrub``'s, over ``scrub``)."""
 
-    def __init__(self, catalog: Catalog, tiers: Tiers, *, scrub_interval: float = 0.0,
-                 scrub_rate: int = 0) -> None:
+    def __init__(self, catalog: Catalog, tiers: Tiers) -> None:
         self._catalog = catalog
         self._tiers = tiers
-        self.scrub_interval = scrub_interval
-        self.scrub_rate = scrub_rate
 
     def drop_versions(self, collection: str, keep_last: int | None,
                       older_than: timedelta | None) -> int:
@@ -140,62 +133,58 @@ class Maintenance:
             if isinstance(tier, se.Pooling):
                 released += tier.trim_pool(None if keep_pool else 0)
                 pooled += tier.pooled_bytes()
-        self._scheduled_scrub()
         return GcReport(plan.dropped_versions, plan.dropped_rows, plan.expired_leases,
                         len(plan.dead_segments), freed, orphans, pooled, released)
 
-    def _scheduled_scrub(self) -> None:
-        """gc's share of the scrub: ``scrub_rate`` bytes for every second since the
-        store's last scrub step (by anyone: a node server's scrub leaves gc little to
-        do), at most one interval's worth, so processes that run gc often cover the
-        store as a node server does and each gc pays for the time since the last. The
-        clock starts at the store's first gc (a short-lived process pays nothing)."""
-        if self.scrub_interval <= 0 or self.scrub_rate <= 0:
-            return
-        last = self._tiers.marks.cursor()
-        if last is None:
-            self._tiers.marks.set_cursor("")
-            return
-        elapsed = min(max(0.0, time.time() - last[1]), self.scrub_interval)
-        budget = int(elapsed * self.scrub_rate)
-        if budget >= _MIN_GC_SCRUB or elapsed >= self.scrub_interval:
-            self.scrub(max_bytes=max(1, budget))
-
     def scrub(self, max_bytes: int | None = None, *, rate: int | None = None,
-              stop: Callable[[], bool] | None = None) -> ScrubReport:
-        """Hash this node's host- and disk-tier segments against the catalog, from where
-        the store's last scrub stopped, marking each one that fails corrupt (no read
-        begun afterwards serves it) and each good disk segment verified. ``max_bytes``:
-        stop after about that many bytes (None: one full round); ``rate``: read at most
-        that many bytes a second; ``stop``: asked between segments, True ends the scrub."""
+              stop: Callable[[], bool] | None = None,
+              pace: Callable[[int, list[Corruption]], bool] | None = None) -> ScrubReport:
+        """Hash the host- and disk-tier segments this node holds (its own and its
+        replicas) against the catalog, from where the store's last scrub stopped,
+        marking each extent that fails corrupt (no read begun afterwards serves it) and
+        each good disk segment verified. ``max_bytes``: stop after about that many bytes
+        (None: one full round); ``rate``: read at most that many bytes a second;
+        ``stop``: asked between segments, True ends the scrub; ``pace``: called after
+        each segment with its bytes and the damage found in it, True ends the scrub
+        (the background scrubber sleeps in it to keep to its share of a core)."""
         if max_bytes is not None and (isinstance(max_bytes, bool)
                                       or not isinstance(max_bytes, int) or max_bytes < 0):
             raise InvalidInput(f"max_bytes must be a non-negative integer or None, not "
                                f"{max_bytes!r}")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int)
+                                 or rate < 0):
+            raise InvalidInput(f"rate must be a non-negative integer or None, not {rate!r}")
         marks = self._tiers.marks
-        groups = [g for g in _by_segment(self._catalog.all_rows()) if g[1] in _SCRUBBED]
+        held = [(sid, tier) for sid, tier in self._catalog.held_segments()
+                if tier in _SCRUBBED]
         last = marks.cursor()
         after = last[0] if last is not None else ""
         # from the segment after the cursor, round to it
-        start = next((i for i, g in enumerate(groups) if g[0] > after), 0)
-        order = groups[start:] + groups[:start]
+        start = next((i for i, (sid, _) in enumerate(held) if sid > after), 0)
+        order = held[start:] + held[:start]
         problems: list[Corruption] = []
         done = nbytes = 0
         began = time.monotonic()
         complete = True
-        for sid, tier, rows in order:
+        for sid, tier in order:
             if (max_bytes is not None and nbytes >= max_bytes) or (stop is not None
                                                                    and stop()):
                 complete = False
                 break
-            problems += self._check_segment(sid, tier, rows, mark=True)
+            rows = self._catalog.all_rows(sid)  # the segment's own rows, one query
+            found = self._check_segment(sid, tier, rows, mark=True) if rows else []
+            problems += found
             done += 1
-            nbytes += sum(r.nbytes for _, _, r in rows)
+            size = sum(r.nbytes for _, _, r in rows)
+            nbytes += size
             marks.set_cursor(sid)
             if rate:
                 ahead = nbytes / rate - (time.monotonic() - began)
                 if ahead > 0:
                     time.sleep(ahead)
+            if pace is not None and pace(size, found) and sid != order[-1][0]:
+                complete = False
+                break
         return ScrubReport(done, nbytes, problems, complete)
 
     def _check_segment(self, sid: str, tier: str, rows: list[tuple[str, int, TensorRow]],
@@ -240,8 +229,9 @@ class Maintenance:
         return problems
 
     def verify(self) -> list[Corruption]:
-        """Check every stored extent of this node against its checksum; [] when all good.
-        A host- or disk-tier segment that fails is marked corrupt (docs/storage.md)."""
+        """Check every stored extent this node holds (its own segments and its
+        replicas) against its checksum; [] when all good. A host- or disk-tier segment
+        that fails is marked corrupt (docs/storage.md)."""
         problems: list[Corruption] = []
         for sid, tier, rows in _by_segment(self._catalog.all_rows()):
             problems += self._check_segment(sid, tier, rows, mark=tier in _SCRUBBED)

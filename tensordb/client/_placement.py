@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import storage_engine as se
@@ -231,8 +232,11 @@ class Placement:
     def move(self, segment_id: str, src: str, dst: str) -> bool:
         """Copy a segment to another tier, repoint the catalog, delete the old copy.
 
-        Readers that mapped the old copy keep it; readers that look the segment up
-        after the move find it in ``dst``."""
+        Every extent is hashed as it is copied and compared with the catalog's checksum:
+        the new copy is recorded as verified only for the bytes that matched, and an
+        extent that fails is marked corrupt (the move still frees the old tier; the
+        damage is refused in the new one). Readers that mapped the old copy keep it;
+        readers that look the segment up after the move find it in ``dst``."""
         source = self._tiers.store(src)
         try:
             mm = self._tiers.open(src, segment_id)
@@ -240,18 +244,60 @@ class Placement:
             return False
         except se.SourceChanged as exc:
             raise source_changed(exc) from exc
+        extents = self._catalog.segment_extents(segment_id)
         writer = self._tiers.store(dst).create(segment_id, len(mm))
         try:
-            se.copy(writer.buffer, mm.host_bytes())
+            bad = _copy_checked(writer.buffer, mm.host_bytes(), extents)
             del mm
             writer.finish()
             moved = self._catalog.move_segment(segment_id, src, dst)
         except BaseException:
             writer.abort()
             raise
+        for offset, why in bad:  # found on the way: never served, in either tier
+            self._tiers.marks.mark_corrupt(segment_id, offset, why)
         if not moved:  # someone else moved or dropped it first
             writer.abort()
             return False
         writer.release()
         source.delete(segment_id)
         return True
+
+
+def _copy_checked(dst: np.ndarray, src: np.ndarray,
+                  extents: Sequence[tuple[int, int, str, str]]) -> list[tuple[int, str]]:
+    """Copy ``src`` into ``dst`` (uint8, same length), hashing each extent (offset,
+    nbytes, checksum, what) as it is copied; the bytes between extents are copied as
+    they are. Returns (offset, why) of each extent that fails, or lies past the end."""
+    bad: list[tuple[int, str]] = []
+    size = src.shape[0]
+    pos = 0
+    seen: set[tuple[int, int]] = set()
+    for offset, nbytes, expected, what in sorted(extents):
+        if not nbytes or (offset, nbytes) in seen:
+            continue
+        seen.add((offset, nbytes))
+        if offset + nbytes > size:
+            bad.append((offset, f"{what}: extent [{offset}, {offset + nbytes}) ends past "
+                                f"the {size}-byte segment (truncated)"))
+            continue
+        if offset < pos:  # overlaps the extent before it: the rest copied, then hashed
+            end = offset + nbytes
+            if end > pos:
+                se.copy(dst[pos:end], src[pos:end])
+                pos = end
+            got = se.checksum(dst[offset:end])
+            if got != expected:
+                bad.append((offset, f"{what}: checksum {got} != {expected} (found while "
+                                    f"moving tiers)"))
+            continue
+        if offset > pos:
+            se.copy(dst[pos:offset], src[pos:offset])
+        got = se.copy_and_checksum(dst[offset:offset + nbytes], src[offset:offset + nbytes])
+        if got != expected:
+            bad.append((offset, f"{what}: checksum {got} != {expected} (found while "
+                                f"moving tiers)"))
+        pos = offset + nbytes
+    if pos < size:
+        se.copy(dst[pos:size], src[pos:size])
+    return bad

@@ -76,6 +76,11 @@ class Reader:
                            collection=collection, tensor=name, version=v)
         return self.materialize(collection, rows, verify=verify)[name]
 
+    def marks_generation(self) -> int:
+        """The host's count of corrupt marks so far: a look-up made when it was lower
+        must look at the marks again (a load from a shared mapping, ~0.2 µs)."""
+        return self._tiers.marks.generation()
+
     def marked(self, segment_id: str) -> dict[int, str] | None:
         """The segment's extents marked corrupt (offset -> why), by any process of the
         host; None when none is. Read once per segment per read."""

@@ -69,6 +69,10 @@ class Snapshot:
                  store_open: Callable[[], bool]) -> None:
         self._reader = reader
         self._catalog = reader.catalog
+        #: the marks' count before any tensor of this snapshot was made: a tensor made
+        #: earlier is looked at again when the count has moved since (a mark made after
+        #: it was made refuses it, as a mark refuses a new read)
+        self._gen = reader.marks_generation()
         self._store_open = store_open
         self.device = device
         self.collection = collection
@@ -125,7 +129,10 @@ class Snapshot:
     def __getitem__(self, name: str) -> torch.Tensor:
         self._check()
         t = self._cache.get(name)
-        if t is None:
+        if t is not None:
+            if self._reader.marks_generation() != self._gen:
+                self._refuse_marked([name])
+        else:
             row = self._rows.get(name)
             if row is None:
                 raise NotFound(f"collection {self.collection!r} version {self.version} has no "
@@ -135,6 +142,24 @@ class Snapshot:
                 self.collection, [row], verify=self._verify, maps=self._maps,
                 shards=self._all_shards() if _is_sharded(row) else None)[name])
         return t
+
+    def _refuse_marked(self, names: Iterable[str]) -> None:
+        """CorruptData for the first of ``names`` (tensors this snapshot made earlier)
+        whose extents, or any of whose shards, were marked corrupt since: no read begun
+        after a mark returns its bytes, also from this snapshot's own cache."""
+        marks: dict[str, dict[int, str] | None] = {}
+        for name in names:
+            row = self._rows[name]
+            if _is_sharded(row):
+                parts = [(sh.segment_id, sh.offset) for sh in self._shards_of(row)]
+            else:
+                parts = [(row.segment_id, row.offset)]
+            for sid, offset in parts:
+                if sid is None:
+                    continue
+                if sid not in marks:
+                    marks[sid] = self._reader.marked(sid)
+                self._reader.refuse(self.collection, name, sid, offset, marks[sid])
 
     def verified(self, name: str) -> torch.Tensor:
         """The tensor ``name`` with its bytes (each shard's, for a sharded tensor)
@@ -246,14 +271,21 @@ class Snapshot:
             pseudo = TensorRow(row.name, row.dtype, (n,), n * item, "", sid,
                                base + s_start * item, tier, row.first_version)
             runs.append((pseudo, flat[d_start * item:(d_start + n) * item]))
-        # the marks are keyed by whole extents; a run is part of one
-        marks: dict[str, dict[int, str] | None] = {}
-        for i in {i for i, _, _ in box_copies([(b[0], b[1]) for b in boxes], off, shp)}:
-            sid, base = boxes[i][2], boxes[i][3]
-            if sid is not None:
-                if sid not in marks:
-                    marks[sid] = self._reader.marked(sid)
-                self._reader.refuse(self.collection, row.name, sid, base, marks[sid])
+        # the marks are keyed by whole extents (a run is part of one): looked up by the
+        # extent's start before the read, and again after it, since the first open of a
+        # disk segment (inside the read) may have marked the extent just now
+        met = {i for i, _, _ in box_copies([(b[0], b[1]) for b in boxes], off, shp)}
+
+        def refuse_marked() -> None:
+            marks: dict[str, dict[int, str] | None] = {}
+            for i in met:
+                sid, base = boxes[i][2], boxes[i][3]
+                if sid is not None:
+                    if sid not in marks:
+                        marks[sid] = self._reader.marked(sid)
+                    self._reader.refuse(self.collection, row.name, sid, base, marks[sid])
+
+        refuse_marked()
         left = {id(r) for r in self._reader.read_into(self.collection, runs, verify=False)}
         with torch.no_grad():
             for r, dst_bytes in runs:
@@ -268,6 +300,7 @@ class Snapshot:
                 else:
                     piece = self[row.name][src]
                 out[dst].copy_(piece)
+        refuse_marked()
         return out
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
@@ -544,6 +577,8 @@ class StateDict(Mapping[str, torch.Tensor]):
         snap = self._snap
         t = snap._cache.get(name)
         if t is not None:
+            if snap._reader.marks_generation() != snap._gen:
+                snap._refuse_marked([name])
             return t
         if name not in snap._rows:
             raise NotFound(f"collection {snap.collection!r} version {snap.version} has no "
@@ -561,6 +596,8 @@ class StateDict(Mapping[str, torch.Tensor]):
 
     def _all(self) -> dict[str, torch.Tensor]:
         snap = self._snap
+        if snap._cache and snap._reader.marks_generation() != snap._gen:
+            snap._refuse_marked(list(snap._cache))  # made before a mark
         snap._materialize(None, self._maps)
         cache = snap._cache
         if len(cache) < len(snap._rows):  # the sharded rows, assembled
