@@ -179,6 +179,13 @@ class NodeService:
                               node=self.node) from exc
         data = memoryview(mm.host_bytes())  # a view on the host, a copy from a device
         if offset + length > len(data):
+            info = self.directory.segment(sid)
+            if info is not None and offset + length <= info.nbytes:
+                # the catalog records more bytes than the file holds: damage, not a bad
+                # request (the pulling node must not take it for one, nor keep anything)
+                raise CorruptData(f"node {self.node!r} cannot serve segment {sid}: its "
+                                  f"file holds {len(data)} of its {info.nbytes} bytes "
+                                  f"(truncated)", node=self.node)
             raise InvalidInput(f"segment {sid} has {len(data)} bytes; asked for "
                                f"[{offset}, {offset + length})", node=self.node)
         return data, offset, length, tier
