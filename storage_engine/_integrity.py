@@ -24,6 +24,7 @@ import fcntl
 import mmap
 import os
 import struct
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -89,11 +90,15 @@ class Marks:
             os.close(fd)
             raise
         try:
-            self._gen_map: mmap.mmap | None = mmap.mmap(fd, 8, mmap.MAP_SHARED,
-                                                        mmap.PROT_READ)
+            gen_map = mmap.mmap(fd, 8, mmap.MAP_SHARED, mmap.PROT_READ)
         except BaseException:
             os.close(fd)
             raise
+        #: the counter as one native 64-bit integer (the file's layout is little-endian):
+        #: ``counter()[0]`` is the cheapest look there is, for readers that look per access
+        self._gen_view: memoryview | None = (memoryview(gen_map).cast("Q")
+                                             if sys.byteorder == "little" else None)
+        self._gen_map: mmap.mmap | None = gen_map
         self._gen_fd: int | None = fd
         self._seen = -1  # the generation the cache below was listed at
         self._marked: dict[str, dict[int, str]] = {}
@@ -103,20 +108,26 @@ class Marks:
         """Let go of the counter's descriptor (later looks open the file). Idempotent."""
         with self._lock:
             fd, self._gen_fd = self._gen_fd, None
-            gen_map, self._gen_map = self._gen_map, None
-        if gen_map is not None:
-            gen_map.close()
+            # the mapping is let go of, not closed: a snapshot may still hold its view
+            # (``counter``) and look at it after the store closed; it goes with the view
+            self._gen_map = self._gen_view = None
         if fd is not None:
             os.close(fd)
 
+    def counter(self) -> memoryview | None:
+        """The shared counter as a one-item view (``view[0]``: the count now), for a
+        reader that looks per access; None on a closed store or a big-endian host
+        (use ``generation``)."""
+        return self._gen_view
+
     def generation(self) -> int:
         """The counter of corrupt marks made in the store so far (this boot)."""
+        view = self._gen_view
+        if view is not None:
+            return int(view[0])
         gen_map = self._gen_map
         if gen_map is not None:
-            try:
-                return int(_COUNTER.unpack_from(gen_map)[0])
-            except ValueError:  # unmapped meanwhile: read the file below
-                pass
+            return int(_COUNTER.unpack_from(gen_map)[0])
         # closed: tensors of a closed store may still be read
         fd = os.open(self._gen_path, os.O_RDONLY | os.O_CLOEXEC)
         try:

@@ -78,8 +78,14 @@ class Reader:
 
     def marks_generation(self) -> int:
         """The host's count of corrupt marks so far: a look-up made when it was lower
-        must look at the marks again (a load from a shared mapping, ~0.2 µs)."""
+        must look at the marks again (a load from a shared mapping)."""
         return self._tiers.marks.generation()
+
+    def marks_counter(self) -> memoryview | None:
+        """The shared counter as a one-item view (``view[0]``: ``marks_generation``
+        now), the cheapest look there is, for a snapshot that looks on every access to
+        a tensor it made; None where there is no such view (``marks_generation``)."""
+        return self._tiers.marks.counter()
 
     def marked(self, segment_id: str) -> dict[int, str] | None:
         """The segment's extents marked corrupt (offset -> why), by any process of the

@@ -73,6 +73,7 @@ class Snapshot:
         #: earlier is looked at again when the count has moved since (a mark made after
         #: it was made refuses it, as a mark refuses a new read)
         self._gen = reader.marks_generation()
+        self._counter = reader.marks_counter()
         self._store_open = store_open
         self.device = device
         self.collection = collection
@@ -130,7 +131,8 @@ class Snapshot:
         self._check()
         t = self._cache.get(name)
         if t is not None:
-            if self._reader.marks_generation() != self._gen:
+            c = self._counter  # a mark made since the snapshot opened: looked at again
+            if (c[0] if c is not None else self._reader.marks_generation()) != self._gen:
                 self._refuse_marked([name])
         else:
             row = self._rows.get(name)
@@ -142,6 +144,12 @@ class Snapshot:
                 self.collection, [row], verify=self._verify, maps=self._maps,
                 shards=self._all_shards() if _is_sharded(row) else None)[name])
         return t
+
+    def _marks_moved(self) -> bool:
+        """Whether a corrupt mark was made on the host since the snapshot opened."""
+        counter = self._counter
+        now = counter[0] if counter is not None else self._reader.marks_generation()
+        return bool(now != self._gen)
 
     def _refuse_marked(self, names: Iterable[str]) -> None:
         """CorruptData for the first of ``names`` (tensors this snapshot made earlier)
@@ -577,7 +585,8 @@ class StateDict(Mapping[str, torch.Tensor]):
         snap = self._snap
         t = snap._cache.get(name)
         if t is not None:
-            if snap._reader.marks_generation() != snap._gen:
+            c = snap._counter  # a mark made since the snapshot opened: looked at again
+            if (c[0] if c is not None else snap._reader.marks_generation()) != snap._gen:
                 snap._refuse_marked([name])
             return t
         if name not in snap._rows:
@@ -596,7 +605,7 @@ class StateDict(Mapping[str, torch.Tensor]):
 
     def _all(self) -> dict[str, torch.Tensor]:
         snap = self._snap
-        if snap._cache and snap._reader.marks_generation() != snap._gen:
+        if snap._cache and snap._marks_moved():
             snap._refuse_marked(list(snap._cache))  # made before a mark
         snap._materialize(None, self._maps)
         cache = snap._cache
