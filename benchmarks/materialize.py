@@ -70,7 +70,8 @@ def shm_mappings(shm_dir: str) -> list[tuple[int, int, str]]:
     with open("/proc/self/maps") as fh:
         for line in fh:
             parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].strip().startswith(shm_dir + "/"):
+            path = parts[5].strip() if len(parts) == 6 else ""
+            if path.startswith(shm_dir + "/") and path.endswith(".seg"):  # segments only
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 out.append((lo, hi, parts[1]))
     return out
