@@ -26,22 +26,28 @@ version.
 This module sits below the client facade and the transport (it knows catalog rows and
 storage views, nothing above them) and needs no torch. A segment becomes an Arrow buffer
 through ``storage_engine.arrow_buffer``.
+
+The integrity gate of the layout (docs/storage.md, "Integrity model") is ``refuse``: an
+extent past the end of its segment (a truncated file) or marked corrupt on this host is
+``CorruptData`` naming the tensor, never a slice. ``tensors_table`` applies it to every
+row it slices (the marks through ``marked``, when given), and a stream that sends the
+table later applies it again per batch (``_version_reads``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 import storage_engine as se
 from tensordb.catalog import TensorRow
-from tensordb.errors import InvalidInput
+from tensordb.errors import CorruptData, InvalidInput
 
-__all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "ViewOf", "arrow_tensor", "blocks_table",
-           "numpy_dtype", "tensors_table"]
+__all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "MarksOf", "ViewOf", "arrow_tensor",
+           "blocks_table", "numpy_dtype", "refuse", "tensors_table"]
 
 #: the version of the layout, in the table's metadata
 LAYOUT = "1"
@@ -81,6 +87,29 @@ _FALLBACK = {
 
 #: a segment's view on this node, given (segment id, the tier its row names)
 ViewOf = Callable[[str, str], se.SegmentView]
+#: a segment's extents marked corrupt on this host (offset -> why; ``storage_engine.WHOLE``:
+#: all of them), or None when none is (``storage_engine.Marks.corrupt``)
+MarksOf = Callable[[str], Mapping[int, str] | None]
+
+
+def refuse(collection: str, name: str, segment_id: str, offset: int, nbytes: int,
+           size: int | None, bad: Mapping[int, str] | None) -> None:
+    """CorruptData naming ``collection``/``name`` when its extent (``offset``, ``nbytes``)
+    ends past the ``size`` bytes its segment holds (a truncated file; None: not looked
+    at) or is among the segment's marked extents ``bad``: no slice of it is made. The
+    client's reader words the same refusals the same way."""
+    end = offset + nbytes
+    if size is not None and end > size:
+        raise CorruptData(f"{collection}/{name}: its extent ends at byte {end} of segment "
+                          f"{segment_id}, which holds {size} (truncated); not served",
+                          collection=collection, tensor=name)
+    if bad:
+        why = bad.get(offset) or bad.get(se.WHOLE)
+        if why is not None:
+            what = "fail their checksum" if "checksum" in why else "are corrupt"
+            raise CorruptData(f"{collection}/{name}: stored bytes {what} (segment "
+                              f"{segment_id}, marked by an earlier check: {why}); "
+                              f"not served", collection=collection, tensor=name)
 
 
 def numpy_dtype(dtype: str) -> tuple[np.dtype, int]:
@@ -144,17 +173,22 @@ def _chunk_per_value(datas: Sequence[pa.Buffer], sizes: np.ndarray) -> pa.Chunke
 
 
 def tensors_table(rows: Sequence[TensorRow], view_of: ViewOf, *, collection: str,
-                  version: int, whole_of: Callable[[TensorRow], pa.Buffer] | None = None
-                  ) -> pa.Table:
+                  version: int, whole_of: Callable[[TensorRow], pa.Buffer] | None = None,
+                  marked: MarksOf | None = None) -> pa.Table:
     """The layout above for ``rows``; ``view_of`` gives a segment's view on this node
     (called once per segment). Zero-copy on the host: each ``data`` value is a slice of
     one Arrow buffer over the segment's mapping. A device view's rows are copied to the
     host one by one, never its whole segment. ``whole_of`` gives the bytes of a sharded
-    row (no segment of its own, some bytes), assembled from its shards."""
+    row (no segment of its own, some bytes), assembled from its shards.
+
+    Every row passes ``refuse`` before it is sliced: CorruptData for an extent past the
+    end of its segment, or one of those ``marked`` reports (looked at once per segment,
+    after ``view_of``, whose first open of a disk segment may just have marked some)."""
     _check_rows(rows)
     sizes = np.fromiter((r.nbytes for r in rows), np.int64, count=len(rows))
     empty = pa.py_buffer(b"")
     views: dict[str, se.SegmentView] = {}
+    bads: dict[str, Mapping[int, str] | None] = {}
     buffers: dict[str, pa.Buffer] = {}
     datas = []
     for r in rows:
@@ -168,11 +202,15 @@ def tensors_table(rows: Sequence[TensorRow], view_of: ViewOf, *, collection: str
                 continue
             datas.append(empty)
             continue
+        view = views.get(r.segment_id)
+        if view is None:
+            view = views[r.segment_id] = view_of(r.segment_id, r.tier or "host")
+            bads[r.segment_id] = marked(r.segment_id) if marked is not None else None
+        bad = bads[r.segment_id]
+        if bad or r.offset + r.nbytes > len(view):  # the common case costs no call
+            refuse(collection, r.name, r.segment_id, r.offset, r.nbytes, len(view), bad)
         buf = buffers.get(r.segment_id)
         if buf is None:
-            view = views.get(r.segment_id)
-            if view is None:
-                view = views[r.segment_id] = view_of(r.segment_id, r.tier or "host")
             if view.on_device:  # this row's bytes come up, not the segment's
                 datas.append(se.arrow_buffer(view, r.offset, r.nbytes))
                 continue

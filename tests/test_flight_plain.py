@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from conftest import open_store, remove_store
 import tensordb
 import transport
 from tensordb.catalog import NodeDirectory
-from tensordb.errors import InvalidInput, NotFound, TensorDBError
+from tensordb.errors import CorruptData, InvalidInput, NotFound, TensorDBError
 from transport._base import error_from_text
 
 TOKEN = "plain-flight-token"
@@ -362,3 +363,186 @@ def test_a_segment_held_by_another_node_is_pulled_first(tmp_path: Path) -> None:
             srv.close()
         remove_store(r)
         remove_store(w)
+
+
+# -- damage: the integrity gate (docs/storage.md, "Integrity model") ---------------------
+# A pyarrow-only process reads each ticket and reports its rows, or the Flight error it
+# got: its class and the first line of its message (what such a user sees).
+PLAIN_DAMAGE_CLIENT = PLAIN_CLIENT.split("out = {")[0] + textwrap.dedent("""
+    out = {"reads": []}
+    for t in args["tickets"]:
+        try:
+            out["reads"].append(read(json.dumps(t).encode()))
+        except fl.FlightError as exc:
+            out["reads"].append({"error": type(exc).__name__, "text": str(exc)})
+    out["leaked"] = sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED)
+    print(json.dumps(out))
+""")
+
+A = torch.arange(8192, dtype=torch.float32)  # the tensor that is damaged
+B = torch.full((2048,), 7, dtype=torch.int64)  # after it in the same segment
+A2 = A * 2
+OTHER = {"x": torch.linspace(0, 1, 300)}
+
+
+def _plain_reads(server: transport.NodeServer, tickets: list[dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    args = {"location": f"grpc+tcp://127.0.0.1:{server.port}", "token": TOKEN,
+            "tickets": tickets}
+    proc = subprocess.run([sys.executable, "-I", "-c", PLAIN_DAMAGE_CLIENT, json.dumps(args)],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["leaked"] == []
+    reads: list[dict[str, Any]] = out["reads"]
+    return reads
+
+
+def _extent(db: tensordb.Database, collection: str, name: str, version: int = 1
+            ) -> tuple[str, int]:
+    with db.snapshot(collection, version=version) as snap:
+        sid, offset, _ = snap.extents()[name]
+    assert sid is not None
+    return sid, offset
+
+
+def _flip(path: Path, at: int, *, mtime_kept: bool) -> None:
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    later = st.st_mtime_ns + (0 if mtime_kept else 10**9)
+    os.utime(path, ns=(st.st_atime_ns, later))
+
+
+def _refused(read: dict[str, Any], kind: type[TensorDBError], tensor: str, says: str) -> None:
+    """The read got a Flight error whose first line names the class, the collection and
+    tensor and ``says``; its payload rebuilds the typed error; no traceback."""
+    assert "rows" not in read, f"damaged bytes served: {read}"
+    assert read["error"] == "FlightServerError", read
+    text = read["text"]
+    first = text.splitlines()[0]
+    assert first.startswith(f"{kind.__name__}: {tensor}: ") and says in first, text
+    assert "Traceback" not in text and 'File "' not in text
+    typed = error_from_text(text, "n1")
+    assert isinstance(typed, kind)
+    assert f"{typed.collection}/{typed.tensor}" == tensor  # type: ignore[attr-defined]
+
+
+DAMAGE_CASES = [
+    # (tier, damage, how the store learns of it)
+    ("host", "flip", "scrub"),
+    ("disk", "flip, mtime changed", "first open"),
+    ("host", "truncate", "read"),
+    ("disk", "truncate", "first open"),
+    ("host", "unlink", "read"),
+    ("disk", "unlink", "read"),
+]
+
+
+@pytest.mark.parametrize(("tier", "damage", "found_by"), DAMAGE_CASES)
+def test_a_pyarrow_only_client_never_gets_damaged_bytes(  # type: ignore[no-untyped-def]
+        tmp_path: Path, tier: str, damage: str, found_by: str) -> None:
+    """v1 = {a, b} in one segment, a damaged; v2 replaced a and kept b's extent; "other"
+    lies in a segment of its own. A version is read whole: one refused extent fails
+    its stream (before any batch), and every version without that extent is served."""
+    db = open_store(tmp_path / "n1", node="n1", default_tier=tier)
+    srv = None
+    try:
+        db.commit("m", {"a": A, "b": B})
+        db.commit("m", {"a": A2})  # b carried over: the same extent as v1's
+        db.commit("other", OTHER)
+        sid, offset = _extent(db, "m", "a")
+        assert _extent(db, "m", "b", 2)[0] == sid and _extent(db, "m", "a", 2)[0] != sid
+        path = db.tier(tier).path(sid)  # type: ignore[attr-defined]
+        marks = db.tier("host").marks  # type: ignore[attr-defined]
+        if damage.startswith("flip"):
+            _flip(path, offset + 5, mtime_kept=damage == "flip")
+        elif damage == "truncate":
+            os.truncate(path, offset + 8)
+        else:
+            os.unlink(path)
+        if found_by == "scrub":
+            assert db.scrub().corrupt  # the check that finds a host-tier flip
+            assert offset in marks.corrupt(sid)
+        else:
+            assert marks.corrupt(sid) is None  # nothing knows yet: the read finds out
+        srv = transport.NodeServer(db, token=TOKEN, timeout=2.0)
+        v1, v1_again, v2, other = _plain_reads(srv, [
+            {"collection": "m", "version": 1}, {"collection": "m", "version": 1},
+            {"collection": "m", "version": 2}, {"collection": "other"}])
+        assert _got(other) == _expected(OTHER)
+        if damage == "unlink":
+            for read, tensor in ((v1, "m/a"), (v1_again, "m/a"), (v2, "m/b")):
+                _refused(read, NotFound, tensor, "its file is gone")
+        elif damage == "truncate":
+            for read, tensor in ((v1, "m/a"), (v1_again, "m/a"), (v2, "m/b")):
+                # found by the read (host) or marked by the first open (disk)
+                _refused(read, CorruptData, tensor, "truncated" if tier == "host"
+                         else "not served")
+            assert (marks.corrupt(sid) is not None) == (tier == "disk")
+        else:
+            _refused(v1, CorruptData, "m/a", "fail their checksum")
+            _refused(v1_again, CorruptData, "m/a", "fail their checksum")
+            assert _got(v2) == _expected({"a": A2, "b": B})  # b's extent is good
+            assert set(marks.corrupt(sid)) == {offset}  # the first open marked a only
+        _await_no_leases(db)
+    finally:
+        if srv is not None:
+            srv.close()
+        remove_store(db)
+
+
+def test_a_mark_made_while_a_stream_runs_stops_it_at_that_tensor(store, server) -> None:  # type: ignore[no-untyped-def]
+    """A stream begun before the mark sends what it sent; the next batch of a marked
+    tensor is refused, through the same Flight error."""
+    db = store[0]
+    db.commit("big", BIG)
+    sid, offset = _extent(db, "big", "layer.47")
+    with _client(server) as client:
+        reader = client.do_get(_ticket({"collection": "big", "version": 1}), _options())
+        first = reader.read_chunk().data
+        assert first.column("name")[0].as_py() == "layer.00"
+        _flip(db.tier("host").path(sid), offset + 3, mtime_kept=True)  # type: ignore[attr-defined]
+        assert db.scrub().corrupt
+        with pytest.raises(fl.FlightServerError) as info:
+            reader.read_all()
+    first_line = str(info.value).splitlines()[0]
+    assert first_line.startswith("CorruptData: big/layer.47: stored bytes fail their checksum")
+    _await_no_leases(db)
+    with _client(server) as client, pytest.raises(fl.FlightServerError, match="big/layer.47"):
+        client.do_get(_ticket({"collection": "big"}), _options()).read_all()
+
+
+def test_a_damaged_shard_is_refused_and_marked(store, server) -> None:  # type: ignore[no-untyped-def]
+    """A sharded tensor is assembled from its shards, each hashed: a flip no check has
+    seen is found by the stream itself and marked; a marked shard is refused before it
+    is read."""
+    db = store[0]
+    w = torch.arange(120, dtype=torch.float32).reshape(12, 10)
+    with db.transaction("s") as tx:
+        tx.put_shard("w", w[:, :4], global_shape=(12, 10), offsets=(0, 0))
+        tx.put_shard("w", w[:, 4:], global_shape=(12, 10), offsets=(0, 4))
+    with _client(server) as client:
+        table = client.do_get(_ticket({"collection": "s"}), _options()).read_all()
+        assert hashlib.sha256(table.column("data")[0].as_buffer()).hexdigest() == _sha(w)
+        cid = db.catalog.require("s").id
+        (row,) = db.catalog.manifest(cid, 1)
+        shard = db.catalog.shards(cid, [row])["w"][1]
+        assert shard.segment_id is not None
+        marks = db.tier("host").marks  # type: ignore[attr-defined]
+        _flip(db.tier("host").path(shard.segment_id), shard.offset + 2,  # type: ignore[attr-defined]
+              mtime_kept=True)
+        assert marks.corrupt(shard.segment_id) is None
+        with pytest.raises(fl.FlightServerError) as info:
+            client.do_get(_ticket({"collection": "s"}), _options()).read_all()
+        assert str(info.value).startswith("CorruptData: s/w: a shard's bytes fail their "
+                                          "checksum")
+        assert shard.offset in marks.corrupt(shard.segment_id)  # the stream marked it
+        with pytest.raises(fl.FlightServerError) as info:
+            client.do_get(_ticket({"collection": "s"}), _options()).read_all()
+        assert str(info.value).startswith("CorruptData: s/w: stored bytes fail their "
+                                          "checksum (segment ")  # refused by its mark
+    _await_no_leases(db)

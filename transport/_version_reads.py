@@ -13,6 +13,19 @@ are slices of the segments' mappings (``tensordb.arrow``): nothing is copied in 
 process; gRPC copies each batch once into its send buffers (docs: "what is copied").
 A segment this node does not hold is pulled first from a node that does (``pull_segment``,
 as a tensordb client's read on this node would), then served from the local tier.
+
+Integrity (docs/storage.md, "Integrity model"): the stream passes the gate a tensordb
+client's read does. Each segment is opened through its tier, so a disk segment's first
+open per boot hashes its extents (and marks those that fail) before anything is sliced;
+then every extent is refused with ``CorruptData`` naming the collection and tensor when
+it is marked corrupt on this host (by that first open, the scrub, ``verify``, a move, a
+client's check) or lies past the end of its segment's file (truncated). A segment whose
+file is gone is ``NotFound``. Those are raised before the first batch, so the client gets
+an error and no bytes. The marks are looked at again before each batch is sent (a load
+of the shared counter while no mark is made), so a mark made while a stream runs stops
+it at the next marked tensor. A sharded row's shards are hashed as they are assembled.
+A version is read whole: one refused tensor fails the stream, and the versions that do
+not hold that extent (a later commit that replaced it) are still served.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 import storage_engine as se
-from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, numpy_dtype, tensors_table
+from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, numpy_dtype, refuse, tensors_table
 from tensordb.catalog import NodeDirectory, TensorRow, box_copies
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
@@ -96,11 +109,14 @@ class VersionReads:
         lease, info, v, rows = self.db.catalog.open_snapshot(
             collection, version, tag, se.current_holder(), self.db.config.lease_ttl)
         try:
-            table = self.table(list(rows.values()), collection, v, info.id)
+            listed = list(rows.values())
+            table = self.table(listed, collection, v, info.id)
         except BaseException:
             self._release(lease)
             raise
-        batches = _leased(table, lambda: self._release(lease))
+        marks = self._marks()
+        batches = _leased(table, listed, lambda row: _refuse_marked(collection, row, marks),
+                          lambda: self._release(lease))
         return fl.GeneratorStream(table.schema, guard(batches) if guard else batches)
 
     def table(self, rows: list[TensorRow], collection: str, version: int,
@@ -115,6 +131,11 @@ class VersionReads:
                                version=version, tensor=big.name)
         sharded = [r for r in rows if r.segment_id is None and r.nbytes]
         shards = self.db.catalog.shards(cid, sharded) if sharded and cid is not None else {}
+        marks = self._marks()
+        first: dict[str, str] = {}  # segment id -> its first row: what errors name
+        for r in rows:
+            if r.segment_id is not None:
+                first.setdefault(r.segment_id, r.name)
 
         def whole(row: TensorRow) -> pa.Buffer:
             """A sharded row assembled from its shards' bytes on this node."""
@@ -129,22 +150,39 @@ class VersionReads:
                                           (0,) * len(row.shape), row.shape):
                 sh = got[i]
                 assert sh.segment_id is not None
-                view = self._segment(sh.segment_id, sh.tier or "host")
+                view = self._segment(sh.segment_id, sh.tier or "host", collection, row.name)
+                refuse(collection, row.name, sh.segment_id, sh.offset, sh.nbytes, len(view),
+                       marks.corrupt(sh.segment_id) if marks is not None else None)
                 data = np.frombuffer(view.host_bytes(sh.offset, sh.nbytes), np.uint8)
-                if se.checksum(data) != sh.checksum:
+                found = se.checksum(data)
+                if found != sh.checksum:
+                    why = f"{collection}/{row.name}: checksum {found} != {sh.checksum}"
+                    if marks is not None:  # as a client's check: no read serves it now
+                        marks.mark_corrupt(sh.segment_id, sh.offset, why)
                     raise CorruptData(f"{collection}/{row.name}: a shard's bytes fail their "
-                                      f"checksum; not served", collection=collection,
-                                      tensor=row.name)
+                                      f"checksum (expected {sh.checksum}, found {found}); "
+                                      f"not served", collection=collection, tensor=row.name)
                 out[dst] = data.reshape(*sh.shape, item)[src]
             return pa.py_buffer(out)
 
-        return tensors_table(rows, self._segment, collection=collection, version=version,
-                             whole_of=whole)
+        return tensors_table(
+            rows, lambda sid, tier: self._segment(sid, tier, collection, first[sid]),
+            collection=collection, version=version, whole_of=whole,
+            marked=marks.corrupt if marks is not None else None)
 
-    def _segment(self, segment_id: str, tier: str) -> se.SegmentView:
+    def _marks(self) -> se.Marks | None:
+        """The store's integrity marks: one set for every tier of a store (the GPU tier
+        keeps none of its own), reached through the host tier."""
+        marks = getattr(self.db.tier("host"), "marks", None)
+        return marks if isinstance(marks, se.Marks) else None
+
+    def _segment(self, segment_id: str, tier: str, collection: str, tensor: str
+                 ) -> se.SegmentView:
         """A segment's view on this node (pulled here first when another node holds
         it); ``tier`` is where its writer put it, not necessarily where it is here. A
-        segment that moves between tiers meanwhile (an eviction) is looked up again."""
+        segment that moves between tiers meanwhile (an eviction) is looked up again.
+        Opened through the tier, so a disk segment's first open per boot verifies it.
+        Errors name ``collection``/``tensor`` (a tensor whose bytes are in it)."""
         for _ in range(3):
             here = self.directory.local_tier(segment_id, self.node) or self.pull(segment_id)
             try:
@@ -152,10 +190,13 @@ class VersionReads:
             except se.SegmentMissing:
                 continue
             except se.SourceChanged as exc:  # committed in place; the file changed since
-                raise CorruptData(f"node {self.node!r} cannot serve segment {segment_id}: "
-                                  f"{exc}", node=self.node) from exc
-        raise NotFound(f"node {self.node!r} lost the bytes of segment {segment_id}",
-                       node=self.node)
+                raise CorruptData(f"{collection}/{tensor}: node {self.node!r} cannot serve "
+                                  f"segment {segment_id}: {exc}; not served",
+                                  collection=collection, tensor=tensor,
+                                  node=self.node) from exc
+        raise NotFound(f"{collection}/{tensor}: node {self.node!r} lost the bytes of "
+                       f"segment {segment_id} (its file is gone)", collection=collection,
+                       tensor=tensor, node=self.node)
 
     def _release(self, lease: str) -> None:
         try:
@@ -199,15 +240,33 @@ class VersionReads:
                      {"head": v == info.head, "tags": tags, "message": commit.message})
 
 
-def _leased(table: pa.Table, release: Callable[[], None]) -> Iterator[pa.RecordBatch]:
-    """The table's batches (one per tensor: the ``data`` column has a chunk per row);
+def _refuse_marked(collection: str, row: TensorRow, marks: se.Marks | None) -> None:
+    """The gate again, as a row's batch is about to be sent: CorruptData when its extent
+    was marked since the table was made (a load of the shared counter and a dict look-up
+    while no mark is made; the file's length was looked at when the table was made)."""
+    if marks is None or row.segment_id is None or not row.nbytes:
+        return  # no marks kept, no bytes, or a sharded row: assembled and hashed already
+    bad = marks.corrupt(row.segment_id)
+    if bad:
+        refuse(collection, row.name, row.segment_id, row.offset, row.nbytes, None, bad)
+
+
+def _leased(table: pa.Table, rows: list[TensorRow], gate: Callable[[TensorRow], None],
+            release: Callable[[], None]) -> Iterator[pa.RecordBatch]:
+    """The table's batches (one per tensor: the ``data`` column has a chunk per row),
+    each sent after ``gate`` passed its rows (``rows``: the table's, in order);
     ``release`` runs once, when the last is sent, the stream fails, or Flight drops the
     generator before or while it runs (the finalizer covers a generator never started)."""
     done = None
 
     def batches() -> Iterator[pa.RecordBatch]:
         try:
-            yield from table.to_batches()
+            pos = 0
+            for batch in table.to_batches():
+                for row in rows[pos : pos + batch.num_rows]:
+                    gate(row)
+                pos += batch.num_rows
+                yield batch
         finally:
             assert done is not None
             done()
