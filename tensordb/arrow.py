@@ -47,7 +47,7 @@ from tensordb.catalog import TensorRow
 from tensordb.errors import CorruptData, InvalidInput
 
 __all__ = ["BLOCK_SCHEMA", "LAYOUT", "TENSOR_SCHEMA", "MarksOf", "ViewOf", "arrow_tensor",
-           "blocks_table", "numpy_dtype", "refuse", "tensors_table"]
+           "blocks_table", "numpy_dtype", "refuse", "tensors_table", "truncated"]
 
 #: the version of the layout, in the table's metadata
 LAYOUT = "1"
@@ -92,6 +92,15 @@ ViewOf = Callable[[str, str], se.SegmentView]
 MarksOf = Callable[[str], Mapping[int, str] | None]
 
 
+def truncated(collection: str, name: str, segment_id: str, end: int,
+              size: int) -> CorruptData:
+    """The error of a read whose extent ends at ``end``, past the ``size`` bytes its
+    segment's file holds."""
+    return CorruptData(f"{collection}/{name}: its extent ends at byte {end} of segment "
+                       f"{segment_id}, which holds {size} (truncated); not served",
+                       collection=collection, tensor=name)
+
+
 def refuse(collection: str, name: str, segment_id: str, offset: int, nbytes: int,
            size: int | None, bad: Mapping[int, str] | None) -> None:
     """CorruptData naming ``collection``/``name`` when its extent (``offset``, ``nbytes``)
@@ -100,9 +109,7 @@ def refuse(collection: str, name: str, segment_id: str, offset: int, nbytes: int
     client's reader words the same refusals the same way."""
     end = offset + nbytes
     if size is not None and end > size:
-        raise CorruptData(f"{collection}/{name}: its extent ends at byte {end} of segment "
-                          f"{segment_id}, which holds {size} (truncated); not served",
-                          collection=collection, tensor=name)
+        raise truncated(collection, name, segment_id, end, size)
     if bad:
         why = bad.get(offset) or bad.get(se.WHOLE)
         if why is not None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import storage_engine as se
+from tensordb.arrow import refuse, truncated
 from tensordb.catalog import Catalog, ShardRow, TensorRow, box_copies
 from tensordb.errors import CorruptData, NodeUnavailable, NotFound
 
@@ -22,7 +23,7 @@ from ._cluster import Cluster
 from ._inputs import check_name, torch_dtype
 from ._placement import Tiers, source_changed
 
-__all__ = ["Reader", "truncated"]
+__all__ = ["Reader"]
 
 
 def _corrupt(collection: str, tensor: str, expected: str, found: str) -> CorruptData:
@@ -30,14 +31,6 @@ def _corrupt(collection: str, tensor: str, expected: str, found: str) -> Corrupt
     return CorruptData(f"{collection}/{tensor}: stored bytes fail their checksum (expected "
                        f"{expected}, found {found}); not served", collection=collection,
                        tensor=tensor)
-
-
-def truncated(collection: str, tensor: str, segment_id: str, end: int,
-              size: int) -> CorruptData:
-    """The error of a read whose extent lies past the end of its segment's file."""
-    return CorruptData(f"{collection}/{tensor}: its extent ends at byte {end} of segment "
-                       f"{segment_id}, which holds {size} (truncated); not served",
-                       collection=collection, tensor=tensor)
 
 
 def _shard_name(name: str, shard: ShardRow) -> str:
@@ -96,14 +89,10 @@ class Reader:
     def refuse(collection: str, tensor: str, segment_id: str, offset: int,
                bad: Mapping[int, str] | None) -> None:
         """CorruptData when the extent at ``offset`` is among the marked ``bad`` ones:
-        no read begun after the mark returns its bytes."""
+        no read begun after the mark returns its bytes (``tensordb.arrow.refuse``, which
+        every read path shares, plain Flight's included)."""
         if bad:
-            why = bad.get(offset) or bad.get(se.WHOLE)
-            if why is not None:
-                what = "fail their checksum" if "checksum" in why else "are corrupt"
-                raise CorruptData(f"{collection}/{tensor}: stored bytes {what} (segment "
-                                  f"{segment_id}, marked by an earlier check: {why}); "
-                                  f"not served", collection=collection, tensor=tensor)
+            refuse(collection, tensor, segment_id, offset, 0, None, bad)
 
     def checked_bytes(self, collection: str, row: TensorRow, view: se.SegmentView, *,
                       verify: bool, bad: Mapping[int, str] | None) -> np.ndarray:
