@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,19 +30,25 @@ from typing import Any, Union
 import torch
 
 import tensordb
-from tensordb.errors import InvalidInput
+from tensordb.errors import InvalidInput, TensorDBError
 
 __all__ = [
     "LOCATION_KEYS",
     "LoadSource",
+    "Served",
+    "ServedLease",
     "StoreLocation",
     "Tally",
     "buckets",
     "check_ref",
+    "checked_tensors",
     "close_stores",
     "named_tensors",
+    "note_served",
+    "now_served",
     "open_store",
     "select_names",
+    "served_by",
     "store_of",
 ]
 
@@ -189,6 +196,101 @@ def named_tensors(snap: tensordb.Snapshot, names: NameFilter = None
     version's order, each mapped only when the consumer asks for the next one."""
     for name in select_names(snap, names):
         yield name, snap[name]
+
+
+def checked_tensors(snap: tensordb.Snapshot, names: NameFilter = None, *,
+                    read: Callable[[str], torch.Tensor] | None = None
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """The gate of an all-or-nothing update: every tensor ``names`` selects, known
+    readable before the first one is handed to the engine.
+
+    One pass over the selection, in the version's order: each tensor's row, its
+    segment mapped (a disk segment's first-open check, a replica pulled from the node
+    that holds it), its integrity marks refused, and its bytes hashed against their
+    checksum (``Snapshot.verified``, or ``read`` of a snapshot opened with
+    ``verify=True``: the bytes that will be loaded). Returns (name, tensor) pairs of
+    those checked tensors, zero-copy: the engine's copy reads the pages the hash just
+    read. Raises the store's typed error (CorruptData, NodeUnavailable, NotFound)
+    naming the tensor, and then nothing has been handed on."""
+    get = snap.verified if read is None else read
+    return [(name, get(name)) for name in select_names(snap, names)]
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The one version of a collection an engine's model holds (whole: an update that
+    failed part-way was put back)."""
+
+    location: StoreLocation
+    collection: str
+    version: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"collection": self.collection, "version": self.version}
+
+
+#: model (or engine handle) -> the version it serves, set by the loaders and the
+#: updates of this process
+_served: weakref.WeakKeyDictionary[Any, Served] = weakref.WeakKeyDictionary()
+
+
+def note_served(model: Any, served: Served | None) -> None:
+    """Record the version ``model`` (a module, or an engine handle that updates go
+    through) serves (None: no one version, or not known)."""
+    with _lock:
+        if served is None:
+            _served.pop(model, None)
+        else:
+            _served[model] = served
+
+
+def served_by(model: Any) -> Served | None:
+    """The version ``model`` serves, as the last load or update in this process left it;
+    None when unknown (loaded from elsewhere, or an update could not be put back)."""
+    with _lock:
+        return _served.get(model)
+
+
+class ServedLease:
+    """The version ``model`` serves, leased while an update runs so a failure part-way
+    can put it back (``__enter__`` gives its snapshot; None when it is unknown or was
+    dropped)."""
+
+    def __init__(self, model: Any, served: Served | None = None,
+                 db: tensordb.Database | None = None) -> None:
+        self.served = served_by(model) if served is None else served
+        self.db = db  # the store, when the caller has it open (else the location's)
+        self.snap: tensordb.Snapshot | None = None
+
+    def __enter__(self) -> tensordb.Snapshot | None:
+        served = self.served
+        if served is not None:
+            db = self.db if self.db is not None else open_store(served.location)
+            try:
+                self.snap = db.snapshot(served.collection, version=served.version)
+            except TensorDBError:
+                self.snap = None  # dropped meanwhile: an update cannot be put back
+        return self.snap
+
+    def __exit__(self, *exc: object) -> None:
+        if self.snap is not None:
+            self.snap.close()
+
+
+def now_served(location: StoreLocation, snap: tensordb.Snapshot, names: NameFilter,
+                before: tensordb.Snapshot | None) -> Served | None:
+    """What the model serves after loading ``names`` of ``snap``: that version when it
+    got all of it, or when the tensors it did not get hold the same bytes in the
+    version before (an update of only the changed tensors); else no one version."""
+    if names is None:
+        return Served(location, snap.collection, snap.version)
+    if before is None or before.collection != snap.collection:
+        return None
+    loaded = set(select_names(snap, names))
+    new, old = snap.extents(), before.extents()
+    if set(new) != set(old) or any(new[n] != old[n] for n in new if n not in loaded):
+        return None
+    return Served(location, snap.collection, snap.version)
 
 
 @dataclass(slots=True)

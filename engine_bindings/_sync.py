@@ -3,6 +3,10 @@
 A trainer commits version N+1; each engine process runs a ``WeightUpdater`` that follows
 the collection and switches its module to the new version:
 
+Every apply is all or nothing: the tensors it will apply are checked first (rows,
+integrity marks, checksums: a damaged, unreadable or unreachable tensor fails the apply
+before the module is touched), and a failure after that puts the version before back.
+
 * ``mode="copy"``: the changed tensors are copied into the module's own parameters and
   buffers (``param.data.copy_``), in buckets of about ``bucket_bytes``. The module keeps
   its memory (any device, any dtype: ``copy_`` converts). Copy mode overwrites that
@@ -44,6 +48,7 @@ import torch
 import tensordb
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
+from ._engines import checked_tensors
 from ._sync_apply import Ident, Slicing, SwapHold, copy_buckets, identities, plan, repoint
 
 __all__ = ["UpdateReport", "WeightUpdater"]
@@ -184,14 +189,24 @@ class WeightUpdater:
     def apply(self, version: int | None = None) -> UpdateReport:
         """Bring the module to ``version`` (default: the head) and say what changed.
 
-        Blocks for the copy (copy mode) or for mapping and repointing (swap mode).
-        NotFound for an unknown collection or version; InvalidInput, naming the tensor,
-        when the module does not fit the version, and then the module is untouched.
-        Applying the version the module already holds changes nothing.
+        All or nothing: every tensor to apply is checked first (its row, its integrity
+        marks, its bytes against their checksum), and the module is touched only once
+        all of them are known good. A failure after that (a copy that fails part-way)
+        puts the version before back (copied from its snapshot, leased for the whole
+        apply, in copy mode; the tensors the module held, in swap mode) before the
+        error is raised, so ``current_version`` always names the one version the
+        module holds (None only where the version before could not be put back).
+
+        Blocks for the check and the copy (copy mode) or for mapping and repointing
+        (swap mode). NotFound for an unknown collection or version; InvalidInput,
+        naming the tensor, when the module does not fit the version; CorruptData or
+        NodeUnavailable, naming the tensor, when the version cannot be read whole. In
+        all those cases the module is untouched. Applying the version the module
+        already holds changes nothing.
         """
         t0 = time.perf_counter()
         with self._lock:
-            snap = self.db.snapshot(self.collection, version=version)
+            snap = self.db.snapshot(self.collection, version=version, verify=True)
             keep = False
             try:
                 report, keep = self._apply(snap, t0)
@@ -200,6 +215,14 @@ class WeightUpdater:
                     snap.close()
             self.last_report = report
             return report
+
+    def _read(self, snap: tensordb.Snapshot) -> Callable[[str], torch.Tensor]:
+        """How a tensor the module takes is read from ``snap`` (a verifying snapshot):
+        whole, or this rank's part."""
+        slicing = self.slicing
+        if slicing is None:
+            return snap.__getitem__
+        return lambda name: slicing.read(snap, name)
 
     def _apply(self, snap: tensordb.Snapshot, t0: float) -> tuple[UpdateReport, bool]:
         previous = self._current
@@ -222,14 +245,11 @@ class WeightUpdater:
                 seen.add(key)
                 todo.append(n)
         if self.mode == "copy":
-            try:
-                copied = copy_buckets(todo, targets, snap, self.bucket_bytes, self.slicing)
-            except BaseException:
-                self.invalidate()  # part copied: the module holds no one version now
-                raise
+            copied = self._copy(todo, targets, snap, previous)
         else:
             copied = 0
-            repoint(todo, targets, snap, self.slicing)
+            # the gate: every tensor checked before the first is repointed
+            repoint(todo, targets, dict(checked_tensors(snap, todo, read=self._read(snap))))
         self._idents = {n: idents[n] for n in names}
         self._current = snap.version
         keep = False
@@ -239,6 +259,52 @@ class WeightUpdater:
         report = UpdateReport(snap.version, changed, len(targets) - len(changed), copied,
                               time.perf_counter() - t0, previous)
         return report, keep
+
+    def _copy(self, todo: list[str], targets: dict[str, torch.Tensor],
+              snap: tensordb.Snapshot, previous: int | None) -> int:
+        """Copy mode: lease the version the module holds, check every tensor of the new
+        one, copy; a copy that fails part-way is undone from the version before."""
+        before: tensordb.Snapshot | None = None
+        if previous is not None:
+            try:
+                before = self.db.snapshot(self.collection, version=previous, verify=True)
+            except NotFound:
+                before = None  # dropped meanwhile: a failure part-way cannot be undone
+        try:
+            sources = dict(checked_tensors(snap, todo, read=self._read(snap)))
+            touched: list[str] = []
+            try:
+                return copy_buckets(todo, targets, sources, self.bucket_bytes, touched)
+            except BaseException as exc:
+                self._put_back(touched, targets, before, exc)
+                raise
+        finally:
+            if before is not None:
+                before.close()
+
+    def _put_back(self, touched: list[str], targets: dict[str, torch.Tensor],
+                  before: tensordb.Snapshot | None, exc: BaseException) -> None:
+        """Copy the version before back into the tensors a failed copy touched; where
+        that is not possible the module holds no one version (``current_version``
+        None)."""
+        if not touched:
+            return
+        if before is None:
+            self.invalidate()
+            exc.add_note(f"{self.collection}: {len(touched)} tensors were copied before "
+                         f"the failure and the version before is gone: the module holds no "
+                         f"one version now")
+            return
+        try:
+            old = dict(checked_tensors(before, touched, read=self._read(before)))
+            copy_buckets(touched, targets, old, self.bucket_bytes)
+        except BaseException as undo:
+            self.invalidate()
+            exc.add_note(f"{self.collection}: putting v{before.version} back failed too "
+                         f"({type(undo).__name__}: {undo}): the module holds no one "
+                         f"version now")
+            return
+        exc.add_note(f"{self.collection}: the module is back on v{before.version}")
 
     def settle(self) -> None:
         """Wait until the versions a swap left behind are released (their leases

@@ -2,9 +2,10 @@
 
 ``identities`` names each stored tensor's extent, so two versions hold the same bytes
 for a name exactly when they name the same extent (no byte read or hashed). ``plan``
-checks a version against the module before anything is touched. Copy mode writes the
-changed tensors into the module's memory (``copy_buckets``); swap mode repoints the
-module's parameters at the version's zero-copy tensors (``repoint``), and ``SwapHold``
+checks a version against the module before anything is touched, and the updater then
+checks every tensor it will apply (``checked_tensors``: rows, marks, checksums). Copy
+mode writes those checked tensors into the module's memory (``copy_buckets``); swap
+mode repoints the module's parameters at them (``repoint``), and ``SwapHold``
 keeps the lease of the version in use while it retires the ones before in the
 background.
 
@@ -55,6 +56,8 @@ class Slicing:
         return tuple(length if i == d else n for i, n in enumerate(shape))
 
     def read(self, snap: tensordb.Snapshot, name: str) -> torch.Tensor:
+        """This rank's part of ``name`` (checked, when ``snap`` verifies: only the
+        extents the part lies in are hashed)."""
         d = self.dim(name)
         if d is None:
             return snap[name]
@@ -112,68 +115,53 @@ def plan(snap: tensordb.Snapshot, targets: dict[str, torch.Tensor], *, collectio
 
 
 def copy_buckets(names: list[str], targets: dict[str, torch.Tensor],
-                 snap: tensordb.Snapshot, bucket_bytes: int,
-                 slicing: Slicing | None = None) -> int:
-    """Copy in buckets of about ``bucket_bytes``; returns the bytes copied. Host tensors
-    of the stored dtype are filled by ``Snapshot.read_into`` (kernel reads from the tier
-    in parallel: the new version is never mapped here, so its pages cost no faults); the
-    rest copy from the zero-copy views, a bucket's device copies queued without waiting
-    and synchronised once at the bucket's end."""
+                 sources: Mapping[str, torch.Tensor], bucket_bytes: int,
+                 touched: list[str] | None = None) -> int:
+    """Copy each named source (a checked tensor: ``checked_tensors``) into the module's
+    tensor, in buckets of about ``bucket_bytes``; returns the bytes copied. A bucket's
+    device copies are queued without waiting and synchronised once at its end (the
+    source pages may be dropped then). ``touched`` collects each name as its copy
+    starts: what a failure part-way must put back."""
     copied = 0
-    bucket: list[str] = []
     size = 0
-    info = snap.info()
-
-    def flush() -> None:
-        devices = set()
-        direct: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for n in bucket:
-                dst = targets[n].detach()
-                if slicing is not None and slicing.dim(n) is not None:
-                    dst.copy_(slicing.read(snap, n), non_blocking=dst.device.type == "cuda")
-                    if dst.device.type == "cuda":
-                        devices.add(dst.device)
-                    continue
-                if (dst.device.type == "cpu" and dst.is_contiguous()
-                        and str(dst.dtype).removeprefix("torch.") == info[n][0]):
-                    direct[n] = dst
-                    continue
-                dst.copy_(snap[n], non_blocking=dst.device.type == "cuda")
-                if dst.device.type == "cuda":
-                    devices.add(dst.device)
-            if direct:
-                snap.read_into(direct)
-        for d in devices:  # the source pages may be dropped once the bucket is done
-            torch.cuda.synchronize(d)
-
-    for n in names:
-        bucket.append(n)
-        nbytes = info[n][2] if slicing is None or slicing.dim(n) is None else \
-            targets[n].numel() * targets[n].element_size()
-        size += nbytes
-        copied += nbytes
-        if size >= bucket_bytes:
-            flush()
-            bucket, size = [], 0
-    if bucket:
-        flush()
+    devices: set[torch.device] = set()
+    with torch.no_grad():
+        for n in names:
+            src = sources[n]
+            dst = targets[n].detach()
+            if touched is not None:
+                touched.append(n)
+            dst.copy_(src, non_blocking=dst.device.type == "cuda")
+            if dst.device.type == "cuda":
+                devices.add(dst.device)
+            nbytes = dst.numel() * dst.element_size()
+            size += nbytes
+            copied += nbytes
+            if size >= bucket_bytes:
+                for d in devices:
+                    torch.cuda.synchronize(d)
+                devices.clear()
+                size = 0
+    for d in devices:
+        torch.cuda.synchronize(d)
     return copied
 
 
 def repoint(names: list[str], targets: dict[str, torch.Tensor],
-            snap: tensordb.Snapshot, slicing: Slicing | None = None) -> None:
-    """Point each named module tensor at ``snap``'s zero-copy tensor: no byte copied
-    (a rank's part of a tensor stored in shards that split it otherwise is assembled)."""
-    if slicing is not None:
-        with torch.no_grad():
-            for n in names:
-                targets[n].data = slicing.read(snap, n)
-        return
-    stored = snap.state_dict()
+            sources: Mapping[str, torch.Tensor]) -> None:
+    """Point each named module tensor at its source (a checked zero-copy tensor of the
+    new version): no byte copied. All or nothing: a failure part-way points the
+    tensors already repointed back at what they held."""
+    before: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
-        for n in names:
-            targets[n].data = stored[n]
+        try:
+            for n in names:
+                before.append((n, targets[n].data))
+                targets[n].data = sources[n]
+        except BaseException:
+            for n, t in reversed(before):
+                targets[n].data = t
+            raise
 
 
 class SwapHold:

@@ -51,11 +51,15 @@ from .._engines import (
     LoadSource,
     LocationLike,
     NameFilter,
+    Served,
+    ServedLease,
     StoreLocation,
     Tally,
     buckets,
     check_ref,
-    named_tensors,
+    checked_tensors,
+    note_served,
+    now_served,
     open_store,
     select_names,
     store_of,
@@ -64,6 +68,7 @@ from .._engines import (
 __all__ = [
     "PULL_LOADER",
     "TensorDBModelLoader",
+    "served_version",
     "tensordb_weight_loader",
     "update_weights_from_tensordb",
 ]
@@ -111,8 +116,9 @@ class TensorDBModelLoader(BaseModelLoader):
             with self.source.snapshot() as snap:
                 version = snap.version
                 DefaultModelLoader.load_weights_and_postprocess(
-                    model, tally.wrap(named_tensors(snap)), target_device)
+                    model, tally.wrap(checked_tensors(snap)), target_device)
         tally.stop()
+        note_served(model, Served(self.source.location, self.source.collection, version))
         self.last_load = {"collection": self.source.collection, "version": version,
                           "tensors": tally.tensors, "bytes": tally.nbytes,
                           "seconds": tally.seconds}
@@ -138,7 +144,9 @@ def tensordb_weight_loader(model: nn.Module,
     every entry whose name is a tensordb request loads that version of the collection
     into ``model`` with ``model.load_weights``, from the store the request names, opened
     once per process. Other entries are loaded as they are. Raises (the update fails)
-    when the store or the version cannot be read."""
+    when the store or the version cannot be read: every tensor of the request is
+    checked (rows, marks, checksums) before the first is loaded, so that failure
+    leaves the model untouched."""
     plain: list[tuple[str, torch.Tensor]] = []
     for name, tensor in named:
         if not name.startswith(_REQUEST_PREFIX):
@@ -148,7 +156,10 @@ def tensordb_weight_loader(model: nn.Module,
         db = open_store(StoreLocation.parse(req["location"]))
         tally = Tally()
         with db.snapshot(req["collection"], version=req["version"]) as snap:
-            model.load_weights(tally.wrap(named_tensors(snap, req.get("names"))))
+            model.load_weights(tally.wrap(checked_tensors(snap, req.get("names"))))
+            if req.get("names") is None:
+                note_served(model, Served(StoreLocation.parse(req["location"]),
+                                          req["collection"], snap.version))
         tally.stop()
         logger.info("updated weights from tensordb %s v%d: %d tensors, %.1f MiB in %.2f s",
                     req["collection"], req["version"], tally.tensors, tally.nbytes / 2**20,
@@ -274,8 +285,8 @@ def update_weights_from_tensordb(target: Any, db_or_location: tensordb.Database 
                                  collection: str, version: int | None = None, *,
                                  tag: str | None = None, names: NameFilter = None,
                                  mode: str = "auto", bucket_bytes: int = 512 << 20,
-                                 flush_cache: bool = True, weight_version: str | None = None
-                                 ) -> dict[str, Any]:
+                                 flush_cache: bool = True, weight_version: str | None = None,
+                                 current: int | None = None) -> dict[str, Any]:
     """Load ``version`` (or ``tag``; the head by default) of ``collection`` into a
     running SGLang model, in place, through SGLang's tensor update path.
 
@@ -290,18 +301,26 @@ def update_weights_from_tensordb(target: Any, db_or_location: tensordb.Database 
     ``bucket_bytes``; "auto" pulls when the server allows it. ``flush_cache``: drop
     the radix cache, computed with the old weights, after the last bucket.
     ``weight_version``: the label SGLang reports for the new weights (default
-    ``"<collection>@<version>"``; Engine only).
+    ``"<collection>@<version>"``; Engine only). ``current``: the version of
+    ``collection`` the model serves now, where neither the loader nor an earlier
+    update of this process recorded it (``served_version`` says what is recorded).
 
-    The version is resolved here, once: every scheduler loads the same immutable
-    version whatever is committed meanwhile. Returns ``collection``, ``version``,
-    ``tensors``, ``bytes``, ``buckets`` (requests sent), ``mode`` and ``seconds``.
-    Raises NotFound before touching the model when the version does not exist, and
-    RuntimeError when SGLang reports a failed step (the model may then hold a mix of
-    versions: load a version again).
+    All or nothing. The version is resolved here, once: every scheduler loads the
+    same immutable version whatever is committed meanwhile. Every tensor is checked
+    (rows, marks, checksums) before the first is sent (push, in-process) or loaded
+    (pull: by each scheduler, before it loads any). A step that fails after SGLang
+    may have taken tensors puts the version the model served before back (leased for
+    the whole update), then raises. Returns ``collection``, ``version``, ``tensors``,
+    ``bytes``, ``buckets`` (requests sent), ``mode`` and ``seconds``. Raises NotFound,
+    CorruptData or NodeUnavailable before touching the model when the version does
+    not exist or cannot be read, and RuntimeError when SGLang reports a failed step.
     """
     check_ref(collection, version, tag)
     if mode not in _MODES:
         raise InvalidInput(f"mode must be one of {list(_MODES)}, not {mode!r}",
+                           collection=collection)
+    if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
+        raise InvalidInput(f"current must be an int or None, not {current!r}",
                            collection=collection)
     db = store_of(db_or_location)
     updater = _updater_of(target)
@@ -321,44 +340,30 @@ def update_weights_from_tensordb(target: Any, db_or_location: tensordb.Database 
                            f"--custom-weight-loader {PULL_LOADER}", collection=collection)
     use = ("pull" if engine is not None and _pull_enabled(engine) else "push") \
         if mode == "auto" else mode
+    key = _served_key(target, updater)
+    location = StoreLocation.of(db)
+    told = None if current is None else Served(location, collection, current)
     tally = Tally()
-    sent = 0
-    with db.snapshot(collection, version=version, tag=tag) as snap:
+    with db.snapshot(collection, version=version, tag=tag) as snap, \
+            ServedLease(key, told, db) as before:
         got = snap.version
-        pairs = named_tensors(snap, names)
-        if updater is not None:
-            updater.begin_weight_update()
-            with _session_end(lambda: updater.end_weight_update(run_post_load=sent == 0)):
-                for bucket in buckets(tally.wrap(pairs), bucket_bytes):
-                    _check(updater.update_weights_from_tensor(named_tensors=bucket,
-                                                              load_format=None),
-                           "update_weights_from_tensor", collection)
-                    sent += 1
-        else:
-            assert engine is not None
-            label = weight_version if weight_version is not None else f"{collection}@{got}"
-            _check(engine.begin_weight_update(), "begin_weight_update", collection)
-            with _session_end(lambda: _check(engine.end_weight_update(), "end_weight_update",
-                                             collection)):
-                if use == "pull":
-                    info = snap.info()
-                    chosen = select_names(snap, names)
-                    tally.tensors = len(chosen)
-                    tally.nbytes = sum(info[n][2] for n in chosen)
-                    if names is None:
-                        chosen = None  # all: the request need not list them
-                    request = [(_request_name(StoreLocation.of(db), collection, got, chosen),
-                                torch.empty(0))]
-                    _send(engine, request, PULL_LOADER, flush_cache, label, collection)
-                    sent = 1
-                else:
-                    groups = list(buckets(tally.wrap(pairs), bucket_bytes))
-                    for i, bucket in enumerate(groups):
-                        last = i == len(groups) - 1
-                        _send(engine, _flattened_payload(bucket), "flattened_bucket",
-                              flush_cache and last, label if last else None, collection)
-                        sent += 1
+        label = weight_version if weight_version is not None else f"{collection}@{got}"
+
+        def run(source: tensordb.Snapshot, count: Tally, tag_as: str) -> int:
+            """One whole session loading ``source``'s selection; the requests sent."""
+            if updater is not None:
+                return _session_direct(updater, source, names, bucket_bytes, count)
+            return _session_engine(engine, db, source, names, use, bucket_bytes,
+                                   flush_cache, tag_as, count)
+
+        try:
+            sent = run(snap, tally, label)
+        except _Reached as failed:
+            exc = failed.__cause__ or failed
+            _put_back(run, before, key, exc)
+            raise exc from None
     tally.stop()
+    note_served(key, now_served(location, snap, names, before))
     summary = {"collection": collection, "version": got, "tensors": tally.tensors,
                "bytes": tally.nbytes, "buckets": sent,
                "mode": "direct" if updater is not None else use, "seconds": tally.seconds}
@@ -366,3 +371,103 @@ def update_weights_from_tensordb(target: Any, db_or_location: tensordb.Database 
                 "%.2f s", collection, got, summary["mode"], tally.tensors,
                 tally.nbytes / 2**20, sent, tally.seconds)
     return summary
+
+
+def served_version(target: Any) -> dict[str, Any] | None:
+    """The collection and version ``target`` (an Engine, ModelRunner or WeightUpdater)
+    serves as this process knows it: its loader's, or the last update's; None when not
+    known (or an update that failed part-way could not be put back)."""
+    from .._engines import served_by
+
+    served = served_by(_served_key(target, _updater_of(target)))
+    return None if served is None else served.as_dict()
+
+
+class _Reached(Exception):
+    """A session failed after SGLang may have taken tensors (the cause says why)."""
+
+
+def _served_key(target: Any, updater: Any | None) -> Any:
+    """What the served version is recorded under: the model in the scheduler process
+    (where the loader records it), else the engine handle."""
+    if updater is not None:
+        get_model = getattr(updater, "get_model", None) or getattr(target, "get_model", None)
+        model = get_model() if callable(get_model) else getattr(target, "model", None)
+        if model is not None:
+            return model
+    return target
+
+
+def _put_back(run: Callable[[tensordb.Snapshot, Tally, str], int],
+              before: tensordb.Snapshot | None, key: Any, exc: BaseException) -> None:
+    """Load the version served before back, whole, after a failed session; the model
+    is reported as serving no one version where that is not possible."""
+    if before is None:
+        note_served(key, None)
+        exc.add_note("the model served no known tensordb version before this update; it "
+                     "holds no one version now (pass current= to let it be put back)")
+        return
+    try:
+        run(before, Tally(), f"{before.collection}@{before.version}")
+    except BaseException as undo:
+        note_served(key, None)
+        cause = undo.__cause__ if isinstance(undo, _Reached) else undo
+        exc.add_note(f"putting {before.collection} v{before.version} back failed too "
+                     f"({type(cause).__name__}: {cause}): the model holds no one version")
+        return
+    exc.add_note(f"the model is back on {before.collection} v{before.version}")
+
+
+def _session_direct(updater: Any, snap: tensordb.Snapshot, names: NameFilter,
+                    bucket_bytes: int, tally: Tally) -> int:
+    """In the scheduler process: the checked tensors to the updater, bucket by bucket.
+    Raises the gate's error as it is (nothing sent), ``_Reached`` after."""
+    pairs = checked_tensors(snap, names)  # the gate, before the session begins
+    sent = 0
+    updater.begin_weight_update()
+    try:
+        with _session_end(lambda: updater.end_weight_update(run_post_load=sent == 0)):
+            for bucket in buckets(tally.wrap(pairs), bucket_bytes):
+                _check(updater.update_weights_from_tensor(named_tensors=bucket,
+                                                          load_format=None),
+                       "update_weights_from_tensor", snap.collection)
+                sent += 1
+    except BaseException as exc:
+        raise _Reached() from exc
+    return sent
+
+
+def _session_engine(engine: Any, db: tensordb.Database, snap: tensordb.Snapshot,
+                    names: NameFilter, use: str, bucket_bytes: int, flush_cache: bool,
+                    label: str, tally: Tally) -> int:
+    """Through an Engine: one pull request (each scheduler checks, then loads), or the
+    checked tensors pushed in buckets. Raises the gate's error as it is (nothing sent),
+    ``_Reached`` once a request may have reached a scheduler."""
+    collection, got = snap.collection, snap.version
+    if use == "pull":
+        info = snap.info()
+        chosen = select_names(snap, names)
+        tally.tensors = len(chosen)
+        tally.nbytes = sum(info[n][2] for n in chosen)
+        request = [(_request_name(StoreLocation.of(db), collection, got,
+                                  None if names is None else chosen), torch.empty(0))]
+        groups = None
+    else:
+        groups = list(buckets(tally.wrap(checked_tensors(snap, names)), bucket_bytes))
+    sent = 0
+    _check(engine.begin_weight_update(), "begin_weight_update", collection)
+    try:
+        with _session_end(lambda: _check(engine.end_weight_update(), "end_weight_update",
+                                         collection)):
+            if groups is None:
+                sent = 1
+                _send(engine, request, PULL_LOADER, flush_cache, label, collection)
+            else:
+                for i, bucket in enumerate(groups):
+                    last = i == len(groups) - 1
+                    sent += 1
+                    _send(engine, _flattened_payload(bucket), "flattened_bucket",
+                          flush_cache and last, label if last else None, collection)
+    except BaseException as exc:
+        raise _Reached() from exc
+    return sent

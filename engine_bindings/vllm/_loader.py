@@ -34,7 +34,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from tensordb.errors import InvalidInput
 
-from .._engines import LoadSource, Tally, named_tensors
+from .._engines import LoadSource, Served, Tally, checked_tensors, note_served
 
 __all__ = ["LOAD_FORMAT", "WEIGHT_TRANSFER_BACKEND", "LoadSource", "TensorDBModelLoader",
            "parallel_ranks", "register", "register_weight_transfer"]
@@ -82,16 +82,24 @@ class TensorDBModelLoader(BaseModelLoader):
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module
                         ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """The version's (name, tensor) pairs, zero-copy, under one snapshot lease."""
+        """The version's (name, tensor) pairs, zero-copy, under one snapshot lease.
+        Every tensor is checked (rows, marks, checksums) before the first is handed
+        out, so vLLM's in-place reload never stops part-way on a damaged or unreachable
+        tensor (CorruptData, NodeUnavailable before the model is touched)."""
         with self.source.snapshot() as snap:
-            yield from named_tensors(snap)
+            pairs = checked_tensors(snap)
+            yield from pairs
+            note_served(model, Served(self.source.location, self.source.collection,
+                                      snap.version))
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         tally = Tally()
         with self.source.snapshot() as snap:
             version = snap.version
-            loaded = model.load_weights(tally.wrap(named_tensors(snap)))
+            # checked whole before the model's weight loaders see the first tensor
+            loaded = model.load_weights(tally.wrap(checked_tensors(snap)))
         tally.stop()
+        note_served(model, Served(self.source.location, self.source.collection, version))
         self.last_load = {"collection": self.source.collection, "version": version,
                           "tensors": tally.tensors, "bytes": tally.nbytes,
                           "seconds": tally.seconds, **parallel_ranks()}

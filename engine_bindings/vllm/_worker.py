@@ -24,17 +24,22 @@ from typing import Any
 
 import torch
 
+import tensordb
 from tensordb.errors import InvalidInput
 
 from .._engines import (
     LoadSource,
     LocationLike,
     NameFilter,
+    ServedLease,
     StoreLocation,
     Tally,
     check_ref,
-    named_tensors,
+    checked_tensors,
+    note_served,
+    now_served,
     open_store,
+    served_by,
 )
 from ._loader import LOAD_FORMAT, parallel_ranks
 
@@ -90,27 +95,39 @@ class TensorDBWorkerExtension:
         repacked parameters (``repacked_parameters``), else ``load_weights``. The
         summary says which ran (``via``). Blocks the worker until the copy is done;
         call it between steps (``collective_rpc`` does). Raises NotFound for a missing
-        collection, version or tag, and InvalidInput for a ``via`` or ``names`` the
-        model cannot take, before the model is touched.
+        collection, version or tag, InvalidInput for a ``via`` or ``names`` the
+        model cannot take, and CorruptData or NodeUnavailable (naming the tensor) for a
+        version that cannot be read whole: every tensor is checked before the first
+        is loaded, so the model is untouched. A load that fails after that puts the
+        version the model served before back (leased for the whole update) before the
+        error is raised; ``tensordb_weights_version`` names the one version served.
         """
         check_ref(collection, version, tag)
         if via not in _VIA:
             raise InvalidInput(f"via must be one of {list(_VIA)}, not {via!r}",
                                collection=collection)
         via = self._tensordb_via(collection, via, names)
-        db = open_store(self._tensordb_location(location))
+        location = self._tensordb_location(location)
+        db = open_store(location)
+        model = self._tensordb_model()
         tally = Tally()
-        with db.snapshot(collection, version=version, tag=tag) as snap:
+        with db.snapshot(collection, version=version, tag=tag) as snap, \
+                ServedLease(model) as before:
             got = snap.version
-            weights = tally.wrap(named_tensors(snap, names))
-            if via == "reload_weights":
-                self._tensordb_reload(weights)
-            else:
-                model = self._tensordb_model()
-                with torch.no_grad():
-                    model.load_weights(weights)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the copies are done when the caller hears back
+            # the gate: the whole selection checked before the model sees one tensor
+            weights = tally.wrap(checked_tensors(snap, names))
+            try:
+                if via == "reload_weights":
+                    self._tensordb_reload(weights)
+                else:
+                    with torch.no_grad():
+                        model.load_weights(weights)
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()  # the copies are done when the caller hears
+            except BaseException as exc:
+                self._tensordb_put_back(before, names, via, exc)
+                raise
+            note_served(model, now_served(location, snap, names, before))
         tally.stop()
         self._tensordb_loaded = (collection, got)
         summary = {"collection": collection, "version": got, "tensors": tally.tensors,
@@ -119,6 +136,45 @@ class TensorDBWorkerExtension:
         logger.info("updated weights from tensordb %s v%d: %d tensors, %.1f MiB in %.2f s",
                     collection, got, tally.tensors, tally.nbytes / 2**20, tally.seconds)
         return summary
+
+    def _tensordb_put_back(self, before: tensordb.Snapshot | None, names: NameFilter,
+                           via: str, exc: BaseException) -> None:
+        """After a load that failed part-way: the version the model served before,
+        loaded again by the same path (the tensors the update named), so the model
+        serves one version. Where it cannot be (unknown, or failing too), the model is
+        reported as serving none."""
+        model = self._tensordb_model()
+        if via == "reload_weights":  # vLLM's reload stops where it failed: end it first
+            try:
+                self._tensordb_end_reload()
+            except Exception:  # noqa: BLE001 - the put-back below rewrites every layer
+                logger.exception("ending vLLM's interrupted reload failed")
+        if before is None:
+            note_served(model, None)
+            exc.add_note("the model served no known tensordb version before this update; "
+                         "it holds no one version now")
+            return
+        try:
+            back = checked_tensors(before, None if via == "reload_weights" else names)
+            if via == "reload_weights":
+                self._tensordb_reload(iter(back))
+            else:
+                with torch.no_grad():
+                    model.load_weights(back)
+        except BaseException as undo:
+            note_served(model, None)
+            exc.add_note(f"putting {before.collection} v{before.version} back failed too "
+                         f"({type(undo).__name__}: {undo}): the model holds no one version")
+            return
+        exc.add_note(f"the model is back on {before.collection} v{before.version}")
+
+    def _tensordb_end_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        config = self.vllm_config  # type: ignore[attr-defined]
+        with set_current_vllm_config(config):
+            finalize_layerwise_reload(self._tensordb_model(), config.model_config)
 
     def _tensordb_reload(self, weights: Any) -> None:
         """vLLM's in-place reload: the model runner's (which also resets LoRA and
@@ -150,7 +206,9 @@ class TensorDBWorkerExtension:
         return "reload_weights"
 
     def tensordb_weights_version(self) -> dict[str, Any] | None:
-        """The collection and version the last ``update_weights_from_tensordb`` loaded
-        into this worker, or None."""
-        loaded = getattr(self, "_tensordb_loaded", None)
-        return None if loaded is None else {"collection": loaded[0], "version": loaded[1]}
+        """The collection and version this worker's model serves (the load's, or the
+        last update's), or None: not loaded from the store, or an update that failed
+        part-way could not be put back."""
+        served = served_by(self._tensordb_model())
+        return None if served is None else served.as_dict()
+

@@ -214,6 +214,32 @@ def test_missing_version_leaves_the_model_alone(llama: tuple[torch.nn.Module, An
     assert mismatches(model, expected_params(checkpoint(1))) == []
 
 
+def test_a_damaged_version_leaves_the_model_on_its_own(llama: tuple[torch.nn.Module, Any],
+                                                       mstore: tensordb.Database) -> None:
+    """One tensor of the new version damaged in the store (its bytes flipped, the store
+    not told): CorruptData before the first bucket reaches the model, which keeps (and
+    reports) the version it had."""
+    from engine_bindings.sglang import served_version, update_weights_from_tensordb
+    from tensordb.errors import CorruptData
+
+    model, updater = llama
+    have = mstore.commit("llama", checkpoint(1)).version
+    update_weights_from_tensordb(updater, mstore, "llama", have)
+    new = mstore.commit("llama", checkpoint(6)).version
+    with mstore.snapshot("llama", version=new) as snap:
+        last = list(snap)[-1]
+        sid, offset, _ = snap.extents()[last]
+    with open(mstore.tier("host").path(sid), "r+b") as fh:  # type: ignore[attr-defined]
+        fh.seek(offset + 3)
+        b = fh.read(1)
+        fh.seek(offset + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CorruptData, match=last):
+        update_weights_from_tensordb(updater, mstore, "llama", new, bucket_bytes=100_000)
+    assert mismatches(model, expected_params(checkpoint(1))) == []
+    assert served_version(updater) == {"collection": "llama", "version": have}
+
+
 # -- updates through an Engine -----------------------------------------------------------
 class _Scheduler:
     """The tokenizer manager's side of a weight update, with the scheduler in-process:

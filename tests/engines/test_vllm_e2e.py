@@ -397,3 +397,46 @@ def test_weight_transfer_flow_reads_each_update_from_the_store(store: tensordb.D
                 llm.update_weights({"update_info": info})
             llm.reset_prefix_cache()
             assert tokens(generate(llm)) == before, info  # still version 1
+
+
+def _flip_last(db: tensordb.Database, version: int) -> str:
+    """Flip one byte of the last tensor of ``version`` in its host segment, the store
+    not told; returns its name."""
+    with db.snapshot("llama", version=version) as snap:
+        name = list(snap)[-1]
+        sid, offset, _ = snap.extents()[name]
+    assert sid is not None
+    with open(db.tier("host").path(sid), "r+b") as fh:  # type: ignore[attr-defined]
+        fh.seek(offset + 3)
+        b = fh.read(1)
+        fh.seek(offset + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    return name
+
+
+def test_a_damaged_update_leaves_the_engine_serving_its_version(store: tensordb.Database,
+                                                                model_dir: Path) -> None:
+    """One tensor of version 2 damaged in the store: both update paths (the weight-
+    transfer flow and ``collective_rpc``) raise CorruptData, the engine answers fixed
+    prompts as version 1 does, and reports version 1."""
+    from tensordb.errors import CorruptData
+
+    store.commit("llama", serving_checkpoint(1))
+    store.commit("llama", serving_checkpoint(2))
+    bad = _flip_last(store, 2)
+    with serving(model_dir, store, ref={"version": 1},
+                 weight_transfer_config={"backend": "tensordb"}) as llm:
+        before = tokens(generate(llm))
+        llm.init_weight_transfer_engine({"init_info": {"home": _home(store)}})
+        llm.start_weight_update()
+        with pytest.raises(CorruptData, match=bad):
+            llm.update_weights({"update_info": {"collection": "llama", "version": 2}})
+        llm.reset_prefix_cache()
+        assert tokens(generate(llm)) == before
+        with pytest.raises(CorruptData, match=bad):
+            llm.collective_rpc("update_weights_from_tensordb", args=("llama",),
+                               kwargs={"version": 2})
+        llm.reset_prefix_cache()
+        assert tokens(generate(llm)) == before
+        assert llm.collective_rpc("tensordb_weights_version") == [
+            {"collection": "llama", "version": 1}]

@@ -265,7 +265,8 @@ def test_extension_updates_the_live_model_to_a_version(store: tensordb.Database,
     v2 = checkpoint(2)
     store.commit("llama", v2)
     worker = _worker(model, vc)
-    assert worker.tensordb_weights_version() is None
+    # the version the loader loaded
+    assert worker.tensordb_weights_version() == {"collection": "llama", "version": 1}
 
     # the store is the one the model was loaded from (--load-format tensordb)
     summary = worker.update_weights_from_tensordb("llama", version=2)
@@ -354,6 +355,162 @@ def test_extension_errors_leave_the_model_alone(store: tensordb.Database, model_
     with pytest.raises(InvalidInput, match="via"):
         worker.update_weights_from_tensordb("llama", via="magic")
     assert mismatches(model, expected_params(checkpoint(1))) == []
+
+
+# -- all or nothing ----------------------------------------------------------------------
+def _flip_last(db: tensordb.Database, version: int) -> str:
+    """Flip one byte of the last tensor of ``version`` in its host segment (the store is
+    not told); returns its name."""
+    with db.snapshot("llama", version=version) as snap:
+        name = list(snap)[-1]
+        sid, offset, _ = snap.extents()[name]
+    assert sid is not None
+    path = db.tier("host").path(sid)  # type: ignore[attr-defined]
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 3)
+        b = fh.read(1)
+        fh.seek(offset + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    return name
+
+
+def _fails_after(model: torch.nn.Module, k: int, monkeypatch: pytest.MonkeyPatch
+                 ) -> list[str]:
+    """Make the model's next ``load_weights`` fail after it took ``k`` tensors (an
+    error in a weight loader, after the store's checks passed); the names it took."""
+    real = model.load_weights
+    took: list[str] = []
+
+    def once(weights: Any) -> Any:
+        monkeypatch.setattr(model, "load_weights", real)
+
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                if len(took) == k:
+                    raise RuntimeError("a weight loader failed")
+                took.append(name)
+                yield name, t
+
+        return real(feed())
+
+    monkeypatch.setattr(model, "load_weights", once)
+    return took
+
+
+@pytest.mark.parametrize("via", ["auto", "reload_weights"])
+def test_extension_refuses_a_damaged_version_before_touching_the_model(
+        store: tensordb.Database, model_dir: Path, vllm_cpu: None, via: str) -> None:
+    from tensordb.errors import CorruptData
+
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    store.commit("llama", checkpoint(2))
+    bad = _flip_last(store, 2)
+    worker = _worker(model, vc)
+    with pytest.raises(CorruptData) as info:
+        worker.update_weights_from_tensordb("llama", version=2, via=via)
+    assert info.value.tensor == bad
+    assert mismatches(model, expected_params(checkpoint(1))) == []
+    assert worker.tensordb_weights_version() == {"collection": "llama", "version": 1}
+    store.commit("llama", checkpoint(3))
+    assert worker.update_weights_from_tensordb("llama", via=via)["version"] == 3
+    assert mismatches(model, expected_params(checkpoint(3))) == []
+    assert worker.tensordb_weights_version() == {"collection": "llama", "version": 3}
+
+
+@pytest.mark.parametrize("via", ["auto", "reload_weights"])
+def test_extension_puts_the_version_before_back_after_a_failure_part_way(
+        store: tensordb.Database, model_dir: Path, vllm_cpu: None, via: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    store.commit("llama", checkpoint(2))
+
+    def reload(weights_iterator: Any, is_checkpoint_format: bool) -> None:
+        with set_current_vllm_config(vc):
+            reload_weights(vc, model, weights_iterator=weights_iterator, weights_path=None,
+                           is_checkpoint_format=is_checkpoint_format)
+
+    worker = _worker(model, vc, reload)
+    took = _fails_after(model, 12, monkeypatch)
+    with pytest.raises(RuntimeError, match="a weight loader failed") as info:
+        worker.update_weights_from_tensordb("llama", version=2, via=via)
+    assert len(took) == 12  # layer 0 and more had version 2 when it failed
+    assert "back on llama v1" in "".join(getattr(info.value, "__notes__", []))
+    assert mismatches(model, expected_params(checkpoint(1))) == []
+    assert worker.tensordb_weights_version() == {"collection": "llama", "version": 1}
+
+
+def _transfer_engine(model: torch.nn.Module, vc: Any) -> Any:
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from engine_bindings.vllm._weight_transfer import TensorDBWeightTransferEngine
+
+    return TensorDBWeightTransferEngine(WeightTransferConfig(backend="tensordb"), vc,
+                                        torch.device("cpu"), model)
+
+
+def test_weight_transfer_update_is_all_or_nothing(store: tensordb.Database,
+                                                  model_dir: Path, vllm_cpu: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's weight-transfer flow on the backend's own engine object (what each worker
+    runs): a damaged tensor of the new version, a version gone mid-way through the
+    parts, and a weight loader failing part-way all leave the model on version 1, and
+    the backend says so; a clean update reports version 2."""
+    from vllm.config import set_current_vllm_config
+
+    from tensordb.errors import CorruptData, NotFound
+
+    store.commit("llama", checkpoint(1))
+    model, vc = _build(model_dir, _extra(store))
+    store.commit("llama", checkpoint(2))
+    store.commit("llama", checkpoint(3))
+    bad = _flip_last(store, 3)
+    v1 = expected_params(checkpoint(1))
+    names = list(checkpoint(1))
+    first, rest = names[:len(names) // 2], names[len(names) // 2:]
+    with set_current_vllm_config(vc):
+        wt = _transfer_engine(model, vc)
+        assert wt.weights_version() == {"collection": "llama", "version": 1}
+
+        wt.start_weight_update()  # the damaged version: refused before the first tensor
+        with pytest.raises(CorruptData) as info:
+            wt.update_weights({"version": 3})
+        assert info.value.tensor == bad
+        assert mismatches(model, v1) == [] and wt.weights_version()["version"] == 1
+
+        # the first part loads, the second fails (its version is unknown): the first
+        # part's layers get version 1 back
+        wt.start_weight_update()
+        wt.update_weights({"version": 2, "names": first})
+        with pytest.raises(NotFound):
+            wt.update_weights({"version": 9, "names": rest})
+        assert mismatches(model, v1) == [] and wt.weights_version()["version"] == 1
+
+        wt.start_weight_update()  # parts naming two versions: refused
+        wt.update_weights({"version": 2, "names": first})
+        with pytest.raises(InvalidInput, match="one version"):
+            wt.update_weights({"version": 1, "names": rest})
+        assert mismatches(model, v1) == [] and wt.weights_version()["version"] == 1
+
+        wt.start_weight_update()  # a weight loader failing after 10 tensors
+        took = _fails_after(model, 10, monkeypatch)
+        with pytest.raises(RuntimeError, match="a weight loader failed"):
+            wt.update_weights({"version": 2})
+        assert len(took) == 10
+        assert mismatches(model, v1) == [] and wt.weights_version()["version"] == 1
+
+        wt.start_weight_update()  # and a clean one, in two parts
+        wt.update_weights({"version": 2, "names": first})
+        assert wt.weights_version()["version"] == 1  # not before the update ends
+        wt.update_weights({"version": 2, "names": rest})
+        wt.finish_weight_update()
+        assert mismatches(model, expected_params(checkpoint(2))) == []
+        assert wt.weights_version() == {"collection": "llama", "version": 2}
+        wt.shutdown()
 
 
 @pytest.mark.parametrize("qualname", ["vllm.v1.worker.gpu_worker.Worker",
