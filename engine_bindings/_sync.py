@@ -206,7 +206,12 @@ class WeightUpdater:
         """
         t0 = time.perf_counter()
         with self._lock:
-            snap = self.db.snapshot(self.collection, version=version, verify=True)
+            # copy mode hashes what it copies (the copy reads every byte anyway); swap
+            # mode repoints at the store's own pages: a zero-copy read, held to the
+            # integrity model as every view is (marks, a disk segment's first open),
+            # without a hash pass over host memory that nothing else reads
+            snap = self.db.snapshot(self.collection, version=version,
+                                    verify=self.mode == "copy")
             keep = False
             try:
                 report, keep = self._apply(snap, t0)
@@ -217,7 +222,7 @@ class WeightUpdater:
             return report
 
     def _read(self, snap: tensordb.Snapshot) -> Callable[[str], torch.Tensor]:
-        """How a tensor the module takes is read from ``snap`` (a verifying snapshot):
+        """How a tensor the module takes is read from ``snap`` (verifying in copy mode):
         whole, or this rank's part."""
         slicing = self.slicing
         if slicing is None:
