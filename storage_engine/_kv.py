@@ -76,9 +76,13 @@ from ._kv_types import (
     each,
 )
 from ._procs import current_holder
-from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex, keys_fit
+from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex, keys_fit, set_damage_error
 from ._stream import chain_keys as _chain_keys
 from ._stream import kept_maps as _kept_maps
+
+# what the native index raises for a damaged namespace: KVIndexDamaged(path, reason),
+# the file whose check failed (CorruptData to the client)
+set_damage_error(KVIndexDamaged)
 
 __all__ = ["EVENT_CLEARED", "EVENT_REMOVED", "EVENT_STORED", "MEDIUM_DISK", "MEDIUM_HOST",
            "BlockStore", "RawEvent", "chain_keys", "kept_mappings", "keys_fit"]

@@ -37,6 +37,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -57,6 +58,7 @@
 #define MIN_CHUNK 512
 #define PAGE 4096
 #define INITIAL_RECS 256
+#define EV_RING_BYTES (16u << 20) /* the event ring's size: the only one ever made */
 #define META_SPILLED 0xFFFFFFFFu /* mslab of a spilled block: its metadata is in its file */
 
 enum { S_FREE = 0, S_WRITING = 1, S_HOST = 2, S_DISK = 3, S_ZOMBIE = 4, S_GHOST = 5 };
@@ -163,10 +165,28 @@ typedef struct {
     /* keys that left the store in the last call (GPU copies to forget) */
     uint8_t *left;
     size_t nleft, left_cap;
-    int broken;
     char *ev_map; /* the event ring, mapped once events are on */
     size_t ev_size;
+    uint64_t nb, ncap; /* the table this process maps: its buckets and records */
+    /* damage found in a shared file (see damaged()): the next return raises it */
+    int dmg;
+    char dmg_path[4200];
+    char dmg_why[200];
 } Idx;
+
+/* The shared files are not trusted: every index, length, offset and count read from
+ * them is checked before it is used (an address, an array index, a copy's length, a
+ * loop's bound), and every file is fstat'ed before it is mapped. A failed check marks
+ * the namespace damaged in its header (ready = READY_DAMAGED): from then on every
+ * process's next lock fails, and every call raises the damage error (KVIndexDamaged,
+ * CorruptData to the client) naming the file, instead of serving from state that
+ * cannot be trusted. The blocks are a cache: removing the namespace's files starts it
+ * empty. What can be derived is derived instead: a slab file cut short gets its pages
+ * back (its blocks then fail their checksums), a damaged entry of the event ring reads
+ * as an overrun (the publisher announces the store afresh), a damaged free chain of a
+ * slab is dropped. */
+#define READY_DAMAGED 0xdead
+static PyObject *damage_type; /* what damage raises: (path, reason) -> exception */
 
 /* events: what a ring entry says (EVT_PAD fills the ring's end), and where the block is */
 enum { EVT_STORED = 1, EVT_REMOVED = 2, EVT_CLEARED = 3, EVT_PAD = 255 };
@@ -176,6 +196,50 @@ typedef struct {
     uint8_t type, medium, klen, pad[5];
 } evh_t;
 static void ev_rec(Idx *s, int type, int medium, uint32_t i);
+
+/* a check of a shared file failed: the namespace is damaged (the first reason is kept).
+ * `file` names the file under the namespace's root ("index.kvx", or a table's, a
+ * slab's or the ring's name). Returns -1. */
+__attribute__((format(printf, 3, 4)))
+static int damaged(Idx *s, const char *file, const char *fmt, ...) {
+    if (!s->dmg) {
+        s->dmg = 1;
+        snprintf(s->dmg_path, sizeof s->dmg_path, "%s/%s", s->root ? s->root : "?", file);
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(s->dmg_why, sizeof s->dmg_why, fmt, ap);
+        va_end(ap);
+    }
+    if (s->hdr != NULL)
+        __atomic_store_n(&s->hdr->ready, READY_DAMAGED, __ATOMIC_RELEASE);
+    return -1;
+}
+
+static int table_damaged(Idx *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int table_damaged(Idx *s, const char *fmt, ...) {
+    char file[64], why[200];
+    snprintf(file, sizeof file, "table-%u.kvx", s->table_gen);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    return damaged(s, file, "%s", why);
+}
+
+/* raise the handle's damage (with the GIL) */
+static PyObject *raise_damage(Idx *s) {
+    PyObject *t = damage_type != NULL ? damage_type : PyExc_RuntimeError;
+    if (damage_type == NULL) {
+        PyErr_Format(t, "damaged: %s: %s", s->dmg_path, s->dmg_why);
+        return NULL;
+    }
+    PyObject *e = PyObject_CallFunction(t, "ss", s->dmg_path, s->dmg_why);
+    if (e != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+        Py_DECREF(e);
+    }
+    return NULL;
+}
 static void ev_put(Idx *s, int type, int medium, const uint8_t *key, uint32_t klen,
                    const uint8_t *meta, uint32_t mlen);
 
@@ -196,7 +260,7 @@ static inline uint64_t mix64(uint64_t x) {
 static uint64_t khash(const hdr_t *h, const uint8_t *key, size_t klen) {
     uint64_t acc = h->seed0 ^ (klen * 0x9e3779b97f4a7c15ULL);
     uint64_t w[4] = {0, 0, 0, 0};
-    memcpy(w, key, klen);
+    memcpy(w, key, klen <= KEYMAX ? klen : KEYMAX); /* a record's klen is a shared byte */
     for (int i = 0; i < 4; i++)
         acc = mix64(acc ^ w[i] ^ (h->seed1 + (uint64_t)i));
     return acc;
@@ -258,14 +322,42 @@ static void table_path(Idx *s, uint32_t gen, char *out, size_t n) {
     snprintf(out, n, "%s/table-%u.kvx", s->root, gen);
 }
 
+/* the sizes a table can have: doubled from INITIAL_RECS, twice as many buckets as
+ * records, at most 2^32 buckets (a bucket's tag holds 32 bits of the hash) */
+static int table_sizes_ok(uint64_t nb, uint64_t cap) {
+    return cap >= INITIAL_RECS && nb == cap * 2 && (nb & (nb - 1)) == 0 && nb <= (1ULL << 32);
+}
+
+/* this process's mapping of the table the header names (under the lock): only where
+ * its sizes can be and its file is at least that long (a mapping past a file's end is a
+ * SIGBUS at the first touch) */
 static int map_table(Idx *s) {
     hdr_t *h = s->hdr;
-    char path[4096];
-    table_path(s, h->table_gen, path, sizeof path);
+    uint32_t gen = h->table_gen;
+    uint64_t nb = h->nbuckets, cap = h->cap;
+    char path[4096], file[64];
+    snprintf(file, sizeof file, "table-%u.kvx", gen);
+    if (!table_sizes_ok(nb, cap))
+        return damaged(s, "index.kvx", "it names a table of %llu buckets and %llu records",
+                       (unsigned long long)nb, (unsigned long long)cap);
+    table_path(s, gen, path, sizeof path);
     int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0)
+    if (fd < 0) {
+        if (errno == ENOENT)
+            return damaged(s, file, "the table file the index names is missing");
         return -1;
-    size_t size = table_bytes(h->nbuckets, h->cap);
+    }
+    size_t size = table_bytes(nb, cap);
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        close(fd);
+        return -1;
+    }
+    if ((uint64_t)st.st_size < size) {
+        close(fd);
+        return damaged(s, file, "it is %lld bytes; a table of %llu records is %zu",
+                       (long long)st.st_size, (unsigned long long)cap, size);
+    }
     void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
@@ -275,8 +367,10 @@ static int map_table(Idx *s) {
     s->table = (char *)m;
     s->table_size = size;
     s->buckets = (uint64_t *)m;
-    s->recs = (rec_t *)((char *)m + h->nbuckets * 8);
-    s->table_gen = h->table_gen;
+    s->recs = (rec_t *)((char *)m + nb * 8);
+    s->table_gen = gen;
+    s->nb = nb;
+    s->ncap = cap;
     return 0;
 }
 
@@ -295,11 +389,17 @@ static int create_file(const char *path, size_t size) {
     return fd;
 }
 
-static void h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx) {
+/* 0, or -1 when no bucket is free (the table holds at most half as many records as
+ * buckets: only a damaged table is full) */
+static int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx) {
     uint64_t mask = nb - 1, b = hash & mask;
-    while (buckets[b])
+    for (uint64_t probes = 0; buckets[b]; probes++) {
+        if (probes >= nb)
+            return -1;
         b = (b + 1) & mask;
+    }
     buckets[b] = (hash << 32) | (uint64_t)(idx + 1); /* the tag: the hash's low 32 bits */
+    return 0;
 }
 
 /* double the records (and the buckets with them) into a new table file */
@@ -329,7 +429,15 @@ static int grow(Idx *s) {
         uint64_t v = s->buckets[b];
         if (v) {
             uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
-            h_insert_raw(buckets, nb, khash(h, recs[i].key, recs[i].klen), i);
+            if (i >= h->bump || recs[i].klen == 0 || recs[i].klen > KEYMAX ||
+                    h_insert_raw(buckets, nb, khash(h, recs[i].key, recs[i].klen), i) < 0) {
+                munmap(m, size);
+                unlink(path);
+                table_damaged(s, "bucket %llu names record %u of %llu",
+                              (unsigned long long)b, i, (unsigned long long)h->bump);
+                errno = EIO;
+                return -1;
+            }
         }
     }
     char old[4096];
@@ -343,6 +451,8 @@ static int grow(Idx *s) {
     h->cap = cap;
     h->table_gen += 1;
     s->table_gen = h->table_gen;
+    s->nb = nb;
+    s->ncap = cap;
     unlink(old); /* the others' mappings keep its pages until they remap */
     return 0;
 }
@@ -350,40 +460,53 @@ static int grow(Idx *s) {
 /* ---------------------------------------------------------------------------------- */
 /* hash table */
 
+/* the record of a key, or -1 (absent), or -2 (the table is damaged: see damaged()) */
 static int64_t h_find(Idx *s, const uint8_t *key, size_t klen) {
     hdr_t *h = s->hdr;
-    uint64_t hash = khash(h, key, klen), mask = h->nbuckets - 1, b = hash & mask;
+    uint64_t hash = khash(h, key, klen), mask = s->nb - 1, b = hash & mask;
     uint64_t tag = hash & 0xffffffffu;
-    for (;;) {
+    for (uint64_t probes = 0; probes < s->nb; probes++) {
         uint64_t v = s->buckets[b];
         if (!v)
             return -1;
         if ((v >> 32) == tag) {
             uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
+            if (i >= h->bump)
+                return table_damaged(s, "bucket %llu names record %u of %llu",
+                                     (unsigned long long)b, i, (unsigned long long)h->bump) * 2;
             rec_t *r = R(s, i);
             if (r->klen == klen && memcmp(r->key, key, klen) == 0)
                 return i;
         }
         b = (b + 1) & mask;
     }
+    return table_damaged(s, "no bucket of %llu is empty", (unsigned long long)s->nb) * 2;
 }
 
 static void h_delete(Idx *s, uint32_t idx) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, idx);
-    uint64_t mask = h->nbuckets - 1, b = khash(h, r->key, r->klen) & mask;
+    uint64_t mask = s->nb - 1, b = khash(h, r->key, r->klen) & mask, probes = 0;
     while ((uint32_t)(s->buckets[b] & 0xffffffffu) != idx + 1) {
         if (!s->buckets[b])
             return; /* not there (a repair in progress) */
+        if (++probes >= s->nb) {
+            table_damaged(s, "no bucket of %llu is empty", (unsigned long long)s->nb);
+            return;
+        }
         b = (b + 1) & mask;
     }
     /* backward shift: pull later entries of the run into the hole */
     uint64_t hole = b, j = b;
-    for (;;) {
+    for (probes = 0;; probes++) {
         j = (j + 1) & mask;
         uint64_t v = s->buckets[j];
         if (!v)
             break;
+        if (probes >= s->nb) {
+            table_damaged(s, "no bucket of %llu is empty", (unsigned long long)s->nb);
+            return;
+        }
         /* its home from its tag, the hash's low bits (the table has at most 2^32
          * buckets): no look at its record, which is cold */
         uint64_t home = (v >> 32) & mask;
@@ -400,9 +523,17 @@ static void h_delete(Idx *s, uint32_t idx) {
 /* ---------------------------------------------------------------------------------- */
 /* queues */
 
+/* a queue link or head read from the table or header: 0 (none) or a record + 1 */
+static inline int link_ok(Idx *s, uint32_t l) { return l <= s->hdr->bump; }
+
 static void q_push(Idx *s, int q, uint32_t i) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, i);
+    if (!link_ok(s, h->q[q].tail)) {
+        damaged(s, "index.kvx", "queue %d ends at record %u of %llu", q, h->q[q].tail - 1,
+                (unsigned long long)h->bump);
+        return;
+    }
     r->queue = (uint8_t)(q + 1);
     r->next = 0;
     r->prev = h->q[q].tail;
@@ -420,6 +551,10 @@ static void q_remove(Idx *s, uint32_t i) {
     if (!r->queue)
         return;
     int q = r->queue - 1;
+    if (q >= NQ || !link_ok(s, r->prev) || !link_ok(s, r->next)) {
+        table_damaged(s, "record %u: queue %d, links %u and %u", i, q, r->prev, r->next);
+        return;
+    }
     if (r->prev)
         R(s, r->prev - 1)->next = r->next;
     else
@@ -441,6 +576,11 @@ static int64_t rec_new(Idx *s) {
     uint32_t i;
     if (h->free_rec) {
         i = (uint32_t)h->free_rec - 1;
+        if (h->free_rec > h->bump || R(s, i)->state != S_FREE || !link_ok(s, R(s, i)->next)) {
+            table_damaged(s, "the free records' chain reaches record %u", i);
+            errno = EIO;
+            return -1;
+        }
         h->free_rec = R(s, i)->next;
     } else {
         if (h->bump >= h->cap && grow(s) < 0)
@@ -472,6 +612,67 @@ static void rec_free(Idx *s, uint32_t i) {
 /* ---------------------------------------------------------------------------------- */
 /* slabs and chunks */
 
+/* a slab's entry of the slab table can be: its chunk size a size class, its file's
+ * size within what an allocation makes (a data slab within the capacity, a metadata
+ * slab of 256 KiB or one chunk), its counts within its chunks */
+static int slab_ok(const hdr_t *h, const slab_t *sl) {
+    uint64_t bytes;
+    if (sl->csize < MIN_CHUNK || sl->csize > (1ULL << 40) || size_class(sl->csize) != sl->csize ||
+            sl->nchunks == 0 || __builtin_mul_overflow(sl->csize, (uint64_t)sl->nchunks, &bytes))
+        return 0;
+    uint64_t most = sl->meta ? (sl->csize > (256u << 10) ? sl->csize : 256u << 10) : h->capacity;
+    return bytes <= most && sl->used <= sl->nchunks && sl->bump <= sl->nchunks &&
+           sl->free_head <= sl->nchunks;
+}
+
+static int slab_damaged(Idx *s, uint32_t slot) {
+    const slab_t *sl = &s->hdr->slabs[slot];
+    return damaged(s, "index.kvx", "slab %u: %llu chunks of %llu bytes, %u used, %u made, "
+                   "free from %u", slot, (unsigned long long)sl->nchunks,
+                   (unsigned long long)sl->csize, sl->used, sl->bump, sl->free_head);
+}
+
+/* a chunk a record names is one of a live slab's (of metadata, or of blocks) */
+static inline int chunk_ok(const hdr_t *h, uint32_t slot, uint32_t chunk, int meta) {
+    return slot < h->nslabs && h->slabs[slot].live && chunk < h->slabs[slot].nchunks &&
+           h->slabs[slot].meta == (uint32_t)meta;
+}
+
+/* record i, reached by a key, a queue or a lease, can be what its fields say: 0, or -1
+ * (the table is damaged: see damaged()). What match and contains read of it (its key
+ * and state) needs no check; everything that leads to an address or a length does. */
+static int rec_check(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    const char *bad = NULL;
+    int holds = r->state == S_WRITING || r->state == S_HOST || r->state == S_ZOMBIE;
+    if (r->klen == 0 || r->klen > KEYMAX)
+        bad = "key length";
+    else if (r->state > S_GHOST || r->queue > NQ)
+        bad = "state";
+    else if (r->writer > MAX_PROCS || (r->state == S_WRITING && r->writer == 0))
+        bad = "writer";
+    else if (!link_ok(s, r->prev) || !link_ok(s, r->next))
+        bad = "queue links";
+    else if (holds && !chunk_ok(h, r->slab, r->chunk, 0))
+        bad = "chunk";
+    else if (r->state == S_HOST &&
+             (r->nbytes == 0 || size_class(r->nbytes) != h->slabs[r->slab].csize))
+        bad = "size";
+    else if (r->state == S_DISK && (r->nbytes == 0 || r->nbytes > h->capacity))
+        bad = "size";
+    else if (r->meta_len > INLINE_META &&
+             (r->state == S_DISK ? r->mslab != META_SPILLED
+                                 : !holds || !chunk_ok(h, r->mslab, r->mchunk, 1) ||
+                                   r->meta_len > h->slabs[r->mslab].csize))
+        bad = "metadata";
+    if (bad == NULL)
+        return 0;
+    return table_damaged(s, "record %u: its %s cannot be (state %u, slab %u, chunk %u, "
+                         "%llu bytes, metadata %u bytes)", i, bad, r->state, r->slab,
+                         r->chunk, (unsigned long long)r->nbytes, r->meta_len);
+}
+
 static void slab_path(Idx *s, uint32_t slot, uint32_t gen, char *out, size_t n) {
     snprintf(out, n, "%s/slabs/%04x-%u.slab", s->root, slot, gen);
 }
@@ -491,11 +692,19 @@ static void unmap_slab(Idx *s, uint32_t slot) {
  * outside the store gets its pages back first: an access past the end of a file is a
  * SIGBUS, where restored pages read zeros and fail their blocks' checksums. */
 static char *slab_base(Idx *s, uint32_t slot) {
+    if (slot >= s->hdr->nslabs) {
+        damaged(s, "index.kvx", "slab %u of %u", slot, s->hdr->nslabs);
+        return NULL;
+    }
     slab_t *sl = &s->hdr->slabs[slot];
     smap_t *m = &s->maps[slot];
     size_t size = sl->csize * sl->nchunks;
     if (m->base != NULL && m->gen == sl->gen && m->size == size)
         return m->base;
+    if (!slab_ok(s->hdr, sl)) { /* checked where it is mapped, not where it is used */
+        slab_damaged(s, slot);
+        return NULL;
+    }
     unmap_slab(s, slot);
     char path[4096];
     slab_path(s, slot, sl->gen, path, sizeof path);
@@ -549,6 +758,8 @@ static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
         slab_t *sl = &h->slabs[i];
         if (!sl->live || sl->csize != csize || sl->used == sl->nchunks || sl->meta != meta)
             continue;
+        if (sl->free_head > sl->nchunks) /* a chain damaged outside the store */
+            sl->free_head = 0;
         if (sl->free_head) {
             char *base = slab_base(s, i);
             if (base == NULL)
@@ -576,6 +787,10 @@ static int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
 }
 
 static void release_chunk(Idx *s, uint32_t slot, uint32_t chunk) {
+    if (slot >= s->hdr->nslabs || chunk >= s->hdr->slabs[slot].nchunks) {
+        table_damaged(s, "a record names chunk %u of slab %u", chunk, slot);
+        return;
+    }
     slab_t *sl = &s->hdr->slabs[slot];
     if (s->want_csize == sl->csize && !s->hand && !sl->meta) {
         s->hand = 1; /* still counted in use: the allocation takes it as it is */
@@ -920,6 +1135,8 @@ static int drop_empty_slab(Idx *s, uint64_t keep) {
 static void spill_file(Idx *s, const uint8_t *key, size_t klen, uint64_t seq, char *out,
                        size_t n) {
     char hex[2 * KEYMAX + 1];
+    if (klen > KEYMAX) /* a record's klen is a shared byte: rec_check flags it */
+        klen = KEYMAX;
     for (size_t i = 0; i < klen; i++)
         snprintf(hex + 2 * i, 3, "%02x", key[i]);
     hex[2 * klen] = 0;
@@ -958,14 +1175,17 @@ static void note_left(Idx *s, rec_t *r) {
         s->left_cap = cap;
     }
     uint8_t *e = s->left + s->nleft++ * (KEYMAX + 1);
-    e[0] = r->klen;
+    e[0] = r->klen <= KEYMAX ? r->klen : KEYMAX;
     memcpy(e + 1, r->key, KEYMAX);
 }
 
 static void meta_free(Idx *s, rec_t *r) {
     if (r->meta_len > INLINE_META) {
-        if (r->mslab != META_SPILLED)
+        if (r->mslab != META_SPILLED && chunk_ok(s->hdr, r->mslab, r->mchunk, 1))
             release_chunk(s, r->mslab, r->mchunk);
+        else if (r->mslab != META_SPILLED)
+            table_damaged(s, "a record's metadata is in chunk %u of slab %u", r->mchunk,
+                          r->mslab);
         r->meta_len = 0;
     }
 }
@@ -981,7 +1201,7 @@ static const uint8_t *rec_meta(Idx *s, rec_t *r, uint32_t *len, uint8_t **owned)
     if (r->mslab == META_SPILLED) {
         char path[4096];
         spill_path(s, r, path, sizeof path);
-        uint8_t *buf = malloc(r->meta_len);
+        uint8_t *buf = r->meta_len <= (1u << 30) ? malloc(r->meta_len) : NULL;
         int fd = open(path, O_RDONLY | O_CLOEXEC);
         ssize_t got = fd >= 0 && buf != NULL ? pread(fd, buf, r->meta_len, (off_t)r->nbytes) : -1;
         if (fd >= 0)
@@ -993,6 +1213,12 @@ static const uint8_t *rec_meta(Idx *s, rec_t *r, uint32_t *len, uint8_t **owned)
         }
         *owned = buf;
         return buf;
+    }
+    if (!chunk_ok(s->hdr, r->mslab, r->mchunk, 1) || r->meta_len > s->hdr->slabs[r->mslab].csize) {
+        table_damaged(s, "a record's %u bytes of metadata are in chunk %u of slab %u",
+                      r->meta_len, r->mchunk, r->mslab);
+        *len = 0;
+        return NULL;
     }
     char *base = slab_base(s, r->mslab);
     if (base == NULL) {
@@ -1027,8 +1253,14 @@ static void drop_disk(Idx *s, uint32_t i, int forget) {
 static void trim_disk(Idx *s) {
     hdr_t *h = s->hdr;
     uint32_t cur = h->q[Q_DISK].head;
-    while (cur && h->count[C_DISK_BYTES] > s->disk_capacity) {
+    for (uint64_t steps = 0; cur && h->count[C_DISK_BYTES] > s->disk_capacity && !s->dmg;
+         steps++) {
         uint32_t i = cur - 1;
+        if (!link_ok(s, cur) || steps > h->bump || rec_check(s, i) < 0 ||
+                R(s, i)->state != S_DISK) {
+            table_damaged(s, "the spilled blocks' queue reaches record %u", i);
+            return;
+        }
         cur = R(s, i)->next;
         if (R(s, i)->pins == 0)
             drop_disk(s, i, 1);
@@ -1053,6 +1285,8 @@ static int write_all(int fd, const char *p, size_t n) {
 static int spill(Idx *s, uint32_t i) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, i);
+    if (rec_check(s, i) < 0)
+        return -1;
     char *base = slab_base(s, r->slab);
     if (base == NULL || s->disk_root == NULL || r->nbytes > s->disk_capacity)
         return -1;
@@ -1130,8 +1364,14 @@ static void ghost_trim(Idx *s) {
     uint64_t limit = h->q[Q_MAIN].len + h->q[Q_SMALL].len;
     if (limit < 16)
         limit = 16;
-    while (h->q[Q_GHOST].len > limit) {
+    while (h->q[Q_GHOST].len > limit && !s->dmg) {
         uint32_t i = h->q[Q_GHOST].head - 1;
+        if (h->q[Q_GHOST].head == 0 || !link_ok(s, h->q[Q_GHOST].head) ||
+                R(s, i)->queue != Q_GHOST + 1) {
+            damaged(s, "index.kvx", "the ghost queue (%llu long) starts at record %u",
+                    (unsigned long long)h->q[Q_GHOST].len, i);
+            return;
+        }
         q_remove(s, i);
         h_delete(s, i);
         rec_free(s, i);
@@ -1174,13 +1414,25 @@ static inline int evictable(rec_t *r) {
     return r->state == S_HOST && r->pins == 0 && r->readers == 0;
 }
 
+/* a queue that holds records starts at one that is in it and can be (see rec_check) */
+static int queue_head_bad(Idx *s, int q) {
+    hdr_t *h = s->hdr;
+    uint32_t head = h->q[q].head;
+    if (head == 0 || !link_ok(s, head) || R(s, head - 1)->queue != q + 1)
+        return damaged(s, "index.kvx", "queue %d (%llu long) starts at record %u", q,
+                       (unsigned long long)h->q[q].len, head - 1);
+    return rec_check(s, head - 1);
+}
+
 /* the next block to evict, or -1 */
 static int64_t victim(Idx *s) {
     hdr_t *h = s->hdr;
     if (h->eviction == EV_LRU) {
         uint64_t budget = h->q[Q_SMALL].len;
-        while (budget--) {
+        while (budget-- && !s->dmg) {
             uint32_t i = h->q[Q_SMALL].head - 1;
+            if (queue_head_bad(s, Q_SMALL))
+                return -1;
             if (evictable(R(s, i)))
                 return i;
             q_remove(s, i); /* being read: to the tail */
@@ -1199,6 +1451,8 @@ static int64_t victim(Idx *s) {
         int from_small = small > 0 && (small * 10 > small + main || main == 0);
         int q = from_small ? Q_SMALL : Q_MAIN;
         uint32_t i = h->q[q].head - 1;
+        if (s->dmg || queue_head_bad(s, q))
+            return -1;
         rec_t *r = R(s, i);
         if (q == Q_SMALL && r->freq >= 1) {
             q_remove(s, i);
@@ -1252,7 +1506,8 @@ static uint64_t reclaim_dead(Idx *s) {
         }
     if (!dead)
         return 0;
-    if (h->ev_pub && (dead >> (h->ev_pub - 1) & 1)) { /* the publisher died: none now */
+    if (h->ev_pub && h->ev_pub <= MAX_PROCS && (dead >> (h->ev_pub - 1) & 1)) {
+        /* the publisher died: none now */
         h->ev_pub = 0;
         h->ev_on = 0;
     }
@@ -1272,7 +1527,8 @@ static uint64_t reclaim_dead(Idx *s) {
                 freed++;
             }
         }
-        if (r->state == S_WRITING && r->writer && (dead >> (r->writer - 1) & 1)) {
+        if (r->state == S_WRITING && r->writer && r->writer <= MAX_PROCS &&
+                (dead >> (r->writer - 1) & 1)) {
             release_chunk(s, r->slab, r->chunk);
             meta_free(s, r);
             h_delete(s, i);
@@ -1333,22 +1589,108 @@ static int allocate(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk, int
 
 static void rebuild(Idx *s);
 
+/* the mutex, taken: 0, EOWNERDEAD, or an error. A lock word damaged outside the store
+ * can name a holder that does not exist, which nobody would ever wake the waiters of:
+ * one that stays the same for LOCK_STUCK_S seconds while its thread does not exist is
+ * damage (a holder that dies is the kernel's to report: EOWNERDEAD). */
+#define LOCK_STUCK_S 5
+static int take_mutex(Idx *s) {
+    pthread_mutex_t *mu = &s->hdr->lock;
+    int r = pthread_mutex_trylock(mu);
+    if (r != EBUSY)
+        return r;
+    int stuck = 0;
+    uint32_t last = 0;
+    for (;;) {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_sec += 1;
+        r = pthread_mutex_timedlock(mu, &t);
+        if (r != ETIMEDOUT)
+            return r;
+#ifdef __GLIBC__
+        uint32_t w = (uint32_t)__atomic_load_n(&mu->__data.__lock, __ATOMIC_RELAXED);
+        pid_t tid = (pid_t)(w & 0x3fffffffu); /* FUTEX_TID_MASK */
+        int gone = tid == 0 || (kill(tid, 0) != 0 && errno == ESRCH);
+        stuck = gone && (stuck == 0 || w == last) ? stuck + 1 : 0;
+        last = w;
+        if (stuck >= LOCK_STUCK_S) {
+            damaged(s, "index.kvx", "its lock is held by thread %d, which does not exist",
+                    (int)tid);
+            return EDEADLK;
+        }
+#endif
+    }
+}
+
+/* the header's fields that every step reads can be (under the lock: they change only
+ * under it); the table's sizes are checked where it is mapped */
+static int hdr_check(Idx *s) {
+    hdr_t *h = s->hdr;
+    if (h->ready != 1)
+        return damaged(s, "index.kvx", h->ready == READY_DAMAGED
+                       ? "marked damaged: a check of the namespace's files failed"
+                       : "its ready mark is %u", h->ready);
+    if (h->magic != KV_MAGIC || h->version != KV_VERSION)
+        return damaged(s, "index.kvx", "it is not a block index of this version");
+    if (h->nslabs > MAX_SLABS || h->eviction > EV_S3FIFO || h->ev_pub > MAX_PROCS ||
+            (h->ev_ring != 0 && h->ev_ring != EV_RING_BYTES))
+        return damaged(s, "index.kvx", "%u slabs, eviction %u, publisher %u, a ring of "
+                       "%llu bytes", h->nslabs, h->eviction, h->ev_pub,
+                       (unsigned long long)h->ev_ring);
+    if (h->nbuckets != s->nb || h->cap != s->ncap || h->bump > h->cap ||
+            h->free_rec > h->bump || h->nrecs > h->bump)
+        return damaged(s, "index.kvx", "a table of %llu buckets and %llu records (of "
+                       "generation %u, mapped: %llu and %llu), %llu made, free from %llu",
+                       (unsigned long long)h->nbuckets, (unsigned long long)h->cap,
+                       h->table_gen, (unsigned long long)s->nb,
+                       (unsigned long long)s->ncap, (unsigned long long)h->bump,
+                       (unsigned long long)h->free_rec);
+    for (int q = 0; q < NQ; q++)
+        if (h->q[q].head > h->bump || h->q[q].tail > h->bump || h->q[q].len > h->bump ||
+                (h->q[q].len == 0) != (h->q[q].head == 0))
+            return damaged(s, "index.kvx", "queue %d: %llu long, from %u to %u", q,
+                           (unsigned long long)h->q[q].len, h->q[q].head, h->q[q].tail);
+    return 0;
+}
+
+/* the lock, the header checked and the table mapped: 0, or -1 (errno; or damage, see
+ * damaged(), with the lock let go). A holder that died is repaired (rebuild) before
+ * the mutex is marked consistent, and only where the repair could be made: otherwise
+ * it is let go unmarked, and every later lock fails (ENOTRECOVERABLE: damaged). */
 static int lock(Idx *s) {
     hdr_t *h = s->hdr;
-    int r = pthread_mutex_lock(&h->lock);
+    if (s->dmg)
+        return -1;
+    int r = take_mutex(s);
     int dead_owner = r == EOWNERDEAD;
-    if (r != 0 && !dead_owner)
-        return -1;
-    if (s->table_gen != h->table_gen && map_table(s) < 0) {
-        if (dead_owner)
-            pthread_mutex_consistent(&h->lock);
-        pthread_mutex_unlock(&h->lock);
+    if (r != 0 && !dead_owner) {
+        if (!s->dmg)
+            damaged(s, "index.kvx", r == ENOTRECOVERABLE
+                    ? "its lock is unusable: a holder died and its repair failed"
+                    : "its lock cannot be taken (error %d)", r);
         return -1;
     }
-    if (dead_owner) {
+    int saved = 0;
+    if (s->table_gen != h->table_gen || s->table == NULL) {
+        /* the header's basic marks before its sizes are believed */
+        if (h->ready != 1 || h->magic != KV_MAGIC || h->version != KV_VERSION)
+            hdr_check(s);
+        else if (map_table(s) < 0)
+            saved = errno ? errno : EIO;
+    }
+    if (!s->dmg && !saved)
+        hdr_check(s);
+    if (!s->dmg && !saved && dead_owner)
         rebuild(s);
-        pthread_mutex_consistent(&h->lock);
+    if (s->dmg || saved) {
+        /* a dead holder's mutex is let go unrepaired: ENOTRECOVERABLE from now on */
+        pthread_mutex_unlock(&h->lock);
+        errno = saved ? saved : EIO;
+        return -1;
     }
+    if (dead_owner)
+        pthread_mutex_consistent(&h->lock);
     h->write_epoch++;
     return 0;
 }
@@ -1368,6 +1710,11 @@ static void rebuild(Idx *s) {
     /* chunks in use, per slab, as a bitmap */
     uint8_t *used[MAX_SLABS] = {0};
     for (uint32_t k = 0; k < h->nslabs; k++)
+        if (h->slabs[k].live && !slab_ok(h, &h->slabs[k])) {
+            slab_damaged(s, k);
+            return;
+        }
+    for (uint32_t k = 0; k < h->nslabs; k++)
         if (h->slabs[k].live)
             used[k] = calloc((h->slabs[k].nchunks + 7) / 8, 1);
     h->free_rec = 0;
@@ -1378,7 +1725,7 @@ static void rebuild(Idx *s) {
         r->queue = 0;
         r->prev = r->next = 0;
         int holds = r->state == S_WRITING || r->state == S_HOST || r->state == S_ZOMBIE;
-        if (r->state == S_FREE || r->state > S_GHOST ||
+        if (r->state == S_FREE || r->state > S_GHOST || r->klen == 0 || r->klen > KEYMAX ||
                 (holds && (r->slab >= h->nslabs || !h->slabs[r->slab].live ||
                            r->chunk >= h->slabs[r->slab].nchunks))) {
             r->state = S_FREE;
@@ -1390,10 +1737,12 @@ static void rebuild(Idx *s) {
         h->nrecs++;
         if (holds && used[r->slab])
             used[r->slab][r->chunk / 8] |= (uint8_t)(1 << (r->chunk % 8));
-        if (holds && r->meta_len > INLINE_META && r->mslab < h->nslabs && used[r->mslab])
+        if (holds && r->meta_len > INLINE_META && r->mslab < h->nslabs && used[r->mslab] &&
+                r->mchunk < h->slabs[r->mslab].nchunks)
             used[r->mslab][r->mchunk / 8] |= (uint8_t)(1 << (r->mchunk % 8));
-        if (r->state != S_ZOMBIE)
-            h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen), i);
+        if (r->state != S_ZOMBIE &&
+                h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen), i) < 0)
+            table_damaged(s, "no bucket is free for record %u", i);
         if (r->state == S_HOST) {
             h->count[C_HOST_BLOCKS]++;
             h->count[C_HOST_BYTES] += r->nbytes;
@@ -1510,7 +1859,12 @@ static int usable(Idx *s) {
     return 1;
 }
 
-static PyObject *lock_error(void) {
+/* a step that failed: its damage, or its errno (never an OSError of errno 0) */
+static PyObject *lock_error(Idx *s) {
+    if (s->dmg)
+        return raise_damage(s);
+    if (errno == 0)
+        errno = EIO;
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
@@ -1649,8 +2003,8 @@ static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
+    if (r < 0 || s->dmg) {
+        lock_error(s);
         return -1;
     }
     if (slot < 0) {
@@ -2082,6 +2436,12 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         uint8_t *k = ks.keys[i];
         int64_t f = h_find(s, k + 1, k[0]);
         int was_ghost = 0;
+        if (f >= 0 && rec_check(s, (uint32_t)f) < 0)
+            f = -2;
+        if (s->dmg) {
+            err = E_IO;
+            break;
+        }
         if (f >= 0) {
             rec_t *r = R(s, (uint32_t)f);
             if (r->state == S_HOST || r->state == S_DISK)
@@ -2111,6 +2471,10 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
             if (err != E_OK)
                 release_chunk(s, slot, chunk);
         }
+        if (err == E_OK && s->dmg) { /* found meanwhile (an eviction's checks) */
+            release_chunk(s, slot, chunk);
+            err = E_IO;
+        }
         if (err != E_OK) {
             needed = sizes[i];
             if (f >= 0 && was_ghost)
@@ -2136,7 +2500,16 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
             rec_t *r = R(s, (uint32_t)f);
             r->klen = k[0];
             memcpy(r->key, k + 1, KEYMAX);
-            h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen), (uint32_t)f);
+            if (h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen),
+                             (uint32_t)f) < 0) {
+                table_damaged(s, "no bucket of %llu is free", (unsigned long long)s->nb);
+                rec_free(s, (uint32_t)f);
+                release_chunk(s, slot, chunk);
+                if (ml > INLINE_META)
+                    release_chunk(s, mslab, mchunk);
+                err = E_IO;
+                break;
+            }
         }
         rec_t *r = R(s, (uint32_t)f);
         r->slab = slot;
@@ -2156,6 +2529,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         res[nres].untouched = (uint32_t)untouched;
         nres++;
     }
+    if (err == E_OK && s->dmg)
+        err = E_IO;
     if (err != E_OK) { /* all or nothing: give the batch's chunks back */
         for (Py_ssize_t j = 0; j < nres; j++) {
             rec_t *r = R(s, res[j].idx);
@@ -2233,8 +2608,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
     (void)locked;
 unlocked:
     Py_END_ALLOW_THREADS
-    if (err == E_IO) {
-        PyErr_SetFromErrno(PyExc_OSError);
+    if (err == E_IO || s->dmg) {
+        lock_error(s);
         goto out;
     }
     result = Py_BuildValue("(y#iK)", (const char *)stored, n, err,
@@ -2277,8 +2652,8 @@ static PyObject *Idx_match(Idx *s, PyObject *keys_o) {
     }
     Py_END_ALLOW_THREADS
     free_keys(&ks);
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     return PyLong_FromSsize_t(n);
 }
 
@@ -2306,9 +2681,9 @@ static PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
     }
     Py_END_ALLOW_THREADS
     free_keys(&ks);
-    if (r < 0) {
+    if (r < 0 || s->dmg) {
         Py_DECREF(out);
-        return lock_error();
+        return lock_error(s);
     }
     return out;
 }
@@ -2384,6 +2759,30 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     return 1;
 }
 
+/* whether a readable record's size is not that of its bytes (under the lock, on the
+ * path of a buffer of another size only): a host block whose checksum fails over the
+ * bytes its record gives, a spilled block whose file is of another length */
+static int size_lies(Idx *s, uint32_t i) {
+    rec_t *r = R(s, i);
+    if (r->state == S_DISK) {
+        if (s->disk_root == NULL)
+            return 0;
+        char path[4096];
+        struct stat st;
+        spill_path(s, r, path, sizeof path);
+        uint64_t want = r->nbytes + (r->meta_len > INLINE_META ? r->meta_len : 0);
+        return stat(path, &st) == 0 && (uint64_t)st.st_size != want;
+    }
+    char *base = slab_base(s, r->slab);
+    void *state = base != NULL ? xxh_state_new() : NULL;
+    if (state == NULL)
+        return 0;
+    uint64_t sum = hash_only(state, base + (size_t)r->chunk * s->hdr->slabs[r->slab].csize,
+                             r->nbytes);
+    xxh_state_free(state);
+    return sum != r->csum;
+}
+
 /* read_into(keys, addrs, sizes, verify) -> (status: bytes, error_index)
  * status per key: 0 absent, 1 copied, 2 corrupt (dropped). error_index >= 0: that
  * key's block has another size than its buffer; nothing was copied. */
@@ -2431,9 +2830,26 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             st[i] = RD_ABSENT;
             asked++;
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f >= 0 && readable(R(s, (uint32_t)f)) && rec_check(s, (uint32_t)f) < 0)
+                f = -2;
+            if (s->dmg) {
+                ioerr = 1;
+                break;
+            }
             if (f < 0)
                 continue;
             rec_t *r = R(s, (uint32_t)f);
+            if (r->nbytes != sizes[i] && readable(r) && size_lies(s, (uint32_t)f)) {
+                /* its record's size is not its bytes': damaged, dropped (not the
+                 * caller's buffer at fault) */
+                if (r->state == S_DISK)
+                    drop_disk(s, (uint32_t)f, 1);
+                else
+                    remove_host(s, (uint32_t)f);
+                h->count[C_CORRUPT]++;
+                st[i] = RD_CORRUPT;
+                continue;
+            }
             if (r->state == S_DISK && s->disk_root != NULL) {
                 /* straight from its file into the caller's buffer: a read never evicts
                  * (a batch larger than the arena reads whole) */
@@ -2478,7 +2894,7 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             hits++;
             st[i] = RD_COPY;
         }
-        if (bad_size >= 0 || ioerr) {
+        if (bad_size >= 0 || ioerr || s->dmg) {
             for (Py_ssize_t i = 0; i < n; i++)
                 st[i] = RD_ABSENT;
             unlock(s);
@@ -2526,8 +2942,8 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
         if (st[i] == RD_COPY)
             st[i] = RD_ABSENT; /* moved four times while we read it: a miss */
     Py_END_ALLOW_THREADS
-    if (ioerr) {
-        PyErr_SetFromErrno(PyExc_OSError);
+    if (ioerr || s->dmg) {
+        lock_error(s);
         goto out;
     }
     result = Py_BuildValue("(On)", status_o, bad_size);
@@ -2578,9 +2994,9 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
         Py_ssize_t hits = 0;
         uint64_t bit = 1ULL << s->slot;
         uint32_t checked = UINT32_MAX;
-        for (Py_ssize_t i = 0; i < n && !oom; i++) {
+        for (Py_ssize_t i = 0; i < n && !oom && !s->dmg; i++) {
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
-            if (f < 0)
+            if (f < 0 || !readable(R(s, (uint32_t)f)) || rec_check(s, (uint32_t)f) < 0)
                 continue;
             rec_t *rr = R(s, (uint32_t)f);
             if (rr->state == S_DISK) {
@@ -2628,7 +3044,7 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
             on_access(s, (uint32_t)f);
             hits++;
         }
-        if (oom) /* give the leases back */
+        if (oom || s->dmg) /* give the leases back */
             for (Py_ssize_t i = 0; i < n; i++)
                 if (ls[i].status == 1)
                     R(s, ls[i].idx)->readers &= ~bit;
@@ -2637,8 +3053,8 @@ static PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0) {
-        lock_error();
+    if (r < 0 || s->dmg) {
+        lock_error(s);
         goto done;
     }
     if (oom) {
@@ -2717,8 +3133,8 @@ static PyObject *Idx_release(Idx *s, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&ib);
     PyBuffer_Release(&gb);
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     Py_RETURN_NONE;
 }
 
@@ -2744,8 +3160,8 @@ static PyObject *Idx_drop_corrupt(Idx *s, PyObject *args) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     return PyBool_FromLong(dropped);
 }
 
@@ -2770,15 +3186,15 @@ static PyObject *Idx_pin(Idx *s, PyObject *args) {
     if (r == 0) {
         hdr_t *h = s->hdr;
         int reclaimed = 0;
-        for (Py_ssize_t i = 0; i < ks.n; i++) {
+        for (Py_ssize_t i = 0; i < ks.n && !s->dmg; i++) {
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
-            if (f < 0)
+            if (f < 0 || rec_check(s, (uint32_t)f) < 0)
                 continue;
             rec_t *rr = R(s, (uint32_t)f);
             if (rr->state == S_DISK && delta > 0 && state != NULL)
                 promote(s, (uint32_t)f, state, &reclaimed); /* pinned: in memory if it fits */
             f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
-            if (f < 0)
+            if (f < 0 || s->dmg)
                 continue;
             rr = R(s, (uint32_t)f);
             if (!readable(rr) || (int64_t)rr->pins + delta < 0)
@@ -2802,8 +3218,8 @@ static PyObject *Idx_pin(Idx *s, PyObject *args) {
     if (state != NULL)
         xxh_state_free(state);
     free_keys(&ks);
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     return PyLong_FromSsize_t(changed);
 }
 
@@ -2818,9 +3234,9 @@ static PyObject *Idx_delete(Idx *s, PyObject *keys_o) {
     Py_BEGIN_ALLOW_THREADS
     r = lock(s);
     if (r == 0) {
-        for (Py_ssize_t i = 0; i < ks.n; i++) {
+        for (Py_ssize_t i = 0; i < ks.n && !s->dmg; i++) {
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
-            if (f < 0)
+            if (f < 0 || rec_check(s, (uint32_t)f) < 0)
                 continue;
             rec_t *rr = R(s, (uint32_t)f);
             if (rr->state == S_HOST)
@@ -2835,8 +3251,8 @@ static PyObject *Idx_delete(Idx *s, PyObject *keys_o) {
     }
     Py_END_ALLOW_THREADS
     free_keys(&ks);
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     return PyLong_FromSsize_t(n);
 }
 
@@ -2845,7 +3261,6 @@ static PyObject *Idx_delete(Idx *s, PyObject *keys_o) {
  * order they did, written by whichever process changed the store (under the lock) while
  * a publisher is attached; one process per namespace (the publisher) reads it */
 
-#define EV_RING_BYTES (16u << 20)
 
 static void ev_path(Idx *s, char *out, size_t n) { snprintf(out, n, "%s/events.kvx", s->root); }
 
@@ -2864,6 +3279,15 @@ static int ev_map(Idx *s) {
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return -1;
+    /* a ring cut short outside the store gets its pages back (zeros: entries that cannot
+     * be, which its reader takes for an overrun) before it is mapped: a mapping past
+     * the file's end is a SIGBUS at the first touch */
+    struct stat st;
+    if (fstat(fd, &st) != 0 || ((uint64_t)st.st_size < h->ev_ring &&
+                                posix_fallocate(fd, 0, (off_t)h->ev_ring) != 0)) {
+        close(fd);
+        return -1;
+    }
     /* populated: the ring is written all over, and a fault a page was the writers' cost */
     void *m = mmap(NULL, h->ev_ring, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
@@ -2927,6 +3351,10 @@ static void ev_put(Idx *s, int type, int medium, const uint8_t *key, uint32_t kl
 static void ev_rec(Idx *s, int type, int medium, uint32_t i) {
     if (!s->hdr->ev_on)
         return;
+    if (R(s, i)->klen == 0 || R(s, i)->klen > KEYMAX) {
+        table_damaged(s, "record %u: a key of %u bytes", i, R(s, i)->klen);
+        return;
+    }
     uint8_t *owned;
     uint32_t mlen;
     const uint8_t *meta = rec_meta(s, R(s, i), &mlen, &owned);
@@ -3020,6 +3448,10 @@ static PyObject *Idx_events_claim(Idx *s, PyObject *unused) {
                     rec_t *rr = R(s, (uint32_t)j);
                     if (rr->state != S_HOST && rr->state != S_DISK)
                         continue;
+                    if (rec_check(s, (uint32_t)j) < 0) {
+                        err = EIO;
+                        break;
+                    }
                     uint8_t *owned;
                     uint32_t mlen;
                     const uint8_t *meta = rec_meta(s, rr, &mlen, &owned);
@@ -3043,8 +3475,8 @@ static PyObject *Idx_events_claim(Idx *s, PyObject *unused) {
     }
     Py_END_ALLOW_THREADS
     PyObject *out = NULL;
-    if (r < 0) {
-        out = lock_error();
+    if (r < 0 || s->dmg) {
+        out = lock_error(s);
     } else if (err) {
         errno = err;
         out = PyErr_SetFromErrno(PyExc_OSError);
@@ -3086,7 +3518,13 @@ static int ev_take(Idx *s, uint64_t *pos, uint64_t seq, size_t max_bytes,
         }
         evh_t e;
         memcpy(&e, s->ev_map + off, sizeof e);
-        if (e.len < sizeof(evh_t) || e.len > ring - off) { /* cannot be: start over */
+        /* an entry that cannot be (damaged outside the store, or a write torn by a
+         * crash): start over from a fresh snapshot, as after an overrun */
+        int fits = e.type == EVT_PAD
+            ? 1
+            : (e.type == EVT_STORED || e.type == EVT_REMOVED || e.type == EVT_CLEARED) &&
+              e.klen <= KEYMAX && e.medium <= MED_STORAGE && e.len == ev_bytes(e.klen, e.mlen);
+        if (e.len < sizeof(evh_t) || e.len > ring - off || !fits) {
             *overrun = 1;
             *pos = head;
             return 1;
@@ -3123,8 +3561,8 @@ static PyObject *Idx_events_read(Idx *s, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     PyObject *out = NULL;
-    if (r < 0) {
-        out = lock_error();
+    if (r < 0 || s->dmg) {
+        out = lock_error(s);
     } else if (mine < 0) {
         out = PyErr_NoMemory();
     } else if (!mine) {
@@ -3220,8 +3658,8 @@ static PyObject *Idx_events_wire(Idx *s, PyObject *args) {
             err = 1;
     }
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        out = lock_error();
+    if (r < 0 || s->dmg)
+        out = lock_error(s);
     else if (err)
         out = PyErr_NoMemory();
     else if (!mine)
@@ -3258,8 +3696,8 @@ static PyObject *Idx_events_release(Idx *s, PyObject *unused) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     Py_RETURN_NONE;
 }
 
@@ -3281,8 +3719,8 @@ static PyObject *Idx_stats(Idx *s, PyObject *unused) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     PyObject *d = PyDict_New();
     for (int i = 0; d != NULL && i < NCOUNTERS; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(c[i]);
@@ -3326,6 +3764,10 @@ static PyObject *Idx_bloom(Idx *s, PyObject *args) {
             rec_t *rr = R(s, (uint32_t)j);
             if (!readable(rr))
                 continue;
+            if (rr->klen == 0 || rr->klen > KEYMAX) {
+                table_damaged(s, "record %u: a key of %u bytes", (unsigned)j, rr->klen);
+                break;
+            }
             xxh128_t hh = xxh_oneshot128(rr->key, rr->klen);
             unsigned __int128 h1 = hh.low64, h2 = hh.high64 | 1;
             for (int i = 0; i < k; i++) {
@@ -3336,9 +3778,9 @@ static PyObject *Idx_bloom(Idx *s, PyObject *args) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0) {
+    if (r < 0 || s->dmg) {
         Py_DECREF(out);
-        return lock_error();
+        return lock_error(s);
     }
     return out;
 }
@@ -3366,7 +3808,7 @@ static PyObject *Idx_locate(Idx *s, PyObject *key) {
     r = lock(s);
     if (r == 0) {
         int64_t f = h_find(s, ks.keys[0] + 1, ks.keys[0][0]);
-        if (f >= 0 && readable(R(s, (uint32_t)f))) {
+        if (f >= 0 && readable(R(s, (uint32_t)f)) && rec_check(s, (uint32_t)f) == 0) {
             rec_t *rr = R(s, (uint32_t)f);
             state = rr->state;
             nbytes = rr->nbytes;
@@ -3393,8 +3835,8 @@ static PyObject *Idx_locate(Idx *s, PyObject *key) {
     Py_END_ALLOW_THREADS
     free_keys(&ks);
     PyObject *out = NULL;
-    if (r < 0)
-        out = lock_error();
+    if (r < 0 || s->dmg)
+        out = lock_error(s);
     else if (state == S_HOST)
         out = Py_BuildValue("(sIIKKOy#)", "host", slab, gen, (unsigned long long)offset,
                             (unsigned long long)nbytes, Py_None, meta ? meta : "",
@@ -3430,8 +3872,8 @@ static PyObject *Idx_quiescent(Idx *s, PyObject *unused) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     return PyBool_FromLong(quiet);
 }
 
@@ -3529,8 +3971,8 @@ static PyObject *Idx_reclaim_orphans(Idx *s, PyObject *unused) {
         unlock(s);
     }
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        return lock_error();
+    if (r < 0 || s->dmg)
+        return lock_error(s);
     return PyLong_FromSsize_t(removed);
 }
 
@@ -3695,7 +4137,22 @@ static PyObject *py_keys_fit(PyObject *self, PyObject *keys) {
     Py_RETURN_TRUE;
 }
 
+/* set_damage_error(cls): what a damaged namespace raises, cls(path, reason) (the store's
+ * KVIndexDamaged; until it is set, RuntimeError) */
+static PyObject *py_set_damage_error(PyObject *self, PyObject *cls) {
+    (void)self;
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls,
+                                                (PyTypeObject *)PyExc_Exception)) {
+        PyErr_SetString(PyExc_TypeError, "set_damage_error takes an exception class");
+        return NULL;
+    }
+    Py_XSETREF(damage_type, Py_NewRef(cls));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef kv_functions[] = {
+    {"set_damage_error", py_set_damage_error, METH_O,
+     "set_damage_error(cls) -> what a damaged namespace raises: cls(path, reason)"},
     {"keys_fit", py_keys_fit, METH_O,
      "keys_fit(keys) -> whether keys is a list of bytes of 1 to KEYMAX bytes each"},
     {"kept_maps", py_kept_maps, METH_VARARGS,
