@@ -22,9 +22,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from storage_engine import BlockStore, BlockView, GpuError, KVStoreFull
+from storage_engine import BlockStore, BlockView, GpuError
 from tensordb.arrow import blocks_table
-from tensordb.errors import InvalidInput, NotFound, StoreClosed, StoreFull
+from tensordb.errors import CorruptData, InvalidInput, NotFound, StoreClosed, StoreFull
 
 from ._kv_encoding import (
     EncodedBlocks,
@@ -135,11 +135,8 @@ class KVCache:
             enc = dataclasses.replace(enc, metas=[
                 join_meta(metas if isinstance(metas, bytes) else metas[i], raw)
                 for i, raw in enumerate(infos)])
-        try:
+        with typed_errors(self.namespace, self.node):  # StoreFull, CorruptData (damaged)
             stored = int(store.put_batch(keys, enc.addrs, enc.sizes, enc.metas).sum())
-        except KVStoreFull as exc:
-            raise StoreFull(f"KV namespace {self.namespace!r}: {exc}",
-                            collection=self.namespace, node=self.node) from exc
         del enc.keep[:]  # the copies are done
         if self.events is not None:
             self.events.wake()  # this process publishes: out at once, not at the poll
@@ -199,11 +196,15 @@ class KVCache:
 
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (in memory or spilled to disk)."""
-        return self._store().match(self._chain.check(keys))
+        keys = self._chain.check(keys)
+        with typed_errors(self.namespace, self.node):  # CorruptData: damaged files
+            return self._store().match(keys)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether it is present (not only the leading run)."""
-        return self._store().contains(self._chain.check(keys))
+        keys = self._chain.check(keys)
+        with typed_errors(self.namespace, self.node):
+            return self._store().contains(keys)
 
     def get(self, keys: Sequence[bytes], *, verify: bool = True,
             device: str | torch.device | None = None) -> list[torch.Tensor]:
@@ -223,9 +224,14 @@ class KVCache:
             if dev is not None and dev.type == "cuda":
                 return self._get_cuda(keys, verify, dev)
         out = []
-        for v in self._host_views(keys, verify):
-            dtype, shape = decode_meta(v.meta)
-            out.append(torch.frombuffer(v.data, dtype=dtype).view(shape))
+        for k, v in zip(keys, self._host_views(keys, verify), strict=True):
+            try:
+                dtype, shape = decode_meta(v.meta)
+                out.append(torch.frombuffer(v.data, dtype=dtype).view(shape))
+            except (CorruptData, ValueError, RuntimeError) as exc:  # a damaged record
+                raise CorruptData(f"KV namespace {self.namespace!r}: block {k.hex()}: {exc}",
+                                  collection=self.namespace, node=self.node,
+                                  tensor=k.hex()) from exc
         return out
 
     def get_arrow(self, keys: Sequence[bytes], *, verify: bool = True) -> pa.Table:
@@ -354,15 +360,21 @@ class KVCache:
     def pin(self, keys: Sequence[bytes]) -> int:
         """Protect blocks from eviction until ``unpin`` (counted; not tied to this
         process). Returns how many of the keys were present."""
-        return self._store().pin(self._chain.check(keys))
+        keys = self._chain.check(keys)
+        with typed_errors(self.namespace, self.node):
+            return self._store().pin(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
-        return self._store().unpin(self._chain.check(keys))
+        keys = self._chain.check(keys)
+        with typed_errors(self.namespace, self.node):
+            return self._store().unpin(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove blocks (pinned ones too); tensors already handed out stay valid.
         Returns how many were present; idempotent."""
-        return self._store().delete(self._chain.check(keys))
+        keys = self._chain.check(keys)
+        with typed_errors(self.namespace, self.node):
+            return self._store().delete(keys)
 
     def release(self) -> None:
         """Let go now of the eviction protection of tensors this process dropped."""

@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from storage_engine import chain_keys, keys_fit
-from tensordb.errors import InvalidInput, StoreFull
+from tensordb.errors import CorruptData, InvalidInput, StoreFull
 
 from ._inputs import dtype_name, torch_dtype
 
@@ -106,13 +106,20 @@ def decode_meta(meta: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
 def _decode_record(record: bytes) -> tuple[torch.dtype, tuple[int, ...]]:
     """Cached: a namespace's blocks share a handful of records."""
     name, shape = meta_fields(record)
-    return torch_dtype(name), shape
+    try:
+        return torch_dtype(name), shape
+    except KeyError:
+        raise CorruptData(f"a KV block's record {record[:64]!r} names no dtype") from None
 
 
 def meta_fields(meta: bytes) -> tuple[str, tuple[int, ...]]:
-    """The dtype name and shape a block's record names."""
-    name, _, shape = meta.partition(b"\0")[0].decode().partition("|")
-    return name, tuple(int(d) for d in shape.split(",") if d)
+    """The dtype name and shape a block's record names (CorruptData: a record that names
+    none, damaged in the store's files)."""
+    try:
+        name, _, shape = meta.partition(b"\0")[0].decode().partition("|")
+        return name, tuple(int(d) for d in shape.split(",") if d)
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise CorruptData(f"a KV block's record {meta[:64]!r} is damaged: {exc}") from exc
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:

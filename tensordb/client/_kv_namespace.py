@@ -254,11 +254,11 @@ class KVNamespace:
 
 @contextmanager
 def typed_errors(namespace: str, node: str) -> Iterator[None]:
-    """The block store's errors as the client's: a corrupt block is CorruptData, no room
+    """The block store's errors as the client's: a corrupt block or file is CorruptData, no room
     StoreFull, a bad buffer InvalidInput, a failed GPU tier NodeUnavailable."""
     try:
         yield
-    except KVCorrupt as exc:
+    except (KVCorrupt, KVIndexDamaged) as exc:  # damaged blocks; damaged files
         raise CorruptData(f"KV namespace {namespace!r}: {exc}",
                           collection=namespace, node=node) from exc
     except KVStoreFull as exc:
