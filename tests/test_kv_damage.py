@@ -230,3 +230,6 @@ def test_damaged_files_never_kill_the_reader(built: tuple[Path, Path, Path]) -> 
     print("untyped:", untyped[:10])
     assert not killed, summary
     assert not untyped, untyped[:10]
+    # damage is damage, never the caller's bad input; and the probes reached the checks
+    assert not failures["tensordb.errors.InvalidInput"], summary
+    assert failures["tensordb.errors.CorruptData"], summary

@@ -27,11 +27,13 @@ FLAGS = ["-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
          "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
          "-Wall", "-Wextra", "-Werror"]
 #: the tests whose calls reach the native code: the fills (pwrite, copy + hash), the KV
-#: block store's index, arena, eviction, spill and event ring (not those counting page
-#: faults or mmap calls: the sanitizers' shadow memory takes both)
+#: block store's index, arena, eviction, spill and event ring, and the fuzz cases of
+#: damaged KV files, opened in this process (not those counting page faults or mmap
+#: calls: the sanitizers' shadow memory takes both)
 TESTS = ["tests/test_first_write.py", "tests/test_kv.py", "tests/test_kv_batch.py",
-         "tests/test_kv_events.py", "tests/test_scale.py", "tests/test_pool.py",
-         "tests/test_costs.py", "-k", "not postgres and not fault and not filling"]
+         "tests/test_kv_events.py", "tests/test_kv_fuzz.py", "tests/test_scale.py",
+         "tests/test_pool.py", "tests/test_costs.py", "-k",
+         "not postgres and not fault and not filling"]
 
 
 def runtime(name: str) -> str:
