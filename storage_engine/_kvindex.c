@@ -1592,8 +1592,11 @@ static void rebuild(Idx *s);
 /* the mutex, taken: 0, EOWNERDEAD, or an error. A lock word damaged outside the store
  * can name a holder that does not exist, which nobody would ever wake the waiters of:
  * one that stays the same for LOCK_STUCK_S seconds while its thread does not exist is
- * damage (a holder that dies is the kernel's to report: EOWNERDEAD). */
-#define LOCK_STUCK_S 5
+ * damage (a holder that dies is the kernel's to report: EOWNERDEAD). The wait is long
+ * on purpose: a holder in another PID namespace (a container sharing /dev/shm) names a
+ * thread this process cannot see, and only a lock held past this long by a live holder
+ * could be taken for damage; nothing of the store holds it for more than a moment. */
+#define LOCK_STUCK_S 30
 static int take_mutex(Idx *s) {
     pthread_mutex_t *mu = &s->hdr->lock;
     int r = pthread_mutex_trylock(mu);

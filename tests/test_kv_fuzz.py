@@ -185,7 +185,7 @@ def test_an_undamaged_image_serves(image: Path) -> None:
 
 def test_a_lock_word_naming_no_thread_is_damage(image: Path) -> None:
     """A lock word damaged to name a thread that does not exist would make every locker
-    wait forever: after a few seconds unchanged it is damage (CorruptData), not a hang."""
+    wait forever: after 30 s unchanged it is damage (CorruptData), not a hang."""
     root = Path("/dev/shm") / f"tensordb-kvfuzz-{os.getpid()}-lock"
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(image, root)
