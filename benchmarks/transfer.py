@@ -70,6 +70,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -364,62 +366,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.plain_only:
         return run_plain(args, res)
     targets = [f"t{i}" for i in range(1, args.targets + 1)]
-    with _common.temp_pg_database(PG_SERVER) as (url, version):
-        res["postgres"] = version
-        root = tempfile.mkdtemp(prefix="tensordb-bench-transport-")
-        nodes: Nodes = {}
-        a = None
-        try:
-            tensordb.connect(url, node="setup", home=f"{root}/setup").close()
-            nodes = start_nodes(url, root, ["a", "b", *targets],
-                                {"b": se.HostTier.spare_for(nbytes),
-                                 **{t: se.HostTier.spare_for(fan_bytes) for t in targets}})
-            a = tensordb.connect(url, node="a", home=f"{root}/a", data_dir=f"{root}/a/data",
-                                 token=TOKEN)
-            directory = NodeDirectory(a.catalog.engine)
-            client = FlightTransport(TOKEN, timeout=30)
-            seg = commit_bytes(a, "big", nbytes)
-            res["transfer_s"], res["transfer_1stream_s"] = [], []
-            for _ in range(args.reps):
-                for key, streams in (("transfer_s", None), ("transfer_1stream_s", 1)):
-                    forget(directory, root, url, seg, ["b"])
-                    await_spares(client, nodes, ["b"], nbytes)
-                    t0 = time.perf_counter()
-                    client.request_pull("b", nodes["b"][1], [seg], "a", streams=streams)
-                    res[key].append(time.perf_counter() - t0)
-            forget(directory, root, url, seg, ["b"])
-            res["plain_flight_s"] = measure_plain_flight(nodes["a"][1], "big", 1, args.reps,
-                                                         nbytes)
-            fan = commit_bytes(a, "fan", fan_bytes)
-            res["cascade_s"], res["sequential_s"] = [], []
-            for _ in range(args.reps):
-                forget(directory, root, url, fan, targets)
-                await_spares(client, nodes, targets, fan_bytes)
+    spares = {"b": se.HostTier.spare_for(nbytes),
+              **{t: se.HostTier.spare_for(fan_bytes) for t in targets}}
+    with node_cluster(res, ["a", "b", *targets], spares) as (url, root, nodes, a):
+        directory = NodeDirectory(a.catalog.engine)
+        client = FlightTransport(TOKEN, timeout=30)
+        seg = commit_bytes(a, "big", nbytes)
+        res["transfer_s"], res["transfer_1stream_s"] = [], []
+        for _ in range(args.reps):
+            for key, streams in (("transfer_s", None), ("transfer_1stream_s", 1)):
+                forget(directory, root, url, seg, ["b"])
+                await_spares(client, nodes, ["b"], nbytes)
                 t0 = time.perf_counter()
-                a.replicate("fan", to=targets)
-                res["cascade_s"].append(time.perf_counter() - t0)
-                res["cascade_rounds"] = len(a.last_replication.rounds)
-                forget(directory, root, url, fan, targets)
-                await_spares(client, nodes, targets, fan_bytes)
-                t0 = time.perf_counter()
-                for t in targets:
-                    client.request_pull(t, nodes[t][1], [fan], "a")
-                res["sequential_s"].append(time.perf_counter() - t0)
-        finally:
-            if a is not None:
-                a.close()
-            stop_nodes(nodes)
-            for n in ("setup", "a", "b", *targets):
-                cfg = tensordb.Config.resolve(url, home=f"{root}/{n}",
-                                              data_dir=f"{root}/{n}/data")
-                shutil.rmtree(cfg.shm_dir, ignore_errors=True)
-            shutil.rmtree(root, ignore_errors=True)
+                client.request_pull("b", nodes["b"][1], [seg], "a", streams=streams)
+                res[key].append(time.perf_counter() - t0)
+        forget(directory, root, url, seg, ["b"])
+        res["plain_flight_s"] = measure_plain_flight(nodes["a"][1], "big", 1, args.reps,
+                                                     nbytes)
+        fan = commit_bytes(a, "fan", fan_bytes)
+        res["cascade_s"], res["sequential_s"] = [], []
+        for _ in range(args.reps):
+            forget(directory, root, url, fan, targets)
+            await_spares(client, nodes, targets, fan_bytes)
+            t0 = time.perf_counter()
+            a.replicate("fan", to=targets)
+            res["cascade_s"].append(time.perf_counter() - t0)
+            res["cascade_rounds"] = len(a.last_replication.rounds)
+            forget(directory, root, url, fan, targets)
+            await_spares(client, nodes, targets, fan_bytes)
+            t0 = time.perf_counter()
+            for t in targets:
+                client.request_pull(t, nodes[t][1], [fan], "a")
+            res["sequential_s"].append(time.perf_counter() - t0)
     return res
 
 
 def run_plain(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     """``--plain-only``: node a alone, serving the ``--gib`` GiB version to the plain
     Flight reader (raw TCP measured beforehand, in the same run)."""
+    with node_cluster(res, ["a"], {}) as (_url, _root, nodes, a):
+        commit_bytes(a, "big", res["bytes"])
+        res["plain_flight_s"] = measure_plain_flight(nodes["a"][1], "big", 1, args.reps,
+                                                     res["bytes"])
+    return res
+
+
+@contextmanager
+def node_cluster(res: dict[str, Any], names: list[str], spares: dict[str, int]
+                 ) -> Iterator[tuple[str, str, Nodes, tensordb.Database]]:
+    """Node servers ``names`` (the first one's store opened here too) on a throwaway
+    PostgreSQL catalog, each with the pre-faulted spare ``spares`` gives it: yields
+    (catalog URL, their root directory, the nodes, the first node's store); everything
+    is stopped and removed afterwards. Records the server's version in ``res``."""
     with _common.temp_pg_database(PG_SERVER) as (url, version):
         res["postgres"] = version
         root = tempfile.mkdtemp(prefix="tensordb-bench-transport-")
@@ -427,22 +425,19 @@ def run_plain(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
         a = None
         try:
             tensordb.connect(url, node="setup", home=f"{root}/setup").close()
-            nodes = start_nodes(url, root, ["a"], {})
-            a = tensordb.connect(url, node="a", home=f"{root}/a", data_dir=f"{root}/a/data",
-                                 token=TOKEN)
-            commit_bytes(a, "big", res["bytes"])
-            res["plain_flight_s"] = measure_plain_flight(nodes["a"][1], "big", 1, args.reps,
-                                                         res["bytes"])
+            nodes = start_nodes(url, root, names, spares)
+            a = tensordb.connect(url, node=names[0], home=f"{root}/{names[0]}",
+                                 data_dir=f"{root}/{names[0]}/data", token=TOKEN)
+            yield url, root, nodes, a
         finally:
             if a is not None:
                 a.close()
             stop_nodes(nodes)
-            for n in ("setup", "a"):
+            for n in ("setup", *names):
                 cfg = tensordb.Config.resolve(url, home=f"{root}/{n}",
                                               data_dir=f"{root}/{n}/data")
                 shutil.rmtree(cfg.shm_dir, ignore_errors=True)
             shutil.rmtree(root, ignore_errors=True)
-    return res
 
 
 def report(res: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_transport_pull
 import torch
 from conftest import flip_byte, open_store, remove_store
 
@@ -22,7 +23,6 @@ from engine_bindings._engines import (
     served_by,
 )
 from engine_bindings._sync import WeightUpdater
-from tensordb.catalog import NodeDirectory
 from tensordb.errors import CorruptData, NodeUnavailable
 
 NAMES = [f"layer{i}.weight" for i in range(6)]
@@ -102,6 +102,22 @@ def test_a_damaged_tensor_fails_the_update_before_anything_is_applied(
     updater.close()
 
 
+def _copies_failing_at(monkeypatch: pytest.MonkeyPatch, n: int) -> list[float]:
+    """Make the ``n``-th tensor copy from now fail (a device error); returns the first
+    value of each copy's source, in order, as the copies are made."""
+    real = torch.Tensor.copy_
+    calls: list[float] = []
+
+    def flaky(self: torch.Tensor, src: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        calls.append(float(src.flatten()[0]))
+        if len(calls) == n:
+            raise RuntimeError("device lost during the copy")
+        return real(self, src, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", flaky)
+    return calls
+
+
 def test_a_copy_failing_part_way_puts_the_version_before_back(
         sqlite_db: tensordb.Database, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure after the check (a device error on the 4th copy): the three tensors
@@ -112,16 +128,7 @@ def test_a_copy_failing_part_way_puts_the_version_before_back(
     module = Stack()
     updater = WeightUpdater(db, "w", module, bucket_bytes=1)
     updater.apply(1)
-    real = torch.Tensor.copy_
-    calls: list[float] = []
-
-    def flaky(self: torch.Tensor, src: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
-        calls.append(float(src.flatten()[0]))
-        if len(calls) == 4:
-            raise RuntimeError("device lost during the copy")
-        return real(self, src, *a, **kw)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", flaky)
+    calls = _copies_failing_at(monkeypatch, 4)
     with pytest.raises(RuntimeError, match="device lost") as info:
         updater.apply(2)
     monkeypatch.undo()
@@ -146,16 +153,7 @@ def test_a_copy_that_cannot_be_put_back_reports_no_version(
     db.commit("w", state(2.0))
     db.drop_versions("w", keep_last=1)
     db.gc()
-    real = torch.Tensor.copy_
-    calls = []
-
-    def flaky(self: torch.Tensor, src: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("device lost during the copy")
-        return real(self, src, *a, **kw)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", flaky)
+    _copies_failing_at(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="device lost") as info:
         updater.apply(2)
     monkeypatch.undo()
@@ -167,23 +165,9 @@ def test_a_copy_that_cannot_be_put_back_reports_no_version(
 
 
 # -- a node that dies while the version is read ------------------------------------------
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[tensordb.Database, tensordb.Database, Any]]:
-    """Node "w" commits; node "r" runs the module and pulls w's segments (through the
-    in-process transport of test_transport_pull, which can lose the node)."""
-    from test_transport_pull import FaultyTransport
-
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    w = open_store(tmp_path / "w", url, node="w")
-    r = open_store(tmp_path / "r", url, node="r")
-    fake = FaultyTransport({"w": w})
-    r._flight = fake
-    NodeDirectory(w.catalog.engine).register("w", "in-process", ["host", "disk"], None)
-    try:
-        yield w, r, fake
-    finally:
-        remove_store(r)
-        remove_store(w)
+#: node "w" commits; node "r" runs the module and pulls w's segments through the pull
+#: tests' in-process transport, which can lose the node
+pair = test_transport_pull.pair
 
 
 @pytest.mark.parametrize("mode", ["copy", "swap"])
