@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,6 +84,16 @@ def flip_byte(path: Path, offset: int) -> None:
         b = fh.read(1)
         fh.seek(offset)
         fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``cond`` until it holds: a deadline for what a background thread does, not
+    a timing assertion (the bound is many times what it needs)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        time.sleep(0.02)
 
 
 def open_store(home: Path, url: str | None = None, **settings: object) -> tensordb.Database:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import flip_byte, open_store, remove_store
+from conftest import flip_byte, open_store, remove_store, wait_for
 from typer.testing import CliRunner
 
 import storage_engine as se
@@ -261,15 +260,6 @@ def test_scrub_resumes_where_it_stopped(host_db: tensordb.Database) -> None:
         db.scrub(max_bytes=-1)
 
 
-def _wait_for(what: str, ok: Callable[[], bool], seconds: float = 60.0) -> None:
-    """Poll ``ok`` until it holds (a deadline, not a timing assertion: the scrub's
-    own pace decides when, and the bound is many times what it needs)."""
-    deadline = time.monotonic() + seconds
-    while not ok():
-        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
-        time.sleep(0.05)
-
-
 def _refused(db: tensordb.Database, name: str) -> bool:
     try:
         db.get("m", name)
@@ -288,7 +278,7 @@ def test_every_store_scrubs_in_the_background_by_default(home: Path,
         db.commit("m", {"a": A, "b": B})
         _flip(db, "host", "a")
         assert db.get("m", "a")[0].item() == 0  # not found yet (the flip is past [0])
-        _wait_for("the background scrub finds the flip", lambda: _refused(db, "a"))
+        wait_for(lambda: _refused(db, "a"), 60, "the background scrub to find the flip")
         assert torch.equal(db.get("m", "b"), B)
         stats = db.stats()
         assert stats["scrub_pid"] == os.getpid() and stats["scrub_found"] == 1
@@ -318,17 +308,19 @@ def test_one_process_per_host_scrubs_and_another_takes_over(home: Path) -> None:
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "open"
-        _wait_for("the child scrubs", lambda: open_store(home, scrub_cpu=0.0).stats()
-                  ["scrub_pid"] == child.pid)
+        watch = open_store(home, scrub_cpu=0.0)  # looks, never scrubs
+        wait_for(lambda: watch.stats()["scrub_pid"] == child.pid, 60, "the child to scrub")
+        watch.close()
         db = open_store(home, scrub_cpu=0.05, scrub_interval=0.2)
         names = [t.name for t in threading.enumerate()]
         assert "tensordb-scrub" in names  # it tries for the lock, and waits
         rounds = db.stats()["scrub_rounds"]
-        _wait_for("the child goes on", lambda: db.stats()["scrub_rounds"] > rounds + 2)
+        wait_for(lambda: db.stats()["scrub_rounds"] > rounds + 2, 60, "the child to go on")
         assert db.stats()["scrub_pid"] == child.pid  # still the only scrubber
         child.send_signal(signal.SIGKILL)  # its lock goes with it
         child.wait()
-        _wait_for("this process takes over", lambda: db.stats()["scrub_pid"] == os.getpid())
+        wait_for(lambda: db.stats()["scrub_pid"] == os.getpid(), 60,
+                 "this process to take over")
     finally:
         child.kill()
         child.wait()

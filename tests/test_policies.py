@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from conftest import open_store
+from conftest import open_store, wait_for
 from sqlalchemy import delete, insert, select, update
 
 import query._policies
@@ -73,14 +73,6 @@ class Recorder:
     def of(self, statement: str) -> list[tuple[dict[str, object], float]]:
         with self._lock:
             return [(p, t) for s, p, t in self.calls if s == statement]
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

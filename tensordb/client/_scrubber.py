@@ -112,17 +112,12 @@ class BackgroundScrub:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fd: int | None = None
-        #: this process's figures while it holds the lock
+        #: the host's figures, read again when this process takes the lock
         self._status = scrub_status(root)
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0 and self.cpu > 0
-
-    @property
-    def holds_lock(self) -> bool:
-        """Whether this process is the host's scrubber of the store now."""
-        return self._fd is not None
 
     def start(self) -> None:
         if not self.enabled or self._thread is not None:
@@ -157,7 +152,10 @@ class BackgroundScrub:
             self._fd = se.try_lock_file(self._root / "scrub.lock")
         except OSError:  # the area went away (the store was removed)
             return False
-        return self._fd is not None
+        if self._fd is None:
+            return False
+        self._status = scrub_status(self._root)  # go on from the last holder's figures
+        return True
 
     def _unlock(self) -> None:
         fd, self._fd = self._fd, None
@@ -206,8 +204,10 @@ class BackgroundScrub:
             st["scrub_found"] += len(found)
             self._write_status()
             # keep this thread's CPU (hashing and the catalog's queries) to its share
+            # and its reads to ``rate`` (here, not in ``scrub``: this wait ends at close)
             used = time.thread_time() - mark[1]
-            wait = used / self.cpu - (time.monotonic() - mark[0])
+            least = max(used / self.cpu, nbytes / self.rate if self.rate else 0.0)
+            wait = least - (time.monotonic() - mark[0])
             stopped = self._stop.wait(wait) if wait > 0 else self._stop.is_set()
             mark[0], mark[1] = time.monotonic(), time.thread_time()
             return stopped
@@ -215,8 +215,7 @@ class BackgroundScrub:
         maintenance = self._maintenance()
         if maintenance is None:  # the store is gone
             return False
-        report = maintenance.scrub(rate=self.rate or None, stop=self._stop.is_set,
-                                   pace=pace)
+        report = maintenance.scrub(stop=self._stop.is_set, pace=pace)
         return report.complete and not self._stop.is_set()
 
     def _write_status(self) -> None:
