@@ -162,12 +162,18 @@ class Snapshot:
                 parts = [(sh.segment_id, sh.offset) for sh in self._shards_of(row)]
             else:
                 parts = [(row.segment_id, row.offset)]
-            for sid, offset in parts:
-                if sid is None:
-                    continue
-                if sid not in marks:
-                    marks[sid] = self._reader.marked(sid)
-                self._reader.refuse(self.collection, name, sid, offset, marks[sid])
+            self._refuse_extents(name, parts, marks)
+
+    def _refuse_extents(self, name: str, extents: Iterable[tuple[str | None, int]],
+                        marks: dict[str, dict[int, str] | None]) -> None:
+        """CorruptData naming ``name`` when one of its ``extents`` (segment id, start) is
+        marked corrupt; ``marks`` holds the segments' marks looked up so far."""
+        for sid, offset in extents:
+            if sid is None:
+                continue
+            if sid not in marks:
+                marks[sid] = self._reader.marked(sid)
+            self._reader.refuse(self.collection, name, sid, offset, marks[sid])
 
     def verified(self, name: str) -> torch.Tensor:
         """The tensor ``name`` with its bytes (each shard's, for a sharded tensor)
@@ -282,18 +288,9 @@ class Snapshot:
         # the marks are keyed by whole extents (a run is part of one): looked up by the
         # extent's start before the read, and again after it, since the first open of a
         # disk segment (inside the read) may have marked the extent just now
-        met = {i for i, _, _ in box_copies([(b[0], b[1]) for b in boxes], off, shp)}
-
-        def refuse_marked() -> None:
-            marks: dict[str, dict[int, str] | None] = {}
-            for i in met:
-                sid, base = boxes[i][2], boxes[i][3]
-                if sid is not None:
-                    if sid not in marks:
-                        marks[sid] = self._reader.marked(sid)
-                    self._reader.refuse(self.collection, row.name, sid, base, marks[sid])
-
-        refuse_marked()
+        met = [(boxes[i][2], boxes[i][3])
+               for i in {i for i, _, _ in box_copies([(b[0], b[1]) for b in boxes], off, shp)}]
+        self._refuse_extents(row.name, met, {})
         left = {id(r) for r in self._reader.read_into(self.collection, runs, verify=False)}
         with torch.no_grad():
             for r, dst_bytes in runs:
@@ -308,7 +305,7 @@ class Snapshot:
                 else:
                     piece = self[row.name][src]
                 out[dst].copy_(piece)
-        refuse_marked()
+        self._refuse_extents(row.name, met, {})
         return out
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
