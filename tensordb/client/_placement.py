@@ -281,23 +281,13 @@ def _copy_checked(dst: np.ndarray, src: np.ndarray,
             bad.append((offset, f"{what}: extent [{offset}, {offset + nbytes}) ends past "
                                 f"the {size}-byte segment (truncated)"))
             continue
-        if offset < pos:  # overlaps the extent before it: the rest copied, then hashed
-            end = offset + nbytes
-            if end > pos:
-                se.copy(dst[pos:end], src[pos:end])
-                pos = end
-            got = se.checksum(dst[offset:end])
-            if got != expected:
-                bad.append((offset, f"{what}: checksum {got} != {expected} (found while "
-                                    f"moving tiers)"))
-            continue
         if offset > pos:
             se.copy(dst[pos:offset], src[pos:offset])
         got = se.copy_and_checksum(dst[offset:offset + nbytes], src[offset:offset + nbytes])
         if got != expected:
             bad.append((offset, f"{what}: checksum {got} != {expected} (found while "
                                 f"moving tiers)"))
-        pos = offset + nbytes
+        pos = max(pos, offset + nbytes)  # extents never overlap; were one to, it is recopied
     if pos < size:
         se.copy(dst[pos:size], src[pos:size])
     return bad
