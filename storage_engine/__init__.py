@@ -6,14 +6,29 @@ capability properties (``supports_gpu``, ``persistent``, ``file_backed``) that c
 read instead of the tier's type; ``SegmentView`` is what ``Tier.open`` returns, on the
 host or on a device. ``storage_engine.testing.TierTests`` is the contract suite a tier
 passes. See docs/storage.md.
+
+The compiled extension ``storage_engine._stream`` (``_stream.c`` and ``_kvindex.c``: the
+streaming copies and the KV store's native index) is required: without it the package
+does not import, and says how to build it.
 """
 
 from __future__ import annotations
 
+try:
+    from . import _stream  # noqa: F401 - the gate: every module below needs it
+except ImportError as _exc:
+    raise ImportError(
+        "storage_engine's C extension storage_engine._stream (storage_engine/_stream.c, "
+        "_kvindex.c: the streaming copies and the KV store's native index) is not built "
+        f"or does not load ({_exc}); it is required. Rebuild it with a C compiler "
+        "installed (gcc): pip install -e . (or make test, which does)"
+    ) from _exc
+
 from ._checksum import ALGORITHM, HASH_PIECE, STREAMING, Hasher, checksum, copy, copy_and_checksum
 from ._cuda import GpuError
+from ._disk import Adoption, DiskTier
 from ._errors import SegmentMissing, SourceChanged, StorageError, TierFull
-from ._files import Adoption, DiskTier, FileTier, HostTier, HostView, shm_root
+from ._files import FileTier, HostTier, HostView, shm_root
 from ._gpu import GpuTier, GpuView
 from ._integrity import WHOLE, Marks, check_extents
 from ._io import (
@@ -27,26 +42,22 @@ from ._io import (
     io_workers,
     pack,
 )
-from ._kv import (
+from ._kv import BlockStore, kept_mappings
+from ._kv_eviction import Eviction, LRUEviction
+from ._kv_gpu import GpuBlockView
+from ._kv_keys import chain_keys, keys_fit
+from ._kv_types import (
     EVENT_CLEARED,
     EVENT_REMOVED,
     EVENT_STORED,
     MEDIUM_DISK,
     MEDIUM_HOST,
-    BlockStore,
-    RawEvent,
-    chain_keys,
-    kept_mappings,
-    keys_fit,
-)
-from ._kv_eviction import Eviction, LRUEviction
-from ._kv_gpu import GpuBlockView
-from ._kv_types import (
     BlockView,
     KVCorrupt,
     KVIndexDamaged,
     KVStats,
     KVStoreFull,
+    RawEvent,
     bloom_may_hold,
 )
 from ._pool import try_lock_file

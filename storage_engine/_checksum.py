@@ -1,16 +1,18 @@
 """Extent checksums: xxh3-64 over the tensor's bytes, written as 16 hex digits.
 
-The write path copies and hashes in one pass over memory. With the compiled extension
-(``storage_engine._stream``) and the xxhash package's XXH3 bound to it, each 4 KiB piece
-of the source is hashed, which brings it into L1, and streamed from there into the
-extent around the cache: the source crosses the memory bus once and the destination is
-never read. Measured on a 2-core host, two threads, per GiB: 67 ms, against 81 ms
-hashing and streaming 2 MiB pieces from Python and 102 ms copying with memcpy, whose
-ordinary stores read every destination line first, then hashing the destination.
-A source changed by another thread while it is copied can leave a piece whose stored
-bytes differ from the bytes hashed; reads that verify then report the extent as
-corrupt, which is what it is. Without the extension each chunk is copied with numpy and
-hashed straight from the destination while it is still in cache.
+The write path copies and hashes in one pass over memory. The compiled extension
+(``storage_engine._stream``, required) binds the xxhash package's own XXH3 functions,
+then hashes each 4 KiB piece of the source, which brings it into L1, and streams it
+from there into the extent around the cache: the source crosses the memory bus once and
+the destination is never read. Measured on a 2-core host, two threads, per GiB: 67 ms,
+against 81 ms hashing and streaming 2 MiB pieces from Python and 102 ms copying with
+memcpy, whose ordinary stores read every destination line first, then hashing the
+destination. A source changed by another thread while it is copied can leave a piece
+whose stored bytes differ from the bytes hashed; reads that verify then report the
+extent as corrupt, which is what it is. Where the xxhash build does not export its XXH3
+functions, pieces are hashed from Python and streamed by the extension; a copy the
+extension cannot stream (a strided or read-only buffer) goes through numpy, hashed
+from the destination while it is still in cache.
 """
 
 from __future__ import annotations
@@ -20,22 +22,17 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
+from . import _stream
+from ._stream import stream_copy as _stream_copy
 from ._work import add_work
-
-try:
-    from ._stream import stream_copy as _stream_copy
-except ImportError:  # built without a C compiler, or a platform without the extension
-    _stream_copy = None
 
 
 def _bind_copy_hash() -> Callable[[np.ndarray, np.ndarray], int] | None:
     """The extension's one-pass copy + xxh3, bound to the xxhash package's own XXH3
-    functions, or None (no extension, or an xxhash build that does not export them).
-    Checked against ``xxhash`` itself before it is used."""
+    functions, or None (an xxhash build that does not export them). Checked against
+    ``xxhash`` itself before it is used."""
     try:
         import xxhash._xxhash as impl
-
-        from . import _stream
 
         _stream.bind_xxhash(impl.__file__)
         ok = True
@@ -50,12 +47,10 @@ def _bind_copy_hash() -> Callable[[np.ndarray, np.ndarray], int] | None:
 
 
 _copy_hash = _bind_copy_hash()
-#: the extension's batch of one-pass copies from raw addresses (``fill_from_addresses``)
-copy_hash_many: Callable[..., None] | None = None
-if _copy_hash is not None:
-    from . import _stream as _ext
-
-    copy_hash_many = getattr(_ext, "copy_hash_many", None)  # an older build lacks it
+#: the extension's batch of one-pass copies from raw addresses (``fill_from_addresses``):
+#: it hashes with the bound XXH3 functions, so it is there only where they are bound
+copy_hash_many: Callable[..., None] | None = \
+    _stream.copy_hash_many if _copy_hash is not None else None
 
 __all__ = ["ALGORITHM", "HASH_PIECE", "Hasher", "checksum", "copy", "copy_and_checksum",
            "STREAMING"]
@@ -70,8 +65,9 @@ _STREAM_PIECE = 2 << 20
 HASH_PIECE = _CHUNK
 #: an incremental hasher whose ``hexdigest`` equals ``checksum`` of the bytes fed to it
 Hasher = xxhash.xxh3_64
-#: whether copies stream around the cache (the compiled extension is present)
-STREAMING = _stream_copy is not None
+#: whether copies stream around the cache: always, the compiled extension being
+#: required (kept for callers that read it)
+STREAMING = True
 #: whether copy_and_checksum hashes and streams in one pass (the extension bound to
 #: the xxhash package's XXH3)
 ONE_PASS = _copy_hash is not None
@@ -88,10 +84,11 @@ def checksum(buf: np.ndarray | memoryview | bytes) -> str:
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copy the uint8 array ``src`` into ``dst`` (same length, both contiguous), streamed
-    around the cache where the extension is built (releases the GIL)."""
+    """Copy the uint8 array ``src`` into ``dst`` (same length), streamed around the cache
+    where both are contiguous and ``dst`` is writable, else through numpy (releases the
+    GIL)."""
     add_work("bytes_copied", src.nbytes)
-    if _stream_copy is None or not _streamable(dst, src):
+    if not _streamable(dst, src):
         np.copyto(dst, src)
     else:
         _stream_copy(dst, src)
@@ -104,7 +101,7 @@ def copy_and_checksum(dst: np.ndarray, src: np.ndarray) -> str:
     add_work("bytes_hashed", src.nbytes)
     if _copy_hash is not None and _streamable(dst, src):
         return f"{_copy_hash(dst, src):016x}"
-    if _stream_copy is not None and _streamable(dst, src):
+    if _streamable(dst, src):
         if n <= _STREAM_PIECE:
             digest = xxhash.xxh3_64_hexdigest(src)
             _stream_copy(dst, src)

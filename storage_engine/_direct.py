@@ -29,18 +29,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ._stream import pread_pwrite_hash, pwrite_hash_many
 from ._tier import SegmentWriter
-
-try:
-    from ._stream import pread_pwrite_hash, pwrite_hash_many
-except ImportError:  # an extension built before these, or none at all
-    pwrite_hash_many = pread_pwrite_hash = None
 
 __all__ = ["DIRECT", "read_file_direct", "write_direct"]
 
-#: whether fills can write through a writer's descriptor (the extension has it, and is
-#: bound to xxhash: ``_checksum`` binds it at import)
-DIRECT = pwrite_hash_many is not None and pread_pwrite_hash is not None
+#: whether fills may write through a writer's descriptor: the extension always can, once
+#: ``_checksum`` has bound it to xxhash at import, which is why the fills that use it also
+#: ask for ``copy_hash_many`` (there only where that binding held)
+DIRECT = True
 
 #: no room on the medium: the writer may make some and the fill is written again
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
@@ -82,7 +79,6 @@ def write_direct(writer: SegmentWriter, fd: int, addr: np.ndarray, offs: np.ndar
     """``fill_from_addresses`` through ``fd`` (the writer's ``write_fd``): the digests
     into ``digests``. ``bins`` splits the extents over the I/O threads, ``run_all``
     runs one job per bin."""
-    assert pwrite_hash_many is not None
     limit = writer.nbytes
 
     def job(idx: np.ndarray) -> Callable[[], None]:
@@ -103,7 +99,6 @@ def read_file_direct(writer: SegmentWriter, fd: int, src_fd: int, src: np.ndarra
     """``fill_from_file`` through ``fd``: each byte range of ``src_fd`` read into a
     staging piece, hashed and written. Returns the indices of the sources the file ended
     inside (it shrank), whose digests are not set."""
-    assert pread_pwrite_hash is not None
     limit = writer.nbytes
     short: list[int] = []
 

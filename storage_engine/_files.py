@@ -1,4 +1,6 @@
-"""File-backed tiers: one file per segment, in shared memory or on disk.
+"""File-backed tiers: one file per segment, in shared memory or on disk; here the file
+tier itself (``FileTier``) and the host tier, in shared memory. The disk tier builds on
+``FileTier`` in ``_disk``; a segment being written is a ``FileWriter`` (``_file_writer``).
 
 Why a file per segment and not one arena with an allocator: deleting a file while a
 reader still maps it keeps the reader's pages alive (POSIX unlink semantics), so gc can
@@ -25,26 +27,25 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 
 from ._errors import SegmentMissing, TierFull
-from ._integrity import WHOLE, Extent, Marks, check_extents
+from ._file_writer import FileWriter
+from ._integrity import Marks
 from ._io import io_pool
 from ._mapping import MapCache, close_in_background, map_shared
 from ._pool import Pool, default_pool_limit, lock_nb, same_file
-from ._sources import SourceFile, check, reflink
 from ._tier import SegmentWriter, Tier
 
-__all__ = ["FileTier", "HostTier", "DiskTier", "HostView", "Adoption", "shm_root"]
+__all__ = ["FileTier", "HostTier", "HostView", "shm_root"]
 
 _SUFFIX = ".seg"
 _SPARE_PREFIX = "spare-"
 _POOL_DIR = "pool"
-_lock_nb = lock_nb  # the name the tests and older callers use
 
 
 #: a directory to keep the host tier's and KV arenas' areas in instead of /dev/shm (a
@@ -81,84 +82,6 @@ class HostView(mmap.mmap):
         return np.frombuffer(self, np.uint8, count=n, offset=offset)
 
 
-class _FileWriter(SegmentWriter):
-    """A segment being written. ``mm`` None: a fresh file nothing maps yet, written
-    through ``write_fd`` (``_direct``) until someone asks for ``buffer``, which then
-    allocates the rest of its pages and maps it as a fresh file was before."""
-
-    def __init__(self, tier: FileTier, segment_id: str, path: Path, fd: int,
-                 map_fd: int | None, mm: mmap.mmap | None, nbytes: int) -> None:
-        self._tier = tier
-        self.segment_id = segment_id
-        self.nbytes = nbytes
-        self._path = path
-        self._fd: int | None = fd
-        self._map_fd = map_fd
-        self._mm: mmap.mmap | None = mm
-        self._done = False
-        self._room_made = False
-        self._buffer = np.frombuffer(mm, dtype=np.uint8, count=nbytes) if mm is not None \
-            else None
-
-    @property
-    def buffer(self) -> np.ndarray:
-        if self._buffer is None:  # a fresh file written through its descriptor so far
-            assert self._fd is not None
-            self._tier._allocate(self._fd, 0, self.nbytes)  # no SIGBUS on a full tmpfs
-            self._map_fd, self._mm = map_shared(self._path, self.nbytes, "fresh")
-            self._buffer = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
-        return self._buffer
-
-    @property
-    def write_fd(self) -> int | None:
-        return self._fd if self._mm is None and not self._done else None
-
-    def out_of_space(self, exc: OSError) -> bool:
-        if not self._room_made:
-            self._room_made = True
-            if self._tier.trim_pool(0):
-                return True
-        raise TierFull(self._tier.name, self.nbytes, self._tier.used_bytes(),
-                       self._tier.capacity or self._tier.used_bytes()) from exc
-
-    def _unmap(self) -> None:
-        self._done = True
-        self._buffer = np.empty(0, np.uint8)
-        if self._mm is not None:
-            mm, self._mm = self._mm, None
-            assert self._map_fd is not None
-            # only once the catalog commit is done (release), never beside it: the
-            # mapping is kept for the file's next turn from the pool, or unmapped in
-            # the background
-            self._tier._retire_mapping(self._map_fd, mm)
-
-    def finish(self) -> None:
-        if self._done or self._fd is None:
-            return
-        if self._tier.persistent and self._mm is not None:
-            self._mm.flush()
-        if os.fstat(self._fd).st_size != self.nbytes:
-            os.ftruncate(self._fd, self.nbytes)  # a spare larger than the segment
-        if self._tier.persistent:
-            os.fsync(self._fd)
-            self._tier._sync_dir()
-        self._tier._written(self.segment_id, self._fd)
-
-    def release(self) -> None:
-        self._unmap()
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
-            self._tier._released()
-
-    def abort(self) -> None:
-        if self._fd is not None:
-            # still locked by us, so nobody maps it: it may go to the pool
-            self._tier._discard(self._path, self._fd)
-        self._unmap()
-        self.release()
-
-
 class FileTier(Tier):
     """Segments as files of mode 0600 in a directory of mode 0700.
 
@@ -188,13 +111,6 @@ class FileTier(Tier):
         """The file of a segment (``file_backed``)."""
         return self.root / f"{segment_id}{_SUFFIX}"
 
-    def _sync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     # -- writing -------------------------------------------------------------------
     def _check_capacity(self, nbytes: int) -> None:
         if self.capacity is not None:
@@ -202,26 +118,10 @@ class FileTier(Tier):
             if used + nbytes > self.capacity:
                 raise TierFull(self.name, nbytes, used, self.capacity)
 
-    def _allocate(self, fd: int, offset: int, nbytes: int) -> None:
-        """Allocate pages for real: a file only truncated to size on a full tmpfs maps
-        fine and then kills the writer with SIGBUS at the first write. On a full medium
-        the pool gives its files back first; TierFull if that is not enough."""
-        for attempt in (0, 1):
-            try:
-                os.posix_fallocate(fd, offset, nbytes)
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise
-                if attempt == 0 and exc.errno != errno.EFBIG and self.trim_pool(0):
-                    continue
-                raise TierFull(self.name, nbytes, self.used_bytes(),
-                               self.capacity or self.used_bytes()) from exc
-
     def _room_for(self, nbytes: int) -> None:
         """TierFull now, not at the first write, when the medium has less room than
         ``nbytes`` even after the pool gives its files back (a write that finds it full
-        later, racing another writer, is TierFull too: ``_FileWriter.out_of_space``)."""
+        later, racing another writer, is TierFull too: ``FileWriter.out_of_space``)."""
         st = os.statvfs(self.root)
         if st.f_bavail * st.f_frsize >= nbytes:
             return
@@ -241,16 +141,16 @@ class FileTier(Tier):
         fallocate and faulted in by the caller."""
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
-            if not _lock_nb(fd):  # nobody else can know this fresh name
+            if not lock_nb(fd):  # nobody else can know this fresh name
                 raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {path}")
             if how == "direct":
                 if self.persistent:
-                    self._allocate(fd, 0, nbytes)
+                    self.allocate(fd, 0, nbytes)
                 else:
                     self._room_for(nbytes)
                     os.ftruncate(fd, nbytes)  # tmpfs: writes make the pages
                 return fd, None, None
-            self._allocate(fd, 0, nbytes)
+            self.allocate(fd, 0, nbytes)
             # map through a second open file description: mmap keeps a dup of the fd it
             # is given, and a dup of the locked description would keep the lock for as
             # long as the mapping lives (its unmapping runs in the background)
@@ -272,7 +172,7 @@ class FileTier(Tier):
             if got.size > nbytes:
                 os.ftruncate(got.fd, nbytes)  # the tail goes back to the system
             elif got.size < nbytes or got.allocated < nbytes:
-                self._allocate(got.fd, 0, nbytes)
+                self.allocate(got.fd, 0, nbytes)
             kept = self._maps.take(got.ino, nbytes)
             if kept is not None:
                 self._pool.counters["mapping_reused"] = \
@@ -280,7 +180,7 @@ class FileTier(Tier):
                 return got.fd, kept[0], kept[1]
             map_fd, mm = map_shared(path, nbytes, "resident")
         except BaseException:
-            self._discard(path, got.fd)
+            self.discard(path, got.fd)
             os.close(got.fd)
             raise
         return got.fd, map_fd, mm
@@ -291,15 +191,44 @@ class FileTier(Tier):
         self._check_capacity(nbytes)
         path = self.path(segment_id)
         made = self._from_pool(path, nbytes) or self._new_file(path, nbytes)
-        return _FileWriter(self, segment_id, path, made[0], made[1], made[2], nbytes)
+        return FileWriter(self, segment_id, path, made[0], made[1], made[2], nbytes)
 
-    def _released(self) -> None:
-        """A writer of this tier let go of its segment (hook for spare refills)."""
+    # -- what its writers use (``WriterTier`` of ``_file_writer``) --------------------
+    # public for ``FileWriter`` and for the tiers built on this one (``DiskTier``,
+    # ``_disk``); a caller of the tier needs none of them
+    def allocate(self, fd: int, offset: int, nbytes: int) -> None:
+        """Allocate pages for real: a file only truncated to size on a full tmpfs maps
+        fine and then kills the writer with SIGBUS at the first write. On a full medium
+        the pool gives its files back first; TierFull if that is not enough."""
+        for attempt in (0, 1):
+            try:
+                os.posix_fallocate(fd, offset, nbytes)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                if attempt == 0 and exc.errno != errno.EFBIG and self.trim_pool(0):
+                    continue
+                raise TierFull(self.name, nbytes, self.used_bytes(),
+                               self.capacity or self.used_bytes()) from exc
 
-    def _written(self, segment_id: str, fd: int) -> None:
-        """A writer finished a segment's bytes (hook: the disk tier marks it verified)."""
+    def sync_dir(self) -> None:
+        """fsync the tier's directory: a name made or renamed in it is durable."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
-    def _retire_mapping(self, map_fd: int, mm: mmap.mmap) -> None:
+    def writer_released(self) -> None:
+        """A writer of this tier let go of its segment (a hook: the host tier refills
+        its spare)."""
+
+    def segment_written(self, segment_id: str, fd: int) -> None:
+        """A writer finished a segment's bytes (a hook: the disk tier marks it
+        verified)."""
+
+    def retire_mapping(self, map_fd: int, mm: mmap.mmap) -> None:
         """A writer is done with its mapping: kept for the file's next turn from the
         pool where the tier pools, else unmapped in the background."""
         if self._pool.limit > 0:
@@ -307,7 +236,7 @@ class FileTier(Tier):
         else:
             close_in_background(mm, map_fd)
 
-    def _discard(self, path: Path, fd: int) -> None:
+    def discard(self, path: Path, fd: int) -> None:
         """Drop the file at ``path``, exclusively locked by the caller through ``fd``
         (so nobody maps it): into the pool if it fits, else unlinked."""
         if self._pool.put(path, fd):
@@ -431,7 +360,7 @@ class FileTier(Tier):
                 return False
             try:
                 if lock_nb(fd) and same_file(fd, path):
-                    self._discard(path, fd)
+                    self.discard(path, fd)
                     return True
             finally:
                 os.close(fd)
@@ -464,13 +393,13 @@ class FileTier(Tier):
             except FileNotFoundError:
                 continue
             try:
-                if not _lock_nb(fd):
+                if not lock_nb(fd):
                     continue  # its writer is alive (or a reader maps it)
                 # the writer may have registered it and let go between our two looks
                 if not is_spare and is_registered(seg):
                     continue
                 if same_file(fd, path):
-                    self._discard(path, fd)  # nobody maps it: the pool may take it
+                    self.discard(path, fd)  # nobody maps it: the pool may take it
                     reclaimed.append(seg)
             finally:
                 os.close(fd)
@@ -501,7 +430,7 @@ class FileTier(Tier):
         try:
             if not lock_nb(fd):
                 return False
-            self._discard(path, fd)
+            self.discard(path, fd)
             return True
         finally:
             os.close(fd)
@@ -537,139 +466,6 @@ class FileTier(Tier):
                     except FileNotFoundError:
                         pass
         return total
-
-
-class Adoption:
-    """A file being committed in place (``DiskTier.adopt``), until released or aborted.
-
-    ``reflinked``: the segment is a clone in the tier (the store's own file, ``fd`` open
-    on it and locked, as a writer's is); else it is a reference to ``source``, and
-    ``fd`` is the caller's descriptor of that file. ``fd`` is what to hash the bytes
-    from: the clone's bytes are the segment's, whatever happens to the original.
-    ``source`` is the record of the file (for a clone: the original's path and the
-    clone's own size and identity); ``nbytes`` the segment's size."""
-
-    def __init__(self, tier: DiskTier, segment_id: str, source: SourceFile, fd: int,
-                 reflinked: bool) -> None:
-        self.segment_id = segment_id
-        self.source = source
-        self.nbytes = source.nbytes
-        self.fd = fd
-        self.reflinked = reflinked
-        self._tier = tier
-        self._open = reflinked
-
-    def release(self) -> None:
-        """Drop the clone's lock: call once the catalog references the segment."""
-        if self._open:
-            self._open = False
-            os.close(self.fd)
-
-    def abort(self) -> None:
-        """Delete the clone (never the original). Idempotent."""
-        if self.reflinked and self._open:
-            try:
-                os.unlink(self._tier.path(self.segment_id))
-            except FileNotFoundError:
-                pass
-        self.release()
-
-
-class DiskTier(FileTier):
-    """Segments under the store's data directory, fsynced before they are registered;
-    and segments committed in place (``adopt``): a reflinked clone in the directory,
-    or a reference to a file elsewhere, which ``sources`` (segment id -> the recorded
-    ``SourceFile``, or None) looks up when a segment has no file of its own here. It
-    keeps no pool: a disk file's blocks cost little to allocate again."""
-
-    def __init__(self, root: Path, *, capacity: int | None = None,
-                 sources: Callable[[str], SourceFile | None] | None = None,
-                 marks: Marks | None = None,
-                 extents: Callable[[str], Sequence[Extent]] | None = None) -> None:
-        super().__init__("disk", root, capacity=capacity, persistent=True, pool_limit=0,
-                         marks=marks)
-        self.sources = sources
-        #: segment id -> its extents as the catalog records them: what a first open
-        #: per boot checks (docs/storage.md, "Integrity model")
-        self.extents = extents
-
-    def _written(self, segment_id: str, fd: int) -> None:
-        # bytes this boot wrote were hashed as they were copied in: no need to read
-        # them back (a later write through the filesystem changes the identity)
-        if self.marks is not None:
-            self.marks.mark_verified(segment_id, os.fstat(fd))
-
-    def _check_first_open(self, segment_id: str, fd: int, view: HostView | None) -> None:
-        """The first open of a segment per boot (or after its file changed) hashes every
-        extent against the catalog: each that fails is marked corrupt (readers refuse
-        it); a segment with none is marked verified, so nobody hashes it again on this
-        boot."""
-        if self.marks is None or self.extents is None:
-            return
-        st = os.fstat(fd)
-        if self.marks.verified(segment_id, st) or self.marks.corrupt(segment_id) is not None:
-            return  # checked on this boot (the extents that failed are marked)
-        extents = self.extents(segment_id)
-        if not extents:
-            return  # not (yet) recorded: nothing to check against
-        mm = view if view is not None else (
-            mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if st.st_size else None)
-        try:
-            if mm is None:
-                bad = [(WHOLE, "the file is empty (truncated)")]
-            else:
-                bad = check_extents(
-                    lambda o, n: np.frombuffer(mm, np.uint8, count=n, offset=o),
-                    len(mm), extents)
-        finally:
-            if view is None and mm is not None:
-                mm.close()
-        for offset, reason in bad:
-            self.marks.mark_corrupt(segment_id, offset, reason)
-        if not bad:
-            self.marks.mark_verified(segment_id, st)
-
-    def adopt(self, segment_id: str, fd: int, path: str) -> Adoption:
-        """Make the regular file open as ``fd`` (at absolute ``path``) the bytes of a new
-        segment, without copying them: a reflinked clone where the filesystem shares
-        extents, else a reference, for the caller to record as ``Adoption.source`` in
-        the same catalog transaction that registers the segment. OSError for a clone
-        that fails for another reason than "unsupported" (nothing is left behind)."""
-        st = os.fstat(fd)
-        source = SourceFile.of(path, st)
-        final = self.path(segment_id)
-        dst = os.open(final, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            if not _lock_nb(dst):  # nobody else can know this fresh name
-                raise OSError(errno.EWOULDBLOCK, f"cannot lock new segment {final}")
-            if reflink(dst, fd):
-                os.fsync(dst)
-                self._sync_dir()
-                # the clone's own size: the bytes the segment holds, whatever the
-                # original did since it was looked at
-                clone = SourceFile.of(path, os.fstat(dst))
-                # its bytes are hashed now, by the import: they are the checksums
-                self._written(segment_id, dst)
-                return Adoption(self, segment_id, clone, dst, reflinked=True)
-        except BaseException:
-            os.close(dst)
-            os.unlink(final)
-            raise
-        os.close(dst)
-        os.unlink(final)
-        self._written(segment_id, fd)  # the file as it is recorded (see above)
-        return Adoption(self, segment_id, source, fd, reflinked=False)
-
-    def _open_ro(self, segment_id: str) -> int:
-        """The segment's own file, else the file it references (checked against the
-        record: ``SourceChanged`` when it differs or is gone)."""
-        try:
-            return os.open(self.path(segment_id), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            source = self.sources(segment_id) if self.sources is not None else None
-            if source is None:
-                raise SegmentMissing(self.name, segment_id) from exc
-        return check(self.name, segment_id, source)
 
 
 #: a spare is faulted in pieces of this size, so closing the tier stops a refill early
@@ -722,8 +518,8 @@ class HostTier(FileTier):
     def _drop(self, spare: _Spare) -> None:
         """A spare given up: its file goes to the pool (nobody ever mapped it to read)."""
         path, fd, map_fd, mm, _ = spare
-        self._discard(path, fd)
-        self._retire_mapping(map_fd, mm)
+        self.discard(path, fd)
+        self.retire_mapping(map_fd, mm)
         os.close(fd)
 
     @staticmethod
@@ -789,9 +585,9 @@ class HostTier(FileTier):
         path, fd, map_fd, mm, _ = spare
         final = self.path(segment_id)
         os.rename(path, final)  # the lock and the mapping follow the inode
-        return _FileWriter(self, segment_id, final, fd, map_fd, mm, nbytes)
+        return FileWriter(self, segment_id, final, fd, map_fd, mm, nbytes)
 
-    def _released(self) -> None:
+    def writer_released(self) -> None:
         # refill only now: a refill running during the commit would compete for memory
         # bandwidth with the commit's own copy
         if self.spare_bytes and os.getpid() == self._pid:

@@ -15,7 +15,7 @@ from ._tier import SegmentWriter
 from ._work import add_work
 
 __all__ = ["ALIGN", "pack", "fill_segment", "fill_from_addresses", "fill_from_file",
-           "BATCH_FILL", "Source", "io_pool"]
+           "BATCH_FILL", "Source", "io_pool", "io_pool_workers"]
 
 #: extent alignment inside a segment: enough for every dtype and for cache lines
 ALIGN = 64
@@ -29,6 +29,8 @@ Source: TypeAlias = "np.ndarray | Callable[[np.ndarray], str | None]"
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
+#: the threads ``_pool`` was made with (the executor keeps its own count private)
+_pool_workers = 0
 
 
 def io_workers() -> int:
@@ -38,11 +40,19 @@ def io_workers() -> int:
 
 def io_pool() -> ThreadPoolExecutor:
     """The process-wide pool for copies and hashes (numpy and xxhash release the GIL)."""
-    global _pool, _pool_pid
+    global _pool, _pool_pid, _pool_workers
     if _pool is None or _pool_pid != os.getpid():
-        _pool = ThreadPoolExecutor(io_workers(), thread_name_prefix="tensordb-io")
+        _pool_workers = io_workers()
+        _pool = ThreadPoolExecutor(_pool_workers, thread_name_prefix="tensordb-io")
         _pool_pid = os.getpid()
     return _pool
+
+
+def io_pool_workers() -> int:
+    """The threads of this process's ``io_pool`` (made first where it is not yet): what
+    work is split over."""
+    io_pool()
+    return _pool_workers
 
 
 def pack(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -126,7 +136,7 @@ def fill_from_addresses(writer: SegmentWriter, addresses: Sequence[int],
             return run
 
         _run_all([job(np.asarray(b, dtype=np.intp))
-                  for b in _lpt_bins(list(sizes), io_pool()._max_workers)])
+                  for b in _lpt_bins(list(sizes), io_pool_workers())])
     return [f"{d:016x}" for d in digests.tolist()]
 
 
@@ -134,7 +144,7 @@ def _bins(sizes: Sequence[int], total: int) -> list[list[int]]:
     """The extents split over the I/O threads, or one bin under 8 MiB."""
     if total < (8 << 20) or len(sizes) == 1:
         return [list(range(len(sizes)))]
-    return _lpt_bins(list(sizes), io_pool()._max_workers)
+    return _lpt_bins(list(sizes), io_pool_workers())
 
 
 def _run_jobs(jobs: list[Callable[[], None]]) -> None:
@@ -218,5 +228,5 @@ def fill_segment(writer: SegmentWriter, sources: Sequence[Source], offsets: Sequ
                 out[i] = _fill_one(buf[o : o + sizes[i]], sources[i])
         return run
 
-    _run_all([job(b) for b in _lpt_bins(sizes, io_pool()._max_workers)])
+    _run_all([job(b) for b in _lpt_bins(sizes, io_pool_workers())])
     return out

@@ -32,8 +32,8 @@ Why the protocol looks as it does:
   sees later writes to the file where the reader did not write, so a chunk must not be
   reused while someone holds a view: each view holds a *read lease* on its record (a
   bit per process in the shared record), given back when the view is garbage
-  collected (at this process's next call into the store). A dead process's leases are
-  cleared when an allocation finds no room.
+  collected (at this process's next call into the store; ``_kv_views``). A dead
+  process's leases are cleared when an allocation finds no room.
 - Pins are counters in the records, not tied to a process: they last until unpinned.
 - Evicted blocks spill to ``disk_root`` (one file per block) when it is given, and are
   promoted back into the arena when read; past ``disk_capacity`` the oldest unpinned
@@ -45,24 +45,19 @@ Why the protocol looks as it does:
 
 from __future__ import annotations
 
-import errno
-import logging
 import mmap
 import os
 import threading
-import weakref
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from . import _checksum  # binds the xxhash functions the extension uses
 from ._kv_eviction import Eviction
 from ._kv_gpu import GpuBlockView
 from ._kv_gpu_part import GpuPart
+from ._kv_keys import call_native, check_keys
 from ._kv_types import (
     PAGE,
     BlockView,
@@ -70,54 +65,25 @@ from ._kv_types import (
     KVIndexDamaged,
     KVStats,
     KVStoreFull,
+    RawEvent,
     as_bytes,
     bloom_size,
-    check_keys,
-    each,
 )
+from ._kv_views import HostViews, restore_slab
 from ._procs import current_holder
-from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex, keys_fit, set_damage_error
-from ._stream import chain_keys as _chain_keys
+from ._stream import E_NOSPACE, E_OK, E_TOO_BIG, BlockIndex, set_damage_error
 from ._stream import kept_maps as _kept_maps
 
 # what the native index raises for a damaged namespace: KVIndexDamaged(path, reason),
 # the file whose check failed (CorruptData to the client)
 set_damage_error(KVIndexDamaged)
 
-__all__ = ["EVENT_CLEARED", "EVENT_REMOVED", "EVENT_STORED", "MEDIUM_DISK", "MEDIUM_HOST",
-           "BlockStore", "RawEvent", "chain_keys", "kept_mappings", "keys_fit"]
-
-log = logging.getLogger(__name__)
-
-#: what an event of the store's event ring says (``BlockStore.events_read``), and the
-#: tier the block entered or left
-EVENT_STORED, EVENT_REMOVED, EVENT_CLEARED = 1, 2, 3
-MEDIUM_HOST, MEDIUM_DISK = 0, 1
-#: (type, medium, key, meta) of one event
-RawEvent = tuple[int, int, bytes, bytes]
+__all__ = ["BlockStore", "kept_mappings"]
 
 #: the evictions the native index runs, by name
 EVICTIONS = {"lru": 0, "s3fifo": 1}
 _EVICTION_NAMES = {v: k for k, v in EVICTIONS.items()}
 _NO_LIMIT = (1 << 63) - 1
-
-
-def chain_keys(prev: bytes, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
-    """For each full block of ``tokens`` (contiguous little-endian int64), the xxh3-128
-    digest of the previous key (``prev`` for the first) followed by the block's tokens:
-    keys that name the whole prefix up to their block. One native call for the chain
-    where the extension has the xxhash functions bound (a Python hash per block was a
-    quarter of a small block's put), else the same hashes in Python."""
-    if len(prev) == 16 and _checksum.ONE_PASS:
-        keys: list[bytes] = _chain_keys(prev, tokens, block_tokens)
-        return keys
-    out = []
-    for lo in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        h = xxhash.xxh3_128(prev)
-        h.update(tokens[lo:lo + block_tokens].data)
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 
 def kept_mappings() -> dict[str, int]:
@@ -128,103 +94,11 @@ def kept_mappings() -> dict[str, int]:
     return {"mappings": n, "bytes": nbytes, "kept": kept, "reused": reused}
 
 
-def _native(fn: Any, keys: Sequence[bytes], *args: Any) -> Any:
-    """``fn(keys, *args)`` of the native index, which takes keys of 1 to 32 bytes as they
-    are; keys of other types or lengths are normalised (``check_keys``: ValueError for
-    a bad one) and the call made again. No Python loop over the keys when they fit."""
-    try:
-        return fn(keys, *args)
-    except ValueError as exc:
-        if "key" not in str(exc):
-            raise
-        return fn(check_keys(keys), *args)
-
-
 def _u64(values: Any, n: int, what: str) -> np.ndarray:
     arr = np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)
     if arr.size != n:
         raise ValueError(f"{n} keys but {arr.size} {what}")
     return arr
-
-
-def _restore(path: str, size: int) -> None:
-    """Give a slab file cut shorter than ``size`` (or deleted) outside the store its pages
-    back before a mapping touches it: an access past the end of a file is a SIGBUS,
-    where restored pages read zeros and fail their blocks' checksums."""
-    try:
-        if os.stat(path).st_size >= size:
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    try:
-        if os.fstat(fd).st_size < size:
-            log.warning("KV slab %s is %d bytes, not %d: damaged outside the store; "
-                        "restored (its blocks past the cut fail their checksums)",
-                        path, os.fstat(fd).st_size, size)
-            os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise KVStoreFull(f"shared memory is full: no room to restore {path}",
-                              needed=size) from exc
-        raise
-    finally:
-        os.close(fd)
-
-
-class _Views:
-    """This process's zero-copy views of host blocks: a lease per record, counted here,
-    recorded in the shared record once; views give theirs back through ``give_back``
-    (a finalizer: no lock, no call into the index), and the next call flushes them."""
-
-    def __init__(self) -> None:
-        self.held: dict[tuple[int, int], int] = {}
-        self.given: deque[tuple[int, int]] = deque()
-        self.give_back = self.given.append
-        self._fds: dict[tuple[int, int], int] = {}
-
-    def reset(self) -> None:
-        self.held.clear()
-        self.given.clear()
-        self.close()
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-
-    def take(self, lease: tuple[int, int]) -> None:
-        self.held[lease] = self.held.get(lease, 0) + 1
-
-    def flush(self, ix: BlockIndex) -> None:
-        """Give the index back the leases whose last view here is gone."""
-        if not self.given:
-            return
-        done: list[tuple[int, int]] = []
-        while self.given:
-            lease = self.given.popleft()
-            n = self.held.get(lease, 0) - 1
-            if n <= 0:
-                self.held.pop(lease, None)
-                done.append(lease)
-            else:
-                self.held[lease] = n
-        if done:
-            ix.release(np.array([d[0] for d in done], np.uint64),
-                       np.array([d[1] for d in done], np.uint64))
-
-    def private(self, path: str, slab: tuple[int, int], offset: int, nbytes: int
-                ) -> np.ndarray:
-        """A new private (copy-on-write) mapping of a leased chunk's bytes. A chunk under
-        a page shares its page with others: the mapping covers the whole pages, the
-        view only the chunk."""
-        _restore(path, offset + nbytes)
-        fd = self._fds.get(slab)
-        if fd is None:
-            fd = self._fds[slab] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mm = mmap.mmap(fd, offset + nbytes - base, offset=base, access=mmap.ACCESS_COPY)
-        return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - base)
 
 
 class BlockStore:
@@ -276,7 +150,7 @@ class BlockStore:
         self.pool_dir = Path(pool_dir) if pool_dir is not None else None
         self._map_size = map_size
         self._gpu_opts = (gpu_device, gpu_capacity)
-        self._views = _Views()
+        self._views = HostViews()
         self._paths: dict[tuple[int, int], str] = {}
         #: called by a put between its reservation and its copies (tests stop one there)
         self.after_reserve: Any = None
@@ -419,7 +293,7 @@ class BlockStore:
             with self._lock:
                 self._check_pid()
                 self._views.flush(self._ix)
-                stored, err, needed = _native(self._ix.put, keys[lo:hi], addrs[lo:hi],
+                stored, err, needed = call_native(self._ix.put, keys[lo:hi], addrs[lo:hi],
                                               sizes[lo:hi], part, self.after_reserve)
                 self._forget_left()
             if err != E_OK:
@@ -451,18 +325,21 @@ class BlockStore:
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are readable (on the host or on disk)."""
         self._check_pid()
-        return int(_native(self._ix.match, keys))
+        return int(call_native(self._ix.match, keys))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether it is readable."""
         self._check_pid()
-        return [b == 1 for b in _native(self._ix.contains, keys)]
+        return [b == 1 for b in call_native(self._ix.contains, keys)]
 
     def get(self, keys: Sequence[bytes], *, verify: bool = True) -> list[BlockView | None]:
         """Zero-copy views of the blocks (None where absent). Each view maps its chunk
-        privately and holds a read lease until it is garbage collected. With ``verify``
-        (the default) each block's checksum is checked first: failing blocks are dropped
-        from the store and KVCorrupt is raised."""
+        privately and holds a read lease until it is garbage collected. A block spilled
+        to disk is mapped back into the arena; where the arena has no room (everything
+        in it pinned or being read) its view is a copy read from disk instead, so a read
+        never fails for want of room. With ``verify`` (the default) each block's
+        checksum is checked first: failing blocks are dropped from the store and
+        KVCorrupt is raised."""
         keys = check_keys(keys)
         with self._lock:
             self._check_pid()
@@ -470,50 +347,42 @@ class BlockStore:
             found = self._ix.lease(keys)
             self._forget_left()
             bad: list[bytes] = [k for k, f in zip(keys, found, strict=True) if f == -1]
-            if -2 in found:  # a spilled block, and no room to map it back
-                self._release_now([f for f in found if isinstance(f, tuple)])
-                n = found.count(-2)
-                raise KVStoreFull(
-                    f"{n} of the {len(keys)} blocks asked for are spilled to disk and the "
-                    f"arena under {self.root} ({self.capacity} bytes) has no room to map "
-                    f"them back: everything in it is pinned or being read (read blocks "
-                    f"into buffers of your own with get_into, which needs no room)",
-                    capacity=self.capacity)
-            arrs: list[np.ndarray | None] = []
+            spilled = [i for i, f in enumerate(found) if f == -2]
             try:
-                for f in found:
-                    arrs.append(None if not isinstance(f, tuple) else
-                                self._views.private(self._slab_path(f[2], f[3]),
-                                                    (f[2], f[3]), f[4], f[5]))
+                out, failed, drop = self._views.hand_out(keys, found, self._slab_path, verify)
             except BaseException:
                 self._release_now([f for f in found if isinstance(f, tuple)])
                 raise
-            live = [a for a in arrs if a is not None]
-            sums = iter(each(_checksum.checksum, [(a,) for a in live],
-                             sum(a.size for a in live)) if verify else [])
-            out: list[BlockView | None] = []
-            drop: list[tuple[int, int]] = []
-            for key, f, arr in zip(keys, found, arrs, strict=True):
-                if not isinstance(f, tuple) or arr is None:
-                    out.append(None)
-                    continue
-                idx, gen, _, _, _, _, csum, meta = f
-                if verify and int(next(sums), 16) != csum:
-                    bad.append(key)
-                    drop.append((idx, gen))
-                    out.append(None)
-                    continue
-                self._views.take((idx, gen))
-                weakref.finalize(arr, self._views.give_back, (idx, gen))
-                out.append(BlockView(arr, meta))
+            bad.extend(failed)
             if drop:
                 for idx, gen in drop:
                     self._ix.drop_corrupt(idx, gen)
                 self._release_now([(i, g) for i, g in drop])
                 self._forget_left()
+        for i in spilled:  # on disk, and no room in the arena to map it back: a copy
+            try:
+                out[i] = self._copy_out(keys[i], verify)
+            except KVCorrupt:  # its disk copy failed its checksum: dropped
+                bad.append(keys[i])
         if bad:
             raise KVCorrupt(bad)
         return out
+
+    def _copy_out(self, key: bytes, verify: bool) -> BlockView | None:
+        """A spilled block that has no room in the arena, read from its disk copy into
+        memory of its own (``read_into``: no chunk of the arena taken). None where it
+        went meanwhile, or was rewritten at another size (a miss, as a later ``get``
+        would find)."""
+        loc = self._ix.locate(key)
+        if loc is None:
+            return None
+        buf = np.empty(int(loc[4]), np.uint8)
+        try:
+            status = self.read_into([key], np.array([buf.ctypes.data], np.uint64),
+                                    np.array([buf.size], np.uint64), verify=verify)
+        except ValueError:  # its size changed between the look and the read
+            return None
+        return BlockView(buf, bytes(loc[6])) if status[0] == 1 else None
 
     def _release_now(self, leases: Sequence[tuple[int, ...]]) -> None:
         if leases:
@@ -557,7 +426,7 @@ class BlockStore:
         with self._lock:
             self._check_pid()
             self._views.flush(self._ix)
-            raw, bad_size = _native(self._ix.read_into, keys, addrs, sizes, verify)
+            raw, bad_size = call_native(self._ix.read_into, keys, addrs, sizes, verify)
             self._forget_left()
         if bad_size >= 0:
             loc = self._ix.locate(check_keys([keys[bad_size]])[0])
@@ -747,7 +616,7 @@ class BlockStore:
     def host_bytes(self, f: tuple[Any, ...]) -> np.ndarray:
         """The bytes of a chunk leased by ``lease_host``, through a shared mapping."""
         path = self._slab_path(f[2], f[3])
-        _restore(path, f[4] + f[5])
+        restore_slab(path, f[4] + f[5])
         with open(path, "r+b") as fh:
             mm = mmap.mmap(fh.fileno(), f[4] + f[5], access=mmap.ACCESS_READ)
         return np.frombuffer(mm, dtype=np.uint8, count=f[5], offset=f[4])

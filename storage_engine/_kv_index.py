@@ -1,9 +1,12 @@
-"""The LMDB index of a KV block store, its write transactions, and read leases.
+"""The LMDB index of a KV block store's GPU tier, its write transactions, and read leases.
 
-One LMDB environment per store (``<root>/index``, ``lock=True``: every process of the
-host shares it). The store's parts keep their records in named databases of it and
-count in its shared counters; ``KVIndex.write`` is the one write transaction they all
-run in, so a put, a get or an eviction is one transaction whatever parts it touches.
+Only the GPU tier (``_kv_gpu``, ``_kv_gpu_part``) indexes its blocks here; the host's
+blocks are in the store's native index (``_kvindex.c``), which has no LMDB in it. One
+LMDB environment per store that has a GPU tier (``<root>/index``, ``lock=True``: every
+process of the host shares it). The tier's parts keep their records in named databases
+of it and count in its shared counters; ``KVIndex.write`` is the one write transaction
+they all run in, so a GPU put, get or eviction is one transaction whatever parts it
+touches.
 
 ``ReadLeases`` records which process reads which chunk (the ``leases`` database, keyed
 by chunk and holder) and parks the chunks freed while someone reads them (``zombies``):

@@ -6,10 +6,9 @@ have plain names here; the package exports only the values and errors.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -18,14 +17,13 @@ import numpy as np
 import xxhash
 
 from ._errors import StorageError
-from ._io import io_pool
+from ._io import io_pool, io_pool_workers
+from ._kv_keys import index_key
 
-__all__ = ["BlockView", "KVCorrupt", "KVStats", "KVStoreFull", "bloom_may_hold"]
+__all__ = ["EVENT_CLEARED", "EVENT_REMOVED", "EVENT_STORED", "MEDIUM_DISK", "MEDIUM_HOST",
+           "BlockView", "KVCorrupt", "KVStats", "KVStoreFull", "RawEvent", "bloom_may_hold"]
 
 PAGE = mmap.ALLOCATIONGRANULARITY
-MAX_KEY = 255
-#: keys up to this many bytes are held as they are; longer ones by their BLAKE2b-256
-INDEX_KEY = 32
 
 SLAB_ID = struct.Struct(">I")
 LOC = struct.Struct(">II")  # slab, chunk
@@ -34,6 +32,13 @@ I64 = struct.Struct("<q")
 #: GPU slab ids have this bit set, so read leases and deferred frees share the host's
 #: tables and rules
 GPU_BIT = 0x8000_0000
+
+#: what an event of the store's event ring says (``BlockStore.events_read``), and the
+#: tier the block entered or left
+EVENT_STORED, EVENT_REMOVED, EVENT_CLEARED = 1, 2, 3
+MEDIUM_HOST, MEDIUM_DISK = 0, 1
+#: (type, medium, key, meta) of one event
+RawEvent: TypeAlias = tuple[int, int, bytes, bytes]
 
 #: a chunk: (slab, chunk)
 Loc: TypeAlias = tuple[int, int]
@@ -127,29 +132,6 @@ def size_class(nbytes: int) -> int:
     return -(-n // step) * step
 
 
-def index_key(key: bytes) -> bytes:
-    """The key the index holds: the key itself up to INDEX_KEY bytes, else its
-    BLAKE2b-256 (a key of 64 hex digits costs no more than its 32 bytes would)."""
-    return key if len(key) <= INDEX_KEY else \
-        hashlib.blake2b(key, digest_size=INDEX_KEY).digest()
-
-
-def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    """The keys as the index holds them (``index_key``); ValueError for one that is not
-    1 to MAX_KEY bytes."""
-    out = []
-    for k in keys:
-        if type(k) is not bytes:
-            if not isinstance(k, (bytes, bytearray)):
-                raise ValueError(f"a block key must be 1 to {MAX_KEY} bytes, not {k!r:.60}")
-            k = bytes(k)
-        n = len(k)
-        if not 0 < n <= MAX_KEY:
-            raise ValueError(f"a block key must be 1 to {MAX_KEY} bytes, not {k!r:.60}")
-        out.append(k if n <= INDEX_KEY else index_key(k))
-    return out
-
-
 def as_bytes(buf: Any) -> np.ndarray:
     """A C-contiguous buffer as a flat uint8 array over the same memory."""
     if isinstance(buf, np.ndarray):
@@ -191,7 +173,7 @@ def each(fn: Callable[..., Any], items: list[Any], nbytes: int) -> list[Any]:
     # first: a future per block cost more than the copy of a 0.5 MiB block (64 futures
     # and their wake-ups fought the copying threads for the GIL)
     pool = io_pool()
-    k = min(pool._max_workers, len(items))
+    k = min(io_pool_workers(), len(items))
     step = -(-len(items) // k)
     groups = [items[i : i + step] for i in range(0, len(items), step)]
 

@@ -485,8 +485,9 @@ def test_small_blocks_of_a_large_batch_round_trip_streamed(tmp_path: Path) -> No
 def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: object
                                                                      ) -> None:
     """get_into reads spilled blocks straight from their files (a read never evicts), so
-    a batch larger than the arena reads whole; zero-copy views of it cannot all be
-    mapped at once: StoreFull, saying to read into buffers instead."""
+    a batch larger than the arena reads whole. Zero-copy views of it cannot all be
+    mapped at once: ``get`` hands the spilled ones out as copies read from disk, never
+    StoreFull (a read that needs room is not a full store), and no block is lost."""
     kv = KVCache(sqlite_db, "big-read", block_tokens=4,  # type: ignore[arg-type]
                  capacity_bytes=64 * KiB, slab_bytes=64 * KiB)
     try:
@@ -498,8 +499,11 @@ def test_a_read_larger_than_the_arena_reads_spilled_blocks_from_disk(sqlite_db: 
         assert kv.get_into(keys, out) == 8
         assert out[:, 0].tolist() == [float(i) for i in range(8)]
         assert kv.stats().disk_blocks == 4 and kv.stats().evictions == 4  # nothing moved
-        with pytest.raises(StoreFull, match="get_into"):
-            kv.get(keys)
+        views = kv.get(keys)
+        assert [float(v.flatten()[0]) for v in views] == [float(i) for i in range(8)]
+        assert kv.stats().blocks == 8 and kv.stats().disk_blocks == 4  # none lost
+        assert kv.get_into(keys[4:], [torch.zeros(4096) for _ in range(4)]) == 4
+        del views
         assert torch.equal(kv.get_batch(keys[4:]), out[4:])
     finally:
         kv.destroy()
