@@ -135,10 +135,9 @@ def _retie(module: torch.nn.Module, names: list[str]) -> None:
     for n in names[1:]:
         mod_name, _, attr = n.rpartition(".")
         sub = module.get_submodule(mod_name)
-        if attr in sub._parameters:
-            sub._parameters[attr] = value
-        else:
-            sub._buffers[attr] = value
+        # Module.__setattr__ replaces the parameter or buffer of that name in place (a
+        # buffer keeps its persistence)
+        setattr(sub, attr, value)
 
 
 def commit_module(db: tensordb.Database, collection: str, module: torch.nn.Module, *,

@@ -17,28 +17,62 @@ This package never sees a ``Database``: statements and policies run against a
 
 from __future__ import annotations
 
-from ._ast import (
-    Collections,
-    Commits,
-    CreatePolicy,
-    DropPolicy,
-    DropVersions,
-    Evict,
-    Explain,
-    OneCollection,
-    Pin,
-    Replicate,
-    Select,
-    ShowPolicies,
-    Snapshot,
-    Statement,
-    Unpin,
-)
-from ._execute import EvictResult, PolicyStore, execute
-from ._parser import parse, parse_script
-from ._policies import JOB_TABLE, PolicyRun, PolicyRunner
-from ._schedule import check_schedule
-from ._tables import TABLES
+from typing import TYPE_CHECKING
+
+from tensordb.lazy import lazy_face
+
+if TYPE_CHECKING:
+    from ._ast import (
+        Collections,
+        Commits,
+        CreatePolicy,
+        DropPolicy,
+        DropVersions,
+        Evict,
+        Explain,
+        OneCollection,
+        Pin,
+        Replicate,
+        Select,
+        ShowPolicies,
+        Snapshot,
+        Statement,
+        Unpin,
+    )
+    from ._execute import EvictResult, PolicyStore, execute
+    from ._parser import parse, parse_script
+    from ._policies import JOB_TABLE, PolicyRun, PolicyRunner
+    from ._schedule import check_schedule
+    from ._tables import TABLES
+
+#: each name of the face and the module that defines it, loaded on first use
+_LAZY = {
+    "Collections": "._ast",
+    "Commits": "._ast",
+    "CreatePolicy": "._ast",
+    "DropPolicy": "._ast",
+    "DropVersions": "._ast",
+    "Evict": "._ast",
+    "Explain": "._ast",
+    "OneCollection": "._ast",
+    "Pin": "._ast",
+    "Replicate": "._ast",
+    "Select": "._ast",
+    "ShowPolicies": "._ast",
+    "Snapshot": "._ast",
+    "Statement": "._ast",
+    "Unpin": "._ast",
+    "EvictResult": "._execute",
+    "PolicyStore": "._execute",
+    "execute": "._execute",
+    "parse": "._parser",
+    "parse_script": "._parser",
+    "JOB_TABLE": "._policies",
+    "PolicyRun": "._policies",
+    "PolicyRunner": "._policies",
+    "check_schedule": "._schedule",
+    "TABLES": "._tables",
+}
 
 __all__ = [
     "Collections",
@@ -67,3 +101,6 @@ __all__ = [
     "parse",
     "parse_script",
 ]
+
+
+__getattr__, __dir__ = lazy_face(__name__, _LAZY, __all__)

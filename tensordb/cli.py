@@ -23,6 +23,8 @@ from rich.table import Table
 from sqlalchemy.exc import OperationalError
 from typer.core import TyperGroup
 
+import query
+import transport
 from storage_engine import shm_root
 
 from . import Database, connect
@@ -318,8 +320,6 @@ def query_command(
     pins, kv_namespaces, policies, policy_runs; SNAPSHOT, REPLICATE, PIN, UNPIN, EVICT,
     DROP VERSIONS; EXPLAIN; CREATE POLICY, SHOW POLICIES, DROP POLICY.
     """
-    import query  # the query layer (lark, pyarrow) loads only for this command
-
     params: dict[str, object] = {}
     for item in param or []:
         name, eq, value = item.partition("=")
@@ -390,8 +390,6 @@ def policies_run_command(
     """
     import time
 
-    import query
-
     out = _console(stderr=True)
     with _open(ctx) as db:
         runner = query.PolicyRunner(db)
@@ -415,8 +413,6 @@ def policies_log_command(
     limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
 ) -> None:
     """The latest policy runs and their outcomes."""
-    import query
-
     with _open(ctx) as db:
         text = ("SELECT policy, attempt, started_at, finished_at, outcome, detail FROM policy_runs"
                 + (" WHERE policy = :name" if name else "")
@@ -494,17 +490,16 @@ def serve_command(
     Registers the node in the catalog with a heartbeat, and deregisters it on SIGTERM
     or Ctrl-C. Prints one JSON line (node, address, metrics_port) once it answers.
     """
-    from transport import ready_line, start_node  # Flight and gRPC load for serve only
-
     w = _where(ctx)
     extra = {} if spare_bytes is None else {"spare_bytes": spare_bytes}
     db = connect(catalog or w.catalog, home=w.home, node=node or w.node,
                  data_dir=data_dir or w.data_dir, **extra)
     try:
-        running = start_node(db, host=host, port=port, token=token, token_file=token_file,
-                             metrics_port=metrics_port, advertise=advertise,
-                             heartbeat=heartbeat, data_port=data_port)
-        running.wait(on_ready=lambda n: print(ready_line(n), flush=True))
+        running = transport.start_node(db, host=host, port=port, token=token,
+                                       token_file=token_file, metrics_port=metrics_port,
+                                       advertise=advertise, heartbeat=heartbeat,
+                                       data_port=data_port)
+        running.wait(on_ready=lambda n: print(transport.ready_line(n), flush=True))
     finally:
         db.close()
     _console(stderr=True).print(f"node {escape(repr(db.config.node))} stopped")

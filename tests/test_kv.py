@@ -372,6 +372,7 @@ def test_random_workload_stays_in_arena_and_keeps_pins(make_store: object, tmp_p
             assert int(v.data[0]) == work.content[k]
 
 
+@pytest.mark.deadline
 def test_store_full_at_once_when_everything_is_pinned(kv: KVCache) -> None:
     keys = kv.keys(list(range(4 * 80)))
     n = 0
@@ -566,6 +567,33 @@ def test_a_pinned_block_on_disk_survives_a_trim_past_disk_capacity(
     assert torch.equal(got, _block(0.0, 16 * KiB))
 
 
+def test_a_read_with_no_room_to_bring_a_block_back_is_served_not_store_full(
+        spilling: Callable[..., KVCache]) -> None:
+    """A spilled block whose arena is all pinned cannot be mapped back: a read is still
+    served (a copy from disk), the store is unchanged, and a damaged disk copy is
+    CorruptData and dropped, never StoreFull: a read that finds no room is not a full
+    store, and a reader (an engine's load) must not have to treat it as one."""
+    kv = spilling("no-room", disk_blocks=4)
+    keys = kv.keys(list(range(4 * 6)))
+    _put_one_by_one(kv, keys, 6)  # blocks 0 and 1 spilled
+    assert kv.pin(keys[2:6]) == 4
+    before = kv.stats()
+    assert (before.host_blocks, before.disk_blocks) == (4, 2)
+    got = kv.get(keys[:3])
+    assert [float(t[0]) for t in got] == [0.0, 1.0, 2.0]
+    got[0].fill_(9.0)  # a copy of its own: the store's bytes are not the reader's
+    after = kv.stats()
+    assert (after.host_blocks, after.disk_blocks, after.blocks, after.pinned) == \
+        (4, 2, 6, 4)
+    assert torch.equal(kv.get(keys[:1])[0], _block(0.0, 16 * KiB))
+    loc = kv.store.locate(keys[1])
+    assert loc is not None and loc[0] == "disk"
+    flip_byte(loc[1], 100)
+    with pytest.raises(CorruptData):
+        kv.get(keys[1:2])
+    assert kv.contains(keys[:3]) == [True, False, True]  # dropped, the rest kept
+
+
 def test_the_disk_stays_within_its_capacity_over_many_spills(
         spilling: Callable[..., KVCache]) -> None:
     # 40 puts spill 36 blocks, and each spill past the disk's capacity drops the oldest
@@ -738,6 +766,34 @@ def test_closed_cache_raises_store_closed(sqlite_db: tensordb.Database) -> None:
     with pytest.raises(tensordb.errors.StoreClosed):
         kv.match(keys)
     assert again.match(keys) == 2 and kv.keys(list(range(8))) == keys
+    again.destroy()
+
+
+def test_a_handle_closed_during_a_call_is_store_closed_and_a_bad_buffer_invalid_input(
+        sqlite_db: tensordb.Database) -> None:
+    """The native index raises ValueError both for a buffer it cannot use and for a
+    call on a closed index: the client keeps them apart by the handle's state."""
+    kv = KVCache(sqlite_db, "closing-mid-call", block_tokens=4, capacity_bytes=1 << 20)
+    keys = kv.keys(list(range(8)))
+    kv.put(keys, [_block(1.0), _block(2.0)])
+    with pytest.raises(tensordb.errors.InvalidInput, match="bytes"):
+        kv.get_into(keys[:1], [torch.empty(3, dtype=torch.uint8)])  # the wrong size
+    real = kv.store
+
+    class ClosedUnderTheCall:
+        """The store as a second thread's ``close`` leaves it during a ``match``."""
+
+        def match(self, ks: list[bytes]) -> int:
+            kv.close()  # the last handle of the process: the index itself closes
+            return real.match(ks)
+
+    kv.store = ClosedUnderTheCall()  # type: ignore[assignment]
+    with pytest.raises(tensordb.errors.StoreClosed, match="closed during the call") as info:
+        kv.match(keys)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "closed" in str(info.value.__cause__)
+    again = KVCache(sqlite_db, "closing-mid-call", block_tokens=4)
+    assert again.match(keys) == 2  # nothing lost
     again.destroy()
 
 

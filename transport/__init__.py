@@ -19,45 +19,89 @@ this package only when a read or a replication needs another node.
 
 from __future__ import annotations
 
-from ._auth import (
-    MIN_TOKEN_LENGTH,
-    TOKEN_ENV,
-    TOKEN_FILE_ENV,
-    check_token,
-    is_loopback,
-    require_token_for,
-    resolve_token,
-)
-from ._base import (
-    DEFAULT_TIMEOUT,
-    ERROR_KINDS,
-    KVBlock,
-    KVBlocks,
-    NodeStore,
-    Transport,
-    error_from_payload,
-    error_payload,
-)
-from ._flight_client import FlightTransport
-from ._flight_server import THROTTLE_ENV, NodeServer, NodeService
-from ._local import LocalTransport
-from ._metrics import NodeMetrics
-from ._node import (
-    DEFAULT_HEARTBEAT,
-    NodeRegistration,
-    RunningNode,
-    ready_line,
-    start_node,
-)
-from ._pull import (
-    DEFAULT_STREAMS,
-    CascadeReport,
-    ExtentHasher,
-    cascade,
-    pull_segment,
-    split_ranges,
-)
-from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
+from typing import TYPE_CHECKING
+
+from tensordb.lazy import lazy_face
+
+if TYPE_CHECKING:
+    from ._auth import (
+        MIN_TOKEN_LENGTH,
+        TOKEN_ENV,
+        TOKEN_FILE_ENV,
+        check_token,
+        is_loopback,
+        require_token_for,
+        resolve_token,
+    )
+    from ._base import (
+        DEFAULT_TIMEOUT,
+        ERROR_KINDS,
+        KVBlock,
+        KVBlocks,
+        NodeStore,
+        Transport,
+        error_from_payload,
+        error_payload,
+    )
+    from ._flight_client import FlightTransport
+    from ._flight_server import THROTTLE_ENV, NodeServer, NodeService
+    from ._local import LocalTransport
+    from ._metrics import NodeMetrics
+    from ._node import (
+        DEFAULT_HEARTBEAT,
+        NodeRegistration,
+        RunningNode,
+        ready_line,
+        start_node,
+    )
+    from ._pull import (
+        DEFAULT_STREAMS,
+        CascadeReport,
+        ExtentHasher,
+        cascade,
+        pull_segment,
+        split_ranges,
+    )
+    from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
+
+#: each name of the face and the module that defines it, loaded on first use
+_LAZY = {
+    "MIN_TOKEN_LENGTH": "._auth",
+    "TOKEN_ENV": "._auth",
+    "TOKEN_FILE_ENV": "._auth",
+    "check_token": "._auth",
+    "is_loopback": "._auth",
+    "require_token_for": "._auth",
+    "resolve_token": "._auth",
+    "DEFAULT_TIMEOUT": "._base",
+    "ERROR_KINDS": "._base",
+    "KVBlock": "._base",
+    "KVBlocks": "._base",
+    "NodeStore": "._base",
+    "Transport": "._base",
+    "error_from_payload": "._base",
+    "error_payload": "._base",
+    "FlightTransport": "._flight_client",
+    "THROTTLE_ENV": "._flight_server",
+    "NodeServer": "._flight_server",
+    "NodeService": "._flight_server",
+    "LocalTransport": "._local",
+    "NodeMetrics": "._metrics",
+    "DEFAULT_HEARTBEAT": "._node",
+    "NodeRegistration": "._node",
+    "RunningNode": "._node",
+    "ready_line": "._node",
+    "start_node": "._node",
+    "DEFAULT_STREAMS": "._pull",
+    "CascadeReport": "._pull",
+    "ExtentHasher": "._pull",
+    "cascade": "._pull",
+    "pull_segment": "._pull",
+    "split_ranges": "._pull",
+    "MAX_BATCH_BYTES": "._version_reads",
+    "VersionReads": "._version_reads",
+    "version_ticket": "._version_reads",
+}
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
@@ -96,3 +140,6 @@ __all__ = [
     "start_node",
     "version_ticket",
 ]
+
+
+__getattr__, __dir__ = lazy_face(__name__, _LAZY, __all__)

@@ -4,10 +4,9 @@ A read of a segment this node never wrote lands here (``map_replica``): the segm
 pulled from a node that holds it, verified, and registered as a replica. ``replicate``
 fans a version out to other nodes as a cascade; ``pull_kv`` fetches KV blocks.
 
-The ``transport`` package (Arrow Flight) is imported on first use, inside the methods
-that need it: an embedded store never loads it (``import transport`` brings in
-pyarrow.flight, some 50 ms), and ``transport`` imports ``tensordb.catalog``, whose
-package imports this one, so a module-level import would run ``transport`` half-built.
+``transport``'s package face is lazy: ``import transport`` costs nothing, and Arrow
+Flight (some 50 ms to load) loads on the first use of a name that needs it, so an
+embedded store never loads it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 from sqlalchemy import Engine
 
 import storage_engine as se
+import transport
 from tensordb.catalog import Catalog, NodeDirectory
 from tensordb.config import Config
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound
@@ -34,18 +34,13 @@ __all__ = ["Cluster"]
 
 
 class Cluster:
-    """This node among the others of the catalog: pulls, replicas and replication.
+    """This node among the others of the catalog: pulls, replicas and replication."""
 
-    ``open_kv(namespace, block_tokens)`` opens this node's KV namespace for the blocks
-    ``pull_kv`` brings in."""
-
-    def __init__(self, config: Config, engine: Engine, catalog: Catalog, tiers: Tiers,
-                 open_kv: Callable[[str, int], KVCache]) -> None:
+    def __init__(self, config: Config, engine: Engine, catalog: Catalog, tiers: Tiers) -> None:
         self._config = config
         self._engine = engine
         self._catalog = catalog
         self._tiers = tiers
-        self._open_kv = open_kv
         self._nodes: NodeDirectory | None = None
         #: the node-to-node transport, made on first use (or put here before, by tests
         #: that run nodes in-process)
@@ -66,19 +61,17 @@ class Cluster:
     def transport(self) -> Transport:
         """The node-to-node transport, built on first use."""
         if self.flight is None:
-            from transport import FlightTransport
-
-            self.flight = FlightTransport(self._config.token, self._config.node_timeout)
+            self.flight = transport.FlightTransport(self._config.token,
+                                                    self._config.node_timeout)
         return self.flight
 
     def pull(self, segment_ids: Iterable[str], prefer: str | None = None) -> dict[str, str]:
         """Pull segments other nodes hold into this node's tiers (verified, then
         registered as replicas); segment id -> local tier."""
-        from transport import pull_segment
-
         tiers = {n: self._tiers[n] for n in ("host", "disk")}
-        return {s: pull_segment(self.directory(), self.transport(), self._config.node, tiers,
-                                s, prefer=prefer) for s in segment_ids}
+        return {s: transport.pull_segment(self.directory(), self.transport(),
+                                          self._config.node, tiers, s, prefer=prefer)
+                for s in segment_ids}
 
     def map_replica(self, segment_id: str, collection: str, tensor: str) -> se.SegmentView:
         """A mapping of another node's segment, held here as a replica or pulled now."""
@@ -144,13 +137,12 @@ class Cluster:
         held = directory.held_by(segs)
         if all(t in held[s] for s in segs for t in targets):
             return targets
-        from transport import cascade
 
         def pull_here(missing: Iterable[str], source: str | None) -> None:
             self.pull(missing, source)
 
-        report = cascade(directory, self.transport(), self._config.node, segs, targets,
-                         pull_here)
+        report = transport.cascade(directory, self.transport(), self._config.node, segs,
+                                   targets, pull_here)
         self.last_replication = report
         if report.failed:
             node, why = next(iter(report.failed.items()))
@@ -159,16 +151,16 @@ class Cluster:
         return targets
 
     def pull_kv(self, namespace: str, keys: Iterable[bytes], block_tokens: int,
-                nodes: Iterable[str] | None) -> int:
+                nodes: Iterable[str] | None, open_kv: Callable[[str, int], KVCache]) -> int:
         """Fetch the KV blocks of ``keys`` this node lacks from other live nodes; returns
-        how many arrived. See ``Database.pull_kv``."""
+        how many arrived. ``open_kv(namespace, block_tokens)`` opens this node's namespace
+        for them (once; the cache is kept for later pulls). See ``Database.pull_kv``."""
         wanted = list(keys)
         if not all(isinstance(k, bytes) and k for k in wanted):
             raise InvalidInput("keys must be non-empty bytes (from kv.keys)", collection=namespace)
         cache = self._kv_pulls.get((namespace, block_tokens))
         if cache is None:
-            cache = self._kv_pulls[(namespace, block_tokens)] = self._open_kv(namespace,
-                                                                              block_tokens)
+            cache = self._kv_pulls[(namespace, block_tokens)] = open_kv(namespace, block_tokens)
         missing = [k for k, held in zip(wanted, cache.contains(wanted), strict=True) if not held]
         directory = self.directory()
         live = directory.live()

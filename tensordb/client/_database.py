@@ -25,6 +25,7 @@ import torch
 from sqlalchemy import Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
 
+import query
 import storage_engine as se
 from tensordb.catalog import Catalog, Commit, ensure_schema, make_engine
 from tensordb.config import Config
@@ -37,11 +38,12 @@ from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
 from ._notify import notifier_for, watch
 from ._orphans import record_owner
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
+from ._puts import GROUP_TIMEOUT, group_spec
 from ._read import Reader
-from ._safetensors import export_safetensors, import_safetensors
+from ._safetensors import run_export, run_import
 from ._scrubber import BackgroundScrub, check_scrub_config, scrub_status
 from ._snapshot import Snapshot, tensors_arrow
-from ._transaction import GROUP_TIMEOUT, Transaction, group_spec
+from ._transaction import Transaction
 from ._write import InPlaceFile, Writer
 
 if TYPE_CHECKING:
@@ -93,7 +95,7 @@ class Database:
         record_owner(config)  # so `tensordb orphans` can tell the area is this store's
         self._notifier = notifier_for(self._engine, config.shm_dir)
         self._kv_caches: list[KVCache] = []
-        self._cluster = Cluster(config, self._engine, self.catalog, self._tiers, self.kv)
+        self._cluster = Cluster(config, self._engine, self.catalog, self._tiers)
         self._reader = Reader(self.catalog, self._tiers, self._cluster)
         self._writer = Writer(self.catalog, self._tiers, self._notifier,
                               default_tier=config.default_tier, workers=se.io_workers())
@@ -113,6 +115,17 @@ class Database:
 
     def _is_open(self) -> bool:
         return not self._closed
+
+    def _commit_in_place(self, collection: str, files: list[InPlaceFile], deletes: set[str],
+                         message: str, meta: dict[str, str],
+                         advance: Callable[[int], None]) -> Commit:
+        """One version whose tensors are ``files``' bytes where they lie (the safetensors
+        import in place, which is handed this method): a commit of the writer's, on the
+        head it finds."""
+        self._check_open()
+        check_name("collection", collection)
+        return self._writer.publish_in_place(collection, self._writer.head(collection), files,
+                                             deletes, message, meta, advance)
 
     def tier(self, name: str) -> se.Tier:
         return self._tiers.tier(name)
@@ -332,7 +345,7 @@ class Database:
         this node's namespace. Returns how many blocks arrived. Blocks no node holds
         are skipped (a cache miss is not an error)."""
         self._check_open()
-        return self._cluster.pull_kv(namespace, keys, block_tokens, nodes)
+        return self._cluster.pull_kv(namespace, keys, block_tokens, nodes, self.kv)
 
     # -- maintenance -------------------------------------------------------------------
     def drop_versions(self, collection: str, *, keep_last: int | None = None,
@@ -392,26 +405,16 @@ class Database:
         verifying read) makes the version refuse to be served (CorruptData); a reader
         that mapped the file before a change may see the change (docs/storage.md)."""
         self._check_open()
-        return import_safetensors(self, collection, path, message=message, tier=tier,
-                                  progress=progress, in_place=in_place)
-
-    def _commit_in_place(self, collection: str, files: list[InPlaceFile], deletes: set[str],
-                         message: str, meta: dict[str, str],
-                         advance: Callable[[int], None]) -> Commit:
-        """One version whose tensors are ``files``' bytes where they lie (the safetensors
-        import in place): a commit of the writer's, on the head it finds."""
-        self._check_open()
-        check_name("collection", collection)
-        return self._writer.publish_in_place(collection, self._writer.head(collection), files,
-                                             deletes, message, meta, advance)
+        return run_import(self, self._commit_in_place, collection, path, message=message,
+                          tier=tier, progress=progress, in_place=in_place)
 
     def export_safetensors(self, collection: str, out_dir: str | os.PathLike[str], *,
                            version: int | None = None, progress: bool = False) -> list[Path]:
         """Write a version as safetensors files (byte-identical to the imported ones,
         with the index of a sharded folder); returns the paths written."""
         self._check_open()
-        return export_safetensors(self, collection, out_dir, version=version,
-                                  progress=progress)
+        return run_export(self, self._tiers.marks, collection, out_dir, version=version,
+                          progress=progress)
 
     def kv(self, namespace: str, block_tokens: int = 256, **opts: Any) -> KVCache:
         """The KV block store of ``namespace`` on this node (one model / KV layout):
@@ -433,11 +436,7 @@ class Database:
         pyarrow.Table of rows for SELECT, one summary row for an action. ``params``:
         values of its ``:name`` parameters. Raises QueryError for a bad statement."""
         self._check_open()
-        # imported on first use: the query language (its parser) costs some 60 ms to
-        # load, and query imports tensordb.catalog, whose package imports this module
-        from query import execute
-
-        return execute(self, text, params)
+        return query.execute(self, text, params)  # the parser loads on first use
 
     def tensors_arrow(self, result: pa.Table, *, verify: bool = False) -> pa.Table:
         """The tensors a ``query`` result's ``collection``, ``name`` and ``version`` columns

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -79,10 +80,10 @@ class KVCache:
                  policy: str | None = None, create: bool = True,
                  events: str | KVEvents | dict[str, Any] | None = None) -> None:
         events_config = KVEvents.of(events, namespace)
-        ns = KVNamespace(db, namespace, block_tokens, capacity_bytes=capacity_bytes,
-                         eviction=eviction, slab_bytes=slab_bytes, spill=spill,
-                         disk_capacity=disk_capacity, gpu_capacity=gpu_capacity,
-                         policy=policy, create=create)
+        ns = KVNamespace(db.config, db.catalog, db.tier("host"), namespace, block_tokens,
+                         capacity_bytes=capacity_bytes, eviction=eviction,
+                         slab_bytes=slab_bytes, spill=spill, disk_capacity=disk_capacity,
+                         gpu_capacity=gpu_capacity, policy=policy, create=create)
         self._ns = ns
         self._chain = KeyChain(namespace, block_tokens)
         # the public attributes, copied from the namespace: plain reads on every call
@@ -135,7 +136,7 @@ class KVCache:
             enc = dataclasses.replace(enc, metas=[
                 join_meta(metas if isinstance(metas, bytes) else metas[i], raw)
                 for i, raw in enumerate(infos)])
-        with typed_errors(self.namespace, self.node):  # StoreFull, CorruptData (damaged)
+        with self._errors():  # StoreFull, CorruptData (damaged)
             stored = int(store.put_batch(keys, enc.addrs, enc.sizes, enc.metas).sum())
         del enc.keep[:]  # the copies are done
         if self.events is not None:
@@ -197,13 +198,13 @@ class KVCache:
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are present (in memory or spilled to disk)."""
         keys = self._chain.check(keys)
-        with typed_errors(self.namespace, self.node):  # CorruptData: damaged files
+        with self._errors():  # CorruptData: damaged files
             return self._store().match(keys)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether it is present (not only the leading run)."""
         keys = self._chain.check(keys)
-        with typed_errors(self.namespace, self.node):
+        with self._errors():
             return self._store().contains(keys)
 
     def get(self, keys: Sequence[bytes], *, verify: bool = True,
@@ -212,7 +213,9 @@ class KVCache:
         Each maps its block copy-on-write: writing to it changes only the reader's copy.
         A block stays protected from eviction while its tensor is alive. Raises NotFound
         naming the first absent key, CorruptData when a block fails its checksum (the
-        block is dropped from the store: a later ``match`` no longer counts it).
+        block is dropped from the store: a later ``match`` no longer counts it); never
+        StoreFull: a spilled block the arena has no room to take back is served as a
+        copy read from disk.
 
         ``device="cuda:N"``: tensors on the GPU. With a GPU tier they are zero-copy views
         of the blocks' GPU copies (made from the host copy on first read, then shared by
@@ -247,7 +250,7 @@ class KVCache:
 
     def _host_views(self, keys: list[bytes], verify: bool) -> list[BlockView]:
         """The blocks' host views (NotFound naming the first absent key)."""
-        with typed_errors(self.namespace, self.node):
+        with self._errors():
             views = self._store().get(keys, verify=verify)
         for k, v in zip(keys, views, strict=True):
             if v is None:
@@ -260,7 +263,7 @@ class KVCache:
         store = self._store()
         out: list[torch.Tensor | None] = [None] * len(keys)
         if store.gpu_enabled:
-            with typed_errors(self.namespace, self.node):
+            with self._errors():
                 views = store.get_device(keys, verify=verify)
             for i, v in enumerate(views):
                 if v is not None:
@@ -320,7 +323,7 @@ class KVCache:
         if store.gpu_enabled and outs and all(
                 o.device.type == "cuda" and o.is_contiguous() for o in outs):
             # from GPU copies (device to device), else the host
-            with typed_errors(self.namespace, self.node):
+            with self._errors():
                 metas = store.get_into_device(
                     keys, [(o.data_ptr(), o.numel() * o.element_size()) for o in outs],
                     verify=verify)
@@ -342,7 +345,7 @@ class KVCache:
 
     def _read_into(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray,
                    verify: bool) -> int:
-        with typed_errors(self.namespace, self.node):
+        with self._errors():
             status = self._store().read_into(keys, addrs, sizes, verify=verify)
         self._found_all(keys, [bool(s) for s in status] if not status.all() else None)
         return len(keys)
@@ -361,19 +364,19 @@ class KVCache:
         """Protect blocks from eviction until ``unpin`` (counted; not tied to this
         process). Returns how many of the keys were present."""
         keys = self._chain.check(keys)
-        with typed_errors(self.namespace, self.node):
+        with self._errors():
             return self._store().pin(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         keys = self._chain.check(keys)
-        with typed_errors(self.namespace, self.node):
+        with self._errors():
             return self._store().unpin(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove blocks (pinned ones too); tensors already handed out stay valid.
         Returns how many were present; idempotent."""
         keys = self._chain.check(keys)
-        with typed_errors(self.namespace, self.node):
+        with self._errors():
             return self._store().delete(keys)
 
     def release(self) -> None:
@@ -384,6 +387,10 @@ class KVCache:
         """The node's summary for routing; also records blocks and bytes in the catalog."""
         self._store()  # StoreClosed once closed
         return self._ns.summary()
+
+    def _errors(self) -> AbstractContextManager[None]:
+        """The store's errors as the client's (``typed_errors``), knowing this handle."""
+        return typed_errors(self.namespace, self.node, lambda: self._closed)
 
     def _store(self) -> BlockStore:
         if self._closed:

@@ -14,7 +14,7 @@ import hashlib
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -39,12 +39,21 @@ from storage_engine import (
 )
 from tensordb.catalog import write_conn
 from tensordb.catalog.schema import kv_namespaces
-from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, StoreFull
+from tensordb.errors import (
+    CorruptData,
+    InvalidInput,
+    NodeUnavailable,
+    NotFound,
+    StoreClosed,
+    StoreFull,
+)
 
 from ._inputs import check_name
 
 if TYPE_CHECKING:
-    from ._database import Database
+    from storage_engine import Tier
+    from tensordb.catalog import Catalog
+    from tensordb.config import Config
 
 __all__ = ["DEFAULT_CAPACITY", "KVNamespace", "KVNodeSummary", "typed_errors"]
 
@@ -117,9 +126,11 @@ class KVNamespace:
     """One namespace opened on this node: registered, its directories named, its store
     open. ``close`` lets go of the store; ``remove_files`` deletes its blocks."""
 
-    __slots__ = ("db", "name", "block_tokens", "node", "shm_dir", "disk_dir", "store")
+    __slots__ = ("catalog", "host", "name", "block_tokens", "node", "shm_dir", "disk_dir",
+                 "store")
 
-    def __init__(self, db: Database, name: str, block_tokens: int, *,
+    def __init__(self, config: Config, catalog: Catalog, host: Tier, name: str,
+                 block_tokens: int, *,
                  capacity_bytes: int | None, eviction: str | None, slab_bytes: int,
                  spill: bool, disk_capacity: int | None, gpu_capacity: int | None,
                  policy: str | None, create: bool = True) -> None:
@@ -146,22 +157,23 @@ class KVNamespace:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise InvalidInput(f"{what} must be a positive int, not {v!r}",
                                    collection=name)
-        self.db = db
+        self.catalog = catalog
+        self.host = host  # the node's host tier, which takes the slabs of a destroyed one
         self.name = name
         self.block_tokens = block_tokens
-        self.node: str = db.config.node
-        self.shm_dir = Path(db.config.shm_dir) / "kv" / _dir_name(name)
-        self.disk_dir = Path(db.config.data_dir) / "kv" / _dir_name(name)
-        capacity = (capacity_bytes or getattr(db.config, "kv_capacity", None)
+        self.node: str = config.node
+        self.shm_dir = Path(config.shm_dir) / "kv" / _dir_name(name)
+        self.disk_dir = Path(config.data_dir) / "kv" / _dir_name(name)
+        capacity = (capacity_bytes or getattr(config, "kv_capacity", None)
                     or _env_int("TENSORDB_KV_CAPACITY")
-                    or _default_capacity(Path(db.config.shm_dir).parent))
+                    or _default_capacity(Path(config.shm_dir).parent))
         gpu_device = None
         if gpu_capacity is not None:
             reason = GpuTier.unavailable_reason()
             if reason is not None:
                 raise InvalidInput(f"a KV GPU tier (gpu_capacity) needs a CUDA device: "
                                    f"{reason}", collection=name)
-            gpu_device = db.config.gpu_device or 0
+            gpu_device = config.gpu_device or 0
         self._register(create)
         try:
             self.store = _open_store(self.shm_dir, capacity_bytes=capacity,
@@ -169,7 +181,7 @@ class KVNamespace:
                                      disk_root=self.disk_dir if spill else None,
                                      disk_capacity=disk_capacity, gpu_device=gpu_device,
                                      gpu_capacity=gpu_capacity,
-                                     pool_dir=Path(db.config.shm_dir) / "pool")
+                                     pool_dir=Path(config.shm_dir) / "pool")
         except KVIndexDamaged as exc:
             raise CorruptData(f"KV namespace {name!r}: {exc}", collection=name,
                               node=self.node) from exc
@@ -183,7 +195,7 @@ class KVNamespace:
         there is no row, and nothing recorded. The row is written without an fsync
         (``durable=False``): it describes a store whose index lives in shared memory,
         which no block outlives a reboot without (the fsync was half of ``db.kv()``)."""
-        engine = self.db.catalog.engine
+        engine = self.catalog.engine
         names = {"name": self.name, "node": self.node}
         with engine.connect() as conn:
             row = conn.execute(_SELECT_ROW, names).first()
@@ -209,7 +221,7 @@ class KVNamespace:
         """The store's counters as a summary; records blocks and bytes in the catalog."""
         s: KVStats = self.store.stats()
         t = kv_namespaces
-        with write_conn(self.db.catalog.engine) as conn:
+        with write_conn(self.catalog.engine) as conn:
             conn.execute(update(t).where((t.c.name == self.name) & (t.c.node == self.node))
                          .values(blocks=s.blocks, nbytes=s.nbytes))
         return KVNodeSummary(
@@ -232,7 +244,7 @@ class KVNamespace:
         files go to the host tier's pool: their pages are kept for the next writer (a
         new namespace's slabs, a commit's segments) instead of being faulted in again."""
         recycle = _last_user(self.store) and self.store.quiescent()
-        host = self.db._tiers["host"]
+        host = self.host
         slabs = self.store.slab_files() if recycle else []
         if slabs and isinstance(host, FileTier):
             # this process keeps its mappings of the files it pools: a new namespace
@@ -253,9 +265,12 @@ class KVNamespace:
 
 
 @contextmanager
-def typed_errors(namespace: str, node: str) -> Iterator[None]:
+def typed_errors(namespace: str, node: str, closed: Callable[[], bool] = lambda: False
+                 ) -> Iterator[None]:
     """The block store's errors as the client's: a corrupt block or file is CorruptData, no room
-    StoreFull, a bad buffer InvalidInput, a failed GPU tier NodeUnavailable."""
+    StoreFull, a failed GPU tier NodeUnavailable. A ValueError is the index's: a bad buffer
+    (InvalidInput) or, where ``closed()`` says the handle was closed meanwhile (by another
+    thread, during the call), the closed index (StoreClosed): never a bad input."""
     try:
         yield
     except (KVCorrupt, KVIndexDamaged) as exc:  # damaged blocks; damaged files
@@ -265,6 +280,9 @@ def typed_errors(namespace: str, node: str) -> Iterator[None]:
         raise StoreFull(f"KV namespace {namespace!r}: {exc}", collection=namespace,
                         node=node) from exc
     except ValueError as exc:
+        if closed():
+            raise StoreClosed(f"KV namespace {namespace!r} was closed during the call",
+                              collection=namespace) from exc
         raise InvalidInput(str(exc), collection=namespace) from exc
     except GpuError as exc:  # as a snapshot's GPU reads report it
         raise NodeUnavailable(f"KV namespace {namespace!r}: the GPU tier failed: "

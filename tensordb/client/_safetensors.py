@@ -34,6 +34,7 @@ import storage_engine as se
 from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
+from ._puts import FileRange
 from ._safetensors_format import (
     F4,
     LAYOUT_FORMAT,
@@ -49,13 +50,19 @@ from ._safetensors_format import (
     read_header,
     resolve_source,
 )
-from ._transaction import FileRange
 from ._write import InPlaceFile
 
 if TYPE_CHECKING:
     from ._database import Database
 
-__all__ = ["export_safetensors", "import_safetensors"]
+__all__ = ["CommitInPlace", "export_safetensors", "import_safetensors", "run_export",
+           "run_import"]
+
+#: the one thing an import needs beyond the public API (the writer's, for an import in
+#: place): commit ``files`` where they lie, as one version on the head it finds
+#: (collection, files, names deleted, message, metadata, advance) -> the commit
+CommitInPlace = Callable[[str, list[InPlaceFile], set[str], str, dict[str, str],
+                          Callable[[int], None]], Commit]
 
 _CHUNK = 64 << 20  # read/write granularity when a progress bar is shown
 
@@ -143,8 +150,21 @@ def _owners(headers: list[Header], index: Index | None) -> dict[str, Path]:
 
 
 def import_safetensors(db: Database, collection: str, path: str | os.PathLike[str],
-                       *, message: str | None = None, tier: str | None = None,
-                       progress: bool | None = None, in_place: bool = False) -> Commit:
+                       **options: Any) -> Commit:
+    """``db.import_safetensors(collection, path, **options)``, as a function."""
+    return db.import_safetensors(collection, path, **options)
+
+
+def export_safetensors(db: Database, collection: str, out_dir: str | os.PathLike[str],
+                       **options: Any) -> list[Path]:
+    """``db.export_safetensors(collection, out_dir, **options)``, as a function."""
+    return db.export_safetensors(collection, out_dir, **options)
+
+
+def run_import(db: Database, commit_in_place: CommitInPlace, collection: str,
+               path: str | os.PathLike[str], *, message: str | None = None,
+               tier: str | None = None, progress: bool | None = None,
+               in_place: bool = False) -> Commit:
     """Import one ``.safetensors`` file, or a Hugging Face folder with
     ``model.safetensors.index.json`` (all shards), as ONE new version of ``collection``.
 
@@ -157,7 +177,8 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
     shows a rich progress bar (for the CLI).
 
     ``in_place=True`` (opt-in; the copy is the default) commits the files without
-    copying them (``_import_in_place``): the caller promises to keep them unchanged.
+    copying them (``_import_in_place``, through ``commit_in_place``): the caller promises
+    to keep them unchanged. Everything else goes through ``db``'s public API.
     """
     if not isinstance(in_place, bool):
         raise InvalidInput(f"in_place must be True or False, not {in_place!r}",
@@ -169,10 +190,12 @@ def import_safetensors(db: Database, collection: str, path: str | os.PathLike[st
     # collection falling in them walks the whole heap (after torch's imports, ~225,000
     # objects, 106-128 ms here: a third of a fresh process's first import of 368 MB)
     with se.gc_paused():
-        return _import(db, collection, path, message, tier, progress, in_place)
+        return _import(db, commit_in_place, collection, path, message, tier, progress,
+                       in_place)
 
 
-def _import(db: Database, collection: str, path: str | os.PathLike[str],
+def _import(db: Database, commit_in_place: CommitInPlace, collection: str,
+            path: str | os.PathLike[str],
             message: str | None, tier: str | None, progress: bool | None,
             in_place: bool) -> Commit:
     files, index = resolve_source(path)
@@ -192,9 +215,9 @@ def _import(db: Database, collection: str, path: str | os.PathLike[str],
             pass
         total = sum(h.nbytes for h in headers)
         if in_place:
-            return _import_in_place(db, collection, headers, fds, stale, meta,
-                                    message or f"import {source.name} in place", progress,
-                                    f"import {source.name} in place")
+            return _import_in_place(commit_in_place, collection, headers, fds, stale,
+                                    meta, message or f"import {source.name} in place",
+                                    progress, f"import {source.name} in place")
         with _progress(progress, total, f"import {source.name}") as advance:
             with db.transaction(collection, message=message or f"import {source.name}",
                                 tier=tier, metadata=meta) as tx:
@@ -213,9 +236,10 @@ def _import(db: Database, collection: str, path: str | os.PathLike[str],
             os.close(fd)
 
 
-def _import_in_place(db: Database, collection: str, headers: list[Header], fds: list[int],
-                     stale: list[str], meta: dict[str, str], message: str,
-                     progress: bool | None, label: str) -> Commit:
+def _import_in_place(commit_in_place: CommitInPlace, collection: str,
+                     headers: list[Header], fds: list[int], stale: list[str],
+                     meta: dict[str, str], message: str, progress: bool | None,
+                     label: str) -> Commit:
     """Commit validated files without a copy: each file is one disk-tier segment, a
     reflinked clone where the filesystem has it, else a reference to the file (its path,
     size, mtime, inode and device recorded; every open checks them, and a changed file
@@ -227,7 +251,7 @@ def _import_in_place(db: Database, collection: str, headers: list[Header], fds: 
                                              e.end - e.begin) for e in h.entries],
                                  h.data_start + h.nbytes))
     with _progress(progress, sum(h.nbytes for h in headers), label) as advance:
-        return db._commit_in_place(collection, files, set(stale), message, meta, advance)
+        return commit_in_place(collection, files, set(stale), message, meta, advance)
 
 
 # -- export ----------------------------------------------------------------------------
@@ -404,7 +428,7 @@ def _write_all(fd: int, data: Any, offset: int, advance: Callable[[int], None],
         done += put
 
 
-def _write_checked(db: Database, collection: str, fd: int, data: Any, offset: int,
+def _write_checked(marks: se.Marks, collection: str, fd: int, data: Any, offset: int,
                    advance: Callable[[int], None], chunk: int,
                    extent: tuple[str | None, int, str] | None, name: str) -> None:
     """Write one tensor's bytes, verifying them against their checksum as they go out
@@ -418,15 +442,15 @@ def _write_checked(db: Database, collection: str, fd: int, data: Any, offset: in
     got = h.hexdigest()
     if got != extent[2]:
         reason = f"{collection}/{name}: checksum {got} != {extent[2]}"
-        db._tiers.marks.mark_corrupt(extent[0], extent[1], reason)
+        marks.mark_corrupt(extent[0], extent[1], reason)
         raise CorruptData(f"{collection}/{name}: stored bytes fail their checksum "
                           f"(expected {extent[2]}, found {got}); not exported",
                           collection=collection, tensor=name)
 
 
-def export_safetensors(db: Database, collection: str,
-                       out_dir: str | os.PathLike[str], *, version: int | None = None,
-                       progress: bool | None = None) -> list[Path]:
+def run_export(db: Database, marks: se.Marks, collection: str,
+               out_dir: str | os.PathLike[str], *, version: int | None = None,
+               progress: bool | None = None) -> list[Path]:
     """Write a version (default: the head) of ``collection`` as safetensors into
     ``out_dir`` (created if missing) and return the paths written, index last.
 
@@ -436,7 +460,9 @@ def export_safetensors(db: Database, collection: str,
     values are unchanged. A file whose tensors came or went since takes safetensors'
     own order. A collection never imported becomes one ``model.safetensors`` with the
     commit's metadata as ``__metadata__``. Each file is written beside its final name and
-    renamed into place, so a reader never sees half a file.
+    renamed into place, so a reader never sees half a file. Bytes that fail their
+    checksum on the way out mark their extent in ``marks`` (the node's) and raise
+    CorruptData.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -471,7 +497,7 @@ def export_safetensors(db: Database, collection: str,
                 os.ftruncate(fd, size)
                 _write_all(fd, struct.pack("<Q", len(f.header)) + f.header, 0, lambda n: None,
                            chunk)
-                jobs = [pool.submit(_write_checked, db, collection, fd,
+                jobs = [pool.submit(_write_checked, marks, collection, fd,
                                     tensors[n].reshape(-1).view(torch.uint8).numpy(), off,
                                     advance, chunk, extents[n], n)
                         for n, off, nbytes in f.tensors if nbytes]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +14,7 @@ from tensordb.arrow import LAYOUT, arrow_tensor, tensors_table
 from tensordb.catalog import Commit, Manifest, ShardRow, TensorRow, box_copies
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
+from ._boxes import int_list, rank_box, run_of
 from ._inputs import torch_dtype
 from ._read import Reader
 
@@ -32,18 +33,6 @@ class Shard(NamedTuple):
 def _is_sharded(row: TensorRow) -> bool:
     """A sharded row has no segment of its own, and some bytes (in its shards)."""
     return row.segment_id is None and row.nbytes > 0
-
-
-def _int_list(what: str, value: object, n: int, where: str, collection: str) -> tuple[int, ...]:
-    try:
-        out: tuple[object, ...] | None = tuple(cast(Iterable[object], value))
-    except TypeError:
-        out = None
-    if out is None or len(out) != n or not all(
-            isinstance(d, int) and not isinstance(d, bool) for d in out):
-        raise InvalidInput(f"{where}: {what} must be {n} integers (the tensor has {n} "
-                           f"dimensions), not {value!r}", collection=collection)
-    return cast(tuple[int, ...], out)
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -226,13 +215,13 @@ class Snapshot:
             if offsets is not None or shape is not None:
                 raise InvalidInput(f"{where}: give offsets and shape, or rank and world_size, "
                                    f"not both", collection=self.collection, tensor=name)
-            off, shp = _rank_box(row.shape, rank, world_size, dim, where, self.collection)
+            off, shp = rank_box(row.shape, rank, world_size, dim, where, self.collection)
         else:
             if offsets is None or shape is None:
                 raise InvalidInput(f"{where}: slice needs offsets and shape (or rank and "
                                    f"world_size)", collection=self.collection, tensor=name)
-            off = _int_list("offsets", offsets, nd, where, self.collection)
-            shp = _int_list("shape", shape, nd, where, self.collection)
+            off = int_list("offsets", offsets, nd, where, self.collection)
+            shp = int_list("shape", shape, nd, where, self.collection)
         for d in range(nd):
             if off[d] < 0 or shp[d] < 0 or off[d] + shp[d] > row.shape[d]:
                 raise InvalidInput(f"{where}: the box at offsets {list(off)} with shape "
@@ -275,8 +264,8 @@ class Snapshot:
         copies: list[tuple[int, tuple[slice, ...], tuple[slice, ...]]] = []
         for i, src, dst in box_copies([(b[0], b[1]) for b in boxes], off, shp):
             bshape = boxes[i][1]
-            s_run = _run_of(bshape, src)
-            d_run = _run_of(shp, dst)
+            s_run = run_of(bshape, src)
+            d_run = run_of(shp, dst)
             if s_run is None or d_run is None:
                 copies.append((i, src, dst))
                 continue
@@ -508,48 +497,6 @@ class Snapshot:
         holds the same bytes in two versions exactly when its extent is the same (a
         tensor of no bytes has no segment). Maps nothing."""
         return {n: (r.segment_id, r.offset, r.checksum) for n, r in self._rows.items()}
-
-
-def _run_of(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[int, int] | None:
-    """(first element, element count) when ``box`` of a C-contiguous array of ``shape``
-    is one run of consecutive elements; else None."""
-    dims = len(shape)
-    ext = [b.stop - b.start for b in box]
-    # leading dims one index wide, then one partial dim, then whole dims
-    first = next((d for d in range(dims) if ext[d] > 1), dims)
-    if any(ext[d] != shape[d] for d in range(first + 1, dims)):
-        return None
-    start, stride, count = 0, 1, 1
-    for d in reversed(range(dims)):
-        start += box[d].start * stride
-        stride *= shape[d]
-        count *= box[d].stop - box[d].start
-    return start, count
-
-
-def _rank_box(shape: tuple[int, ...], rank: object, world_size: object, dim: object,
-              where: str, collection: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The box of part ``rank`` of ``world_size`` along ``dim`` (torch.chunk's split:
-    parts of ceil(size / world_size), the last smaller, late ranks possibly empty)."""
-    for what, v in (("rank", rank), ("world_size", world_size), ("dim", dim)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise InvalidInput(f"{where}: {what} must be an int, not {v!r}",
-                               collection=collection)
-    assert isinstance(rank, int) and isinstance(world_size, int) and isinstance(dim, int)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise InvalidInput(f"{where}: rank {rank} is out of range for world_size {world_size}",
-                           collection=collection)
-    nd = len(shape)
-    if not -nd <= dim < nd:
-        raise InvalidInput(f"{where}: dim {dim} is out of range for a {nd}-d tensor",
-                           collection=collection)
-    dim %= nd
-    step = -(-shape[dim] // world_size)
-    start = min(rank * step, shape[dim])
-    length = max(0, min(step, shape[dim] - start))
-    off = tuple(start if d == dim else 0 for d in range(nd))
-    shp = tuple(length if d == dim else shape[d] for d in range(nd))
-    return off, shp
 
 
 class StateDict(Mapping[str, torch.Tensor]):

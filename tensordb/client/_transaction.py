@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import numpy as np
@@ -15,12 +14,12 @@ from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput
 
 from ._inputs import DTYPES, check_name, dtype_name, numpy_to_torch, torch_dtype
+from ._puts import FileRange, GroupSpec, RawPut, ShardPut
 
 if TYPE_CHECKING:
     from ._write import Writer
 
-__all__ = ["FileRange", "Hasher", "Transaction", "RawPut", "ShardPut", "GroupSpec", "GROUP_TIMEOUT",
-           "group_spec", "as_tensor", "source", "digest"]
+__all__ = ["Hasher", "Transaction", "as_tensor"]
 
 
 class Hasher(Protocol):
@@ -68,80 +67,6 @@ def as_tensor(value: object, name: str) -> torch.Tensor:
     return t
 
 
-@dataclass(frozen=True, slots=True)
-class FileRange:
-    """A put's bytes as a byte range of a file, read at commit by the storage engine
-    (``se.fill_from_file``): ``fd`` open on the file at ``path``, from ``offset``;
-    ``advance`` is told the bytes once they are in (a progress bar)."""
-
-    fd: int
-    offset: int
-    path: str
-    advance: Callable[[int], None]
-
-
-@dataclass(frozen=True, slots=True)
-class RawPut:
-    """A tensor whose bytes a function writes straight into the extent at commit; or,
-    with ``file``, that the store reads from a file's byte range (``fill`` is then not
-    called)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    fill: Callable[[np.ndarray], str | None]
-    file: FileRange | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ShardPut:
-    """A box of a tensor: ``tensor`` holds the part at ``offsets`` of ``global_shape``."""
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """The group transaction a rank takes part in."""
-
-    name: str
-    rank: int
-    world_size: int
-    timeout: float
-
-
-#: seconds a group transaction waits for its last part before it aborts
-GROUP_TIMEOUT = 600.0
-
-
-def group_spec(collection: str, group: object, rank: object, world_size: object,
-               timeout: object) -> GroupSpec | None:
-    """The group arguments of ``Database.transaction`` checked, or None for none."""
-    if group is None:
-        if rank is not None or world_size is not None:
-            raise InvalidInput("rank and world_size need a group name (group=...)",
-                               collection=collection)
-        return None
-    if not isinstance(group, str) or not group or len(group) > 255 or not group.isprintable():
-        raise InvalidInput(f"group must be a printable name of 1-255 characters, not {group!r}",
-                           collection=collection)
-    for what, v in (("rank", rank), ("world_size", world_size)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise InvalidInput(f"a group transaction needs {what} as an int, not {v!r}",
-                               collection=collection)
-    assert isinstance(rank, int) and isinstance(world_size, int)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise InvalidInput(f"rank {rank} is out of range for world_size {world_size}",
-                           collection=collection)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-            or not 0 < timeout <= 7 * 86400:
-        raise InvalidInput(f"timeout must be a number of seconds in (0, 604800], not "
-                           f"{timeout!r}", collection=collection)
-    return GroupSpec(group, rank, world_size, float(timeout))
-
-
 _SHAPE_TYPES = (tuple, list, torch.Size)
 _INT_LIMIT = 2**63
 
@@ -165,49 +90,6 @@ def _dims(what: str, value: object, name: str, collection: str) -> tuple[int, ..
         raise InvalidInput(f"{what} of {name!r} must be integers in 0 .. 2**63-1: {list(dims)}",
                            collection=collection, tensor=name)
     return dims
-
-
-def source(t: torch.Tensor | RawPut) -> se.Source:
-    if isinstance(t, RawPut):
-        return t.fill
-    if t.is_contiguous():
-        return t.reshape(-1).view(torch.uint8).numpy()
-
-    def fill(dst: np.ndarray, t: torch.Tensor = t) -> None:
-        torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
-
-    return fill
-
-
-def digest(t: torch.Tensor) -> str:
-    """The checksum of a tensor's bytes in C order. A strided tensor is hashed in
-    pieces of about ``se.HASH_PIECE`` bytes, never copied whole: an expanded tensor of
-    10**9 elements (4 bytes of memory) would otherwise take 4 GB to hash."""
-    if t.is_contiguous():
-        return se.checksum(t.reshape(-1).view(torch.uint8).numpy())
-    h = se.Hasher()
-    for piece in _pieces(t, se.HASH_PIECE):
-        h.update(piece.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def _pieces(t: torch.Tensor, piece: int) -> Iterator[torch.Tensor]:
-    """Contiguous copies of consecutive parts of ``t`` (in C order), each of at most
-    ``piece`` bytes unless one row of the last dimension is larger."""
-    if t.dim() <= 1:
-        step = max(1, piece // max(1, t.element_size()))
-        flat = t.reshape(-1) if t.dim() == 0 else t
-        for lo in range(0, flat.shape[0], step):
-            yield flat[lo : lo + step].contiguous()
-        return
-    row = t[0].numel() * t.element_size()
-    if row > piece:
-        for i in range(t.shape[0]):
-            yield from _pieces(t[i], piece)
-        return
-    step = max(1, piece // max(1, row))
-    for lo in range(0, t.shape[0], step):
-        yield t[lo : lo + step].contiguous()
 
 
 def _check_text(what: str, value: str, collection: str) -> None:

@@ -36,7 +36,7 @@ from tensordb.errors import CorruptData, GroupAborted, InvalidInput, NotFound, S
 from ._inputs import dtype_name
 from ._notify import Notifier
 from ._placement import Tiers
-from ._transaction import FileRange, GroupSpec, RawPut, ShardPut, digest, source
+from ._puts import FileRange, GroupSpec, RawPut, ShardPut, digest, source
 
 __all__ = ["InPlaceFile", "Writer"]
 
