@@ -117,18 +117,20 @@ class TensorDBModelLoader(BaseModelLoader):
                     version=version)
 
 
+_loader_registered = False
+
+
 def register() -> None:
     """Make ``--load-format tensordb`` resolve to ``TensorDBModelLoader``, and the
     ``tensordb`` weight-transfer backend to ``TensorDBWeightTransferEngine`` (where
     vLLM has the weight-transfer API), in this process. Idempotent; usable as a
     ``vllm.general_plugins`` entry point."""
-    from vllm.model_executor import model_loader
-
+    global _loader_registered
     register_weight_transfer()
-    registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
-    if registry is not None and registry.get(LOAD_FORMAT) is TensorDBModelLoader:
+    if _loader_registered:                      # vLLM's registry warns on a second one
         return
     register_model_loader(LOAD_FORMAT)(TensorDBModelLoader)
+    _loader_registered = True
 
 
 def register_weight_transfer() -> bool:
@@ -140,8 +142,11 @@ def register_weight_transfer() -> bool:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return False
-    if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+    try:
         WeightTransferEngineFactory.register_engine(
             WEIGHT_TRANSFER_BACKEND, "engine_bindings.vllm._weight_transfer",
             "TensorDBWeightTransferEngine")
+    except ValueError as e:                     # the factory's "already registered"
+        if "already registered" not in str(e):
+            raise
     return True

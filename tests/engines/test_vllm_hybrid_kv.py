@@ -134,7 +134,7 @@ def test_hybrid_model_groups_are_saved_and_loaded_block_for_block(
     b.run()
     assert {r: str(f) for r, f in b.finished.items()} == {"r2": "length"}
     for e in (a, b):
-        assert not e.scheduler.requests and not e.scheduler.connector._tracked
+        assert not e.scheduler.requests and not e.scheduler.connector.request_ids()
         assert e.scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks \
             == NUM_BLOCKS - 1
         e.close()
@@ -200,7 +200,7 @@ def test_hybrid_load_failure_fails_the_request_not_the_engine(
     else:
         assert {r: str(f) for r, f in b.finished.items()} == {"r2": "error"}
         assert kv.contains(keys) == [True, False, True, True]
-    assert not b.scheduler.requests and not b.scheduler.connector._tracked
+    assert not b.scheduler.requests and not b.scheduler.connector.request_ids()
     a.close()
     b.close()
 

@@ -134,8 +134,7 @@ def _assert_empty(engine: LoopEngine) -> None:
     assert not s.requests and not s.running and not s.waiting
     pool = s.kv_cache_manager.block_pool
     assert pool.free_block_queue.num_free_blocks == NUM_BLOCKS - 1
-    assert not s.connector._tracked and not s.connector._pending \
-        and not s.connector._lookups
+    assert not s.connector.request_ids()
 
 
 def _keys(engine: LoopEngine, prompt: list[int]) -> list[bytes]:
