@@ -76,6 +76,7 @@ def test_commit_lost_before_it_landed_is_made_again(db: tensordb.Database,
     assert db.get("m", "w").tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.deadline
 def test_catalog_gone_for_good_is_node_unavailable(db: tensordb.Database,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     db.commit("m", {"w": torch.zeros(2)})

@@ -423,6 +423,7 @@ def test_one_leader_per_store_and_a_standby_takes_over(
         other.close()
 
 
+@pytest.mark.deadline
 def test_stop_leaves_no_threads_and_is_idempotent(
         sqlite_db: tensordb.Database, runners: list[PolicyRunner]) -> None:
     add_policy(sqlite_db, "t", "every", "200 milliseconds", "T")

@@ -193,6 +193,7 @@ def _watch_versions(home: str, url: str | None, out: mp.queues.Queue, ready: mp.
     db.close()
 
 
+@pytest.mark.deadline
 def test_watcher_sees_every_version_in_order_untorn(db: tensordb.Database, store_home: Path,
                                                     catalog_url: str | None) -> None:
     db.commit("w", {f"t{i}": torch.zeros(256) for i in range(8)})  # version 1... of zeros

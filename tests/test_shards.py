@@ -223,6 +223,7 @@ def test_a_rank_that_raises_aborts_the_group(db: tensordb.Database) -> None:
     assert db.stats()["segments"] == 0 and db.stats()["host_bytes"] == 0
 
 
+@pytest.mark.deadline
 def test_a_deadline_aborts_a_group_whose_ranks_never_come(db: tensordb.Database) -> None:
     t0 = time.monotonic()
     with pytest.raises(GroupAborted, match="deadline") as info:

@@ -332,6 +332,7 @@ def test_segment_bytes_take_the_data_plane(cluster: Cluster) -> None:
     good.close()
 
 
+@pytest.mark.deadline
 def test_dead_address_fails_fast(cluster: Cluster) -> None:
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -352,6 +353,7 @@ def test_dead_address_fails_fast(cluster: Cluster) -> None:
     NodeDirectory(a.catalog.engine).deregister("zombie")
 
 
+@pytest.mark.deadline
 def test_lapsed_heartbeat_marks_node_down(cluster: Cluster) -> None:
     directory = NodeDirectory(cluster.db("a").catalog.engine, lapse=0.2)
     directory.register("brief", "127.0.0.1:9", ["host"], None)

@@ -345,6 +345,7 @@ def _no_error(payload: object) -> None:
     raise AssertionError(f"unexpected error answer {payload!r}")
 
 
+@pytest.mark.deadline
 def test_data_plane_cut_stream_hands_over_what_arrived() -> None:
     import time
 
