@@ -140,6 +140,10 @@ class Catalog:
     def abort_group(self, name: str, group: str, reason: str) -> None:
         self._groups.abort(name, group, reason)
 
+    def open_groups(self, name: str, prefix: str) -> list[str]:
+        """The open groups of ``name`` whose names start with ``prefix``, oldest first."""
+        return self._groups.open_named(name, prefix)
+
     def start_background(self) -> None:
         """Start the work a commit queued (packing its manifest), once the caller has
         what it waited for."""

@@ -270,6 +270,17 @@ class Groups:
         return GroupState(state, version, reason, base, ws, deadline < now_utc(), parts)
 
     @retrying
+    def open_named(self, collection: str, prefix: str) -> list[str]:
+        """The open groups of ``collection`` whose names start with ``prefix``, oldest
+        first (a resumable import's pending group)."""
+        g = commit_groups.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(g.name, g.created_at).where(
+                g.collection == collection, g.state == "open",
+                g.name.startswith(prefix, autoescape=True))).all()
+        return [r[0] for r in sorted(rows, key=lambda r: r[1])]
+
+    @retrying
     def abort(self, collection: str, group: str, reason: str) -> None:
         """End the group unpublished (if it is still open)."""
         with write_conn(self.engine) as conn:

@@ -36,11 +36,13 @@ from ._inputs import check_name
 from ._kv_cache import KVCache
 from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
 from ._notify import notifier_for, watch
+from ._object_store import is_object_url
 from ._orphans import record_owner
 from ._placement import EvictReport, Placement, Tiers, check_tier_config, device_of
 from ._puts import GROUP_TIMEOUT, group_spec
 from ._read import Reader
 from ._safetensors import run_export, run_import
+from ._safetensors_objects import BATCH_BYTES, PENDING_TTL, run_object_import
 from ._scrubber import BackgroundScrub, check_scrub_config, scrub_status
 from ._snapshot import Snapshot, tensors_arrow
 from ._transaction import Transaction
@@ -392,11 +394,23 @@ class Database:
     # -- formats and the other interfaces ------------------------------------------------
     def import_safetensors(self, collection: str, path: str | os.PathLike[str], *,
                            message: str | None = None, tier: str | None = None,
-                           progress: bool = False, in_place: bool = False) -> Commit:
+                           progress: bool = False, in_place: bool = False,
+                           storage_options: Mapping[str, Any] | None = None,
+                           resume: bool = False, batch_bytes: int = BATCH_BYTES,
+                           pending_ttl: float = PENDING_TTL) -> Commit:
         """Commit a .safetensors file, or a Hugging Face folder with
         model.safetensors.index.json, as one version of ``collection``: read straight
         into the store's extents, headers checked as strictly as safetensors does
         (CorruptData / InvalidInput, and nothing committed, for a bad file).
+
+        ``path`` may be an object URL, ``s3://bucket/prefix/`` (a folder) or
+        ``s3://bucket/key.safetensors``, read with parallel ranged GETs;
+        ``storage_options`` as fsspec's (``key``, ``secret``, ``endpoint_url``, ...).
+        Missing objects are NotFound, denied ones Unauthorized, truncated or changed
+        ones CorruptData, an endpoint that stops answering NodeUnavailable; no version
+        appears on any of them. What landed stays as a pending import, in batches of
+        ``batch_bytes``: ``resume=True`` goes on from it; it expires ``pending_ttl``
+        seconds after the import began (a day), and gc then reclaims it.
 
         ``in_place=True`` (opt-in) commits the local files without copying them: a
         reflinked clone where the filesystem can, else a reference to the files, which
@@ -405,6 +419,18 @@ class Database:
         verifying read) makes the version refuse to be served (CorruptData); a reader
         that mapped the file before a change may see the change (docs/storage.md)."""
         self._check_open()
+        if is_object_url(path):
+            if in_place:
+                raise InvalidInput("an import from object storage cannot be in place",
+                                   collection=collection)
+            return run_object_import(
+                self, self._writer, self._writer.default_tier, collection, str(path),
+                storage_options=storage_options, message=message, tier=tier,
+                progress=progress, resume=resume, batch_bytes=batch_bytes,
+                pending_ttl=pending_ttl)
+        if storage_options is not None or resume:
+            raise InvalidInput(f"storage_options and resume are for object URLs (s3://), "
+                               f"not the local path {str(path)!r}", collection=collection)
         return run_import(self, self._commit_in_place, collection, path, message=message,
                           tier=tier, progress=progress, in_place=in_place)
 

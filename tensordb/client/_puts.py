@@ -14,7 +14,7 @@ import torch
 import storage_engine as se
 from tensordb.errors import InvalidInput
 
-__all__ = ["FileRange", "GROUP_TIMEOUT", "GroupSpec", "RawPut", "ShardPut", "digest",
+__all__ = ["FileRange", "GROUP_TIMEOUT", "GroupSpec", "ManyFill", "RawPut", "ShardPut", "digest",
            "group_spec", "source"]
 
 
@@ -30,17 +30,26 @@ class FileRange:
     advance: Callable[[int], None]
 
 
+#: fills the extents of several puts in one call: given (tag, extent) of each, in the
+#: segment's order, returns their checksums (an import from an object store, whose GETs
+#: for every tensor of a batch are in flight together)
+ManyFill = Callable[[list[tuple[object, np.ndarray]]], list[str]]
+
+
 @dataclass(frozen=True, slots=True)
 class RawPut:
     """A tensor whose bytes a function writes straight into the extent at commit; or,
-    with ``file``, that the store reads from a file's byte range (``fill`` is then not
-    called)."""
+    with ``file``, that the store reads from a file's byte range; or, with ``many``,
+    that one call fills together with the other puts naming the same ``many`` (given
+    this put's ``tag``). ``fill`` is then not called."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
     fill: Callable[[np.ndarray], str | None]
     file: FileRange | None = None
+    many: ManyFill | None = None
+    tag: object = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,7 +69,7 @@ _CHUNK = 64 << 20  # read/write granularity when a progress bar is shown
 
 # -- progress --------------------------------------------------------------------------
 @contextmanager
-def _progress(enabled: bool | None, total: int, label: str) -> Iterator[Callable[[int], None]]:
+def progress_bar(enabled: bool | None, total: int, label: str) -> Iterator[Callable[[int], None]]:
     if not enabled:
         yield lambda n: None
         return
@@ -89,7 +89,7 @@ def _progress(enabled: bool | None, total: int, label: str) -> Iterator[Callable
 
 
 # -- import ----------------------------------------------------------------------------
-def _layout(headers: list[Header], index: Index | None) -> dict[str, Any]:
+def layout(headers: list[Header], index: Index | None) -> dict[str, Any]:
     files = []
     for h in headers:
         order = [e.name for e in h.entries]
@@ -123,10 +123,10 @@ def _open_headers(files: list[Path], fds: list[int]) -> list[Header]:
     return headers
 
 
-def _owners(headers: list[Header], index: Index | None) -> dict[str, Path]:
+def owners(headers: list[Header], index: Index | None) -> dict[str, PurePath]:
     """tensor name -> the file holding it: each name in one file only, and exactly as
     the index's weight_map says."""
-    owner: dict[str, Path] = {}
+    owner: dict[str, PurePath] = {}
     for h in headers:
         for e in h.entries:
             if e.name in owner:
@@ -147,6 +147,25 @@ def _owners(headers: list[Header], index: Index | None) -> dict[str, Path]:
             raise CorruptData(f"{index.path}: tensor {name!r} of {p.name!r} is missing "
                               f"from the weight_map", tensor=name)
     return owner
+
+
+def version_plan(db: Database, collection: str, headers: list[Header], index: Index | None
+                 ) -> tuple[dict[str, str], list[str]]:
+    """What an import of ``headers`` commits beside the tensors: the commit's metadata
+    (``__metadata__`` of the first file, and the layout), and the names of the head
+    that the files lack (deleted in the new version). CorruptData when the files and
+    the index disagree."""
+    owner = owners(headers, index)
+    meta: dict[str, str] = dict(headers[0].metadata or {}) if headers else {}
+    meta[LAYOUT_KEY] = json.dumps(layout(headers, index), separators=(",", ":"),
+                                  ensure_ascii=False)
+    stale: list[str] = []
+    try:  # one catalog look-up, not a listing of every collection
+        with db.snapshot(collection) as snap:
+            stale = [n for n in snap if n not in owner]
+    except NotFound:  # a new collection (or one with no version yet)
+        pass
+    return meta, stale
 
 
 def import_safetensors(db: Database, collection: str, path: str | os.PathLike[str],
@@ -202,23 +221,14 @@ def _import(db: Database, commit_in_place: CommitInPlace, collection: str,
     fds: list[int] = []
     try:
         headers = _open_headers(files, fds)
-        owner = _owners(headers, index)
-        meta: dict[str, str] = dict(headers[0].metadata or {}) if headers else {}
-        meta[LAYOUT_KEY] = json.dumps(_layout(headers, index), separators=(",", ":"),
-                                      ensure_ascii=False)
+        meta, stale = version_plan(db, collection, headers, index)
         source = index.path.parent if index is not None else files[0]
-        stale: list[str] = []
-        try:  # one catalog look-up, not a listing of every collection
-            with db.snapshot(collection) as snap:
-                stale = [n for n in snap if n not in owner]
-        except NotFound:  # a new collection (or one with no version yet)
-            pass
         total = sum(h.nbytes for h in headers)
         if in_place:
             return _import_in_place(commit_in_place, collection, headers, fds, stale,
                                     meta, message or f"import {source.name} in place",
                                     progress, f"import {source.name} in place")
-        with _progress(progress, total, f"import {source.name}") as advance:
+        with progress_bar(progress, total, f"import {source.name}") as advance:
             with db.transaction(collection, message=message or f"import {source.name}",
                                 tier=tier, metadata=meta) as tx:
                 for h, fd in zip(headers, fds, strict=True):
@@ -250,7 +260,7 @@ def _import_in_place(commit_in_place: CommitInPlace, collection: str,
         files.append(InPlaceFile(real, fd, [(e.name, e.dtype, e.shape, h.data_start + e.begin,
                                              e.end - e.begin) for e in h.entries],
                                  h.data_start + h.nbytes))
-    with _progress(progress, sum(h.nbytes for h in headers), label) as advance:
+    with progress_bar(progress, sum(h.nbytes for h in headers), label) as advance:
         return commit_in_place(collection, files, set(stale), message, meta, advance)
 
 
@@ -484,7 +494,7 @@ def run_export(db: Database, marks: se.Marks, collection: str,
     out.mkdir(parents=True, exist_ok=True)
     total = sum(n for f in files for _, _, n in f.tensors)
     written: list[Path] = []
-    with _progress(progress, total, f"export {collection}") as advance, \
+    with progress_bar(progress, total, f"export {collection}") as advance, \
             ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:
         chunk = _CHUNK if progress else 1 << 30
         for f in files:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_STORED_HEADER",
     "MAX_TENSORS_PER_FILE",
+    "ReadAt",
     "SAFETENSORS_DTYPES",
     "SINGLE_NAME",
     "ST_BY_TORCH",
@@ -39,6 +40,8 @@ __all__ = [
     "check_file_name",
     "header_bytes",
     "index_text",
+    "parse_header",
+    "parse_index",
     "read_header",
     "resolve_source",
 ]
@@ -113,7 +116,7 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    path: Path
+    path: PurePath  # a local file's Path, or an object's ObjectPath
     data_start: int  # 8 + the header length
     metadata: dict[str, str] | None
     entries: tuple[Entry, ...]  # in file (offset) order
@@ -153,7 +156,7 @@ def _is_count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _element_bytes(path: Path, name: str, st_dtype: str, shape: tuple[int, ...]) -> int:
+def _element_bytes(path: PurePath, name: str, st_dtype: str, shape: tuple[int, ...]) -> int:
     numel = 1
     for d in shape:
         numel *= d
@@ -166,7 +169,7 @@ def _element_bytes(path: Path, name: str, st_dtype: str, shape: tuple[int, ...])
     return numel * SAFETENSORS_DTYPES[st_dtype].itemsize
 
 
-def _parse_entry(path: Path, name: str, info: object) -> Entry:
+def _parse_entry(path: PurePath, name: str, info: object) -> Entry:
     if not isinstance(info, dict):
         raise CorruptData(f"{path}: header entry of tensor {name!r} is not an object",
                           tensor=name)
@@ -198,19 +201,23 @@ def _parse_entry(path: Path, name: str, info: object) -> Entry:
     return Entry(name, dtype, tuple(shape), offs[0], offs[1])
 
 
-def _read_raw_header(fd: int, path: Path, size: int) -> bytes:
+#: reads ``n`` bytes at ``offset`` of a file or object, naming ``what`` in its error
+ReadAt = Callable[[int, int, str], bytes]
+
+
+def _read_raw_header(read: ReadAt, path: PurePath, size: int) -> bytes:
     """The header's bytes (padding included), its length checked against the file."""
     if size < 8:
         raise CorruptData(f"{path}: {size} bytes is too small for a safetensors file (the "
                           f"header length alone takes 8)")
-    (n,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path, "header length"))
+    (n,) = struct.unpack("<Q", read(8, 0, "header length"))
     if n > MAX_HEADER_SIZE:
         raise CorruptData(f"{path}: header length {n:,} exceeds the cap of "
                           f"{MAX_HEADER_SIZE:,} bytes")
     if 8 + n > size:
         raise CorruptData(f"{path}: truncated header: it claims {n:,} bytes, the file holds "
                           f"{size - 8:,} after the length")
-    return _pread_exact(fd, n, 8, path, "header")
+    return read(n, 8, "header")
 
 
 def _json_object(raw: bytes, where: str) -> dict[str, Any]:
@@ -232,7 +239,7 @@ def _json_object(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, str] | None, list[Entry]]:
+def _parse_header(path: PurePath, raw: bytes) -> tuple[dict[str, str] | None, list[Entry]]:
     """The header's ``__metadata__`` and its entries in file order (not yet checked
     against each other or the data section)."""
     doc = _json_object(raw, f"{path}: header ")
@@ -260,8 +267,13 @@ def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, str] | None, list[E
 def read_header(fd: int, path: Path) -> Header:
     """Parse and validate one file's header as strictly as safetensors does (and refuse
     duplicate keys, which it would silently merge). Reads only the header."""
-    size = os.fstat(fd).st_size
-    raw = _read_raw_header(fd, path, size)
+    return parse_header(path, os.fstat(fd).st_size,
+                        lambda n, offset, what: _pread_exact(fd, n, offset, path, what))
+
+
+def parse_header(path: PurePath, size: int, read: ReadAt) -> Header:
+    """``read_header`` of a file or object of ``size`` bytes that ``read`` reads."""
+    raw = _read_raw_header(read, path, size)
     if len(raw) > MAX_STORED_HEADER:
         raise InvalidInput(f"{path}: a header of {len(raw):,} bytes; the store takes at most "
                            f"{MAX_STORED_HEADER:,} (what a header puts in the catalog is "
@@ -271,7 +283,7 @@ def read_header(fd: int, path: Path) -> Header:
     return Header(path, 8 + len(raw), metadata, tuple(entries), raw)
 
 
-def _check_extents(path: Path, entries: list[Entry], data_len: int) -> None:
+def _check_extents(path: PurePath, entries: list[Entry], data_len: int) -> None:
     """Each entry spans the bytes its dtype and shape need, and the entries tile the
     data section exactly: no overlap, no gap, nothing past its end."""
     pos = 0
@@ -330,7 +342,7 @@ def check_file_name(name: object, where: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Index:
-    path: Path
+    path: PurePath
     doc: dict[str, Any]
     raw: str
     weight_map: dict[str, str]
@@ -342,7 +354,12 @@ def index_text(doc: Mapping[str, Any]) -> str:
 
 
 def _read_index(path: Path) -> Index:
-    data = path.read_bytes()  # bytes: no newline translation, the text kept byte for byte
+    # bytes: no newline translation, the text kept byte for byte
+    return parse_index(path, path.read_bytes())
+
+
+def parse_index(path: PurePath, data: bytes) -> Index:
+    """A sharded checkpoint's index from its bytes."""
     doc = _json_object(data, f"{path}: ")
     raw = data.decode("utf-8")
     wm = doc.get("weight_map")

@@ -55,21 +55,8 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
     rest (strided tensors, ``put_raw`` fills) through their own ``Source``. A fresh
     segment file is written through its descriptor rather than a mapping (``se``'s
     ``write_fd``). StoreFull when the tier fills up meanwhile."""
-    batch: list[int] = []
-    addresses: list[int] = []
-    files: dict[int, list[int]] = {}
-    other: list[int] = []
-    for i, (_, t) in enumerate(stored):
-        if isinstance(t, RawPut):
-            if t.file is not None:
-                files.setdefault(t.file.fd, []).append(i)
-            else:
-                other.append(i)
-        elif se.BATCH_FILL and t.is_contiguous():
-            batch.append(i)
-            addresses.append(t.data_ptr())
-        else:
-            other.append(i)
+    batch, files, many, other = _by_kind(stored)
+    addresses = [cast(torch.Tensor, stored[i][1]).data_ptr() for i in batch]
     sums: list[str] = [""] * len(stored)
     if batch:
         got = se.fill_from_addresses(writer, addresses, [offsets[i] for i in batch],
@@ -89,12 +76,50 @@ def _fill(writer: se.SegmentWriter, stored: list[tuple[str, torch.Tensor | RawPu
                                       tensor=name)
                 sums[i] = s
                 r.advance(sizes[i])
+    for idx in many.values():
+        for i, s in zip(idx, _fill_many(writer, [cast(RawPut, stored[i][1]) for i in idx],
+                                        [offsets[i] for i in idx], [sizes[i] for i in idx]),
+                        strict=True):
+            sums[i] = s
     if other:
         got = se.fill_segment(writer, [source(stored[i][1]) for i in other],
                               [offsets[i] for i in other], [sizes[i] for i in other])
         for i, s in zip(other, got, strict=True):
             sums[i] = s
     return {n: s for (n, _), s in zip(stored, sums, strict=True)}
+
+
+def _by_kind(stored: list[tuple[str, torch.Tensor | RawPut]]
+             ) -> tuple[list[int], dict[int, list[int]], dict[int, list[int]], list[int]]:
+    """The indices of ``stored`` by how they are filled: contiguous tensors (from their
+    memory), file ranges by descriptor, ``many`` fills by their fill, the rest."""
+    batch: list[int] = []
+    files: dict[int, list[int]] = {}
+    many: dict[int, list[int]] = {}
+    other: list[int] = []
+    for i, (_, t) in enumerate(stored):
+        if isinstance(t, RawPut):
+            if t.many is not None:
+                many.setdefault(id(t.many), []).append(i)
+            elif t.file is not None:
+                files.setdefault(t.file.fd, []).append(i)
+            else:
+                other.append(i)
+        elif se.BATCH_FILL and t.is_contiguous():
+            batch.append(i)
+        else:
+            other.append(i)
+    return batch, files, many, other
+
+
+def _fill_many(writer: se.SegmentWriter, puts: list[RawPut], offsets: list[int],
+               sizes: list[int]) -> list[str]:
+    """Puts of one ``many`` fill: one call fills every extent, its own work (an object
+    store's GETs) in flight at once; their checksums."""
+    fill = puts[0].many
+    assert fill is not None
+    buf = writer.buffer
+    return fill([(p.tag, buf[o:o + n]) for p, o, n in zip(puts, offsets, sizes, strict=True)])
 
 
 #: bytes of file ranges read per ``fill_from_file`` call: a progress bar moves at each
@@ -300,6 +325,17 @@ class Writer:
     def abort_group(self, collection: str, group: GroupSpec, reason: str) -> None:
         self.catalog.abort_group(collection, group.name, reason)
 
+    def open_groups(self, collection: str, prefix: str) -> list[str]:
+        """The open groups of ``collection`` named ``prefix...``, oldest first."""
+        return self.catalog.open_groups(collection, prefix)
+
+    def ready_ranks(self, collection: str, group: str) -> set[int] | None:
+        """The ranks whose parts are committed, while the group is open (else None)."""
+        st = self.catalog.group_state(collection, group)
+        if st is None or st.state != "open" or st.expired:
+            return None
+        return {r for r, state, _ in st.parts if state == "ready"}
+
     def publish_part(self, collection: str, group: GroupSpec,
                      puts: Mapping[str, torch.Tensor | RawPut],
                      shards: Mapping[str, list[ShardPut]], deletes: set[str],
@@ -307,6 +343,20 @@ class Writer:
                      meta: dict[str, str] | None) -> Commit:
         """Write this rank's part into a segment of its own, commit the part, and wait
         until the group publishes (the Commit) or aborts (GroupAborted)."""
+        result = self.commit_part(collection, group, puts, shards, deletes, message,
+                                  tier_name, meta)
+        return result if result is not None else self._await_group(collection, group)
+
+    def commit_part(self, collection: str, group: GroupSpec,
+                    puts: Mapping[str, torch.Tensor | RawPut],
+                    shards: Mapping[str, list[ShardPut]], deletes: set[str],
+                    message: str | None, tier_name: str, meta: dict[str, str] | None, *,
+                    keep_open: bool = False) -> Commit | None:
+        """Write this rank's part into a segment of its own and commit it, without
+        waiting for the others: the Commit when it completed the group, else None. A
+        failure aborts the group (the other ranks must not wait out its deadline)
+        unless ``keep_open``: a resumable import's part fails alone, and the group's
+        ready parts wait for it to be tried again."""
         items: list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...],
                           torch.Tensor | RawPut]] = []
         for n, t in puts.items():
@@ -337,7 +387,7 @@ class Writer:
                     writer.release()  # its part was recorded: gc reclaims it with the group
                 else:
                     writer.abort()
-            if not landed and not isinstance(exc, GroupAborted):
+            if not landed and not isinstance(exc, GroupAborted) and not keep_open:
                 # the other ranks must not wait out the deadline for this part
                 self.abort_group(collection, group, f"rank {group.rank} failed to commit its "
                                  f"part: {type(exc).__name__}: {exc}")
@@ -347,8 +397,7 @@ class Writer:
         if result is not None:  # this rank completed the group
             self._notifier.publish(collection, result.version)
             self.catalog.start_background()
-            return result
-        return self._await_group(collection, group)
+        return result
 
     def _await_group(self, collection: str, group: GroupSpec) -> Commit:
         """Wait for the group to end: the Commit once published; GroupAborted when it

@@ -1,0 +1,275 @@
+"""safetensors files and sharded folders imported from object storage (``s3://``).
+
+Every header (and the index) is read with ranged GETs and validated before anything is
+fetched, as the local import does. The tensors' bytes then go straight into the store's
+extents: each tensor is a ``put_raw`` fill that splits it into ``part_size`` ranges,
+fetches them in parallel on the object store's pool (``max_concurrency`` GETs in
+flight, each streamed into its place in the extent) and hashes them in order as they
+land, while the fills of other tensors run beside it.
+
+An import is resumable. Its tensors are committed in batches of about ``batch_bytes``,
+each batch a part of one group commit (``Writer.commit_part``): the version appears,
+atomically, with the last batch, and until then the batches that landed are a *pending
+import* in the catalog, invisible to readers. A failed import keeps them; the next
+``import_safetensors(..., resume=True)`` of the same objects (same keys, sizes and ETags)
+into the same collection fetches only the batches that had not landed. An import
+without ``resume`` drops any pending import of the same source first. A pending import
+expires ``pending_ttl`` seconds after it began (a day by default); ``gc`` then reclaims
+its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import numpy as np
+import torch
+
+import storage_engine as se
+from tensordb.catalog import Commit
+from tensordb.errors import CorruptData, InvalidInput, NotFound
+
+from ._object_store import ObjectInfo, ObjectStore
+from ._puts import GroupSpec, RawPut, ShardPut
+from ._safetensors import progress_bar, version_plan
+from ._safetensors_format import INDEX_NAME, Entry, Header, Index, parse_header, parse_index
+
+if TYPE_CHECKING:
+    from ._database import Database
+
+__all__ = ["BATCH_BYTES", "HEAD_READ", "PENDING_TTL", "PartCommits", "run_object_import"]
+
+#: bytes of tensors per resumable batch (one segment and one part each)
+BATCH_BYTES = 256 << 20
+#: seconds a pending import is kept for a resume; gc reclaims it after
+PENDING_TTL = 86400.0
+#: the name of an import's group: this prefix, the source's digest, a random tail
+_GROUP_PREFIX = "import:"
+#: bytes of an object read first, for its header: a model's shard has a header of tens
+#: of KiB (a longer one costs a second GET)
+HEAD_READ = 128 << 10
+#: the largest index read (a real one of 100,000 tensors is a few MB)
+_MAX_INDEX = 64 << 20
+
+
+class PartCommits(Protocol):
+    """What an object import needs beyond the public API: the writer's group parts,
+    committed one at a time without waiting, kept open when one fails (``Writer``)."""
+
+    def join_group(self, collection: str, group: GroupSpec) -> int: ...
+
+    def commit_part(self, collection: str, group: GroupSpec,
+                    puts: Mapping[str, torch.Tensor | RawPut],
+                    shards: Mapping[str, list[ShardPut]], deletes: set[str],
+                    message: str | None, tier_name: str, meta: dict[str, str] | None, *,
+                    keep_open: bool = False) -> Commit | None: ...
+
+    def abort_group(self, collection: str, group: GroupSpec, reason: str) -> None: ...
+
+    def open_groups(self, collection: str, prefix: str) -> list[str]: ...
+
+    def ready_ranks(self, collection: str, group: str) -> set[int] | None: ...
+
+
+def run_object_import(db: Database, parts: PartCommits, default_tier: str, collection: str,
+                      url: str, *, storage_options: Mapping[str, Any] | None,
+                      message: str | None, tier: str | None, progress: bool | None,
+                      resume: bool, batch_bytes: int = BATCH_BYTES,
+                      pending_ttl: float = PENDING_TTL) -> Commit:
+    """``Database.import_safetensors`` of an ``s3://`` URL (see the module)."""
+    if not isinstance(resume, bool):
+        raise InvalidInput(f"resume must be True or False, not {resume!r}",
+                           collection=collection)
+    if not isinstance(batch_bytes, int) or isinstance(batch_bytes, bool) or batch_bytes <= 0:
+        raise InvalidInput(f"batch_bytes must be a positive int, not {batch_bytes!r}",
+                           collection=collection)
+    if not isinstance(pending_ttl, (int, float)) or isinstance(pending_ttl, bool) \
+            or not 0 < pending_ttl <= 30 * 86400:
+        raise InvalidInput(f"pending_ttl must be seconds in (0, 2592000], not "
+                           f"{pending_ttl!r}", collection=collection)
+    with ObjectStore(url, storage_options) as store, se.gc_paused():
+        objects, index = _resolve(store)
+        headers = list(store.pool.map(lambda o: _header(store, o), objects))
+        meta, stale = version_plan(db, collection, headers, index)
+        batches = _batches(objects, headers, batch_bytes)
+        if not batches:  # no tensor has bytes to fetch: one ordinary commit
+            with db.transaction(collection, message=message or f"import {url}", tier=tier,
+                                metadata=meta) as tx:
+                for n in stale:
+                    tx.delete(n)
+            assert tx.result is not None
+            return tx.result
+        digest = _source_digest(collection, url, objects, tier or default_tier)
+        prefix = f"{_GROUP_PREFIX}{digest}:"
+        pending = parts.open_groups(collection, prefix)
+        name, done = None, set()
+        for old in pending:
+            ready = parts.ready_ranks(collection, old) if resume else None
+            if resume and ready is not None and name is None:
+                name, done = old, ready
+            else:  # a fresh import drops what an earlier one of the same source left
+                parts.abort_group(collection, GroupSpec(old, 0, 1, pending_ttl),
+                                  "a new import of the same source replaced it")
+        if name is None:
+            name = f"{prefix}{se.current_holder()}:{np.random.default_rng().integers(1 << 62)}"
+        label = f"import {url}"
+        todo = [i for i in range(len(batches)) if i not in done]
+        total = sum(sum(e.end - e.begin for _, _, e in batches[i]) for i in todo)
+        result: Commit | None = None
+        with progress_bar(progress, total, label) as advance:
+            for i in todo:
+                spec = GroupSpec(name, i, max(1, len(batches)), float(pending_ttl))
+                parts.join_group(collection, spec)
+                fetch = _fetch_batch(store, advance)
+                puts = {e.name: RawPut(e.dtype, e.shape, e.end - e.begin, _never, many=fetch,
+                                       tag=(o, h.data_start + e.begin, e.name))
+                        for o, h, e in batches[i]}
+                first = i == 0
+                result = parts.commit_part(
+                    collection, spec, puts, {}, set(stale) if first else set(),
+                    (message or label) if first else None, tier or default_tier,
+                    meta if first else None, keep_open=True)
+        if result is None:  # every batch had landed before: the group published then
+            raise CorruptData(f"{collection}: the pending import {name!r} of {url} has "
+                              f"all its parts but published no version",
+                              collection=collection)
+        return result
+
+
+def _source_digest(collection: str, url: str, objects: list[ObjectInfo], tier: str) -> str:
+    """What makes two imports the same one: the collection, the tier, and every
+    object's key, size and ETag."""
+    doc = [collection, url.rstrip("/"), tier, [[o.key, o.size, o.etag] for o in objects]]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
+
+
+def _resolve(store: ObjectStore) -> tuple[list[ObjectInfo], Index | None]:
+    """The objects to import: one ``.safetensors`` object, or a folder (a prefix ending
+    in ``/``, or naming one) with its index or exactly one ``.safetensors`` object."""
+    prefix = store.prefix
+    if prefix and not prefix.endswith("/"):
+        if prefix.endswith(".safetensors"):
+            return [store.head(prefix)], None
+        if prefix.endswith(".json"):
+            return _sharded(store, store.head(prefix), prefix.rpartition("/")[0])
+        prefix += "/"
+    listed = {o.key.rpartition("/")[2]: o for o in store.children(prefix)}
+    if not listed:
+        raise NotFound(f"s3://{store.bucket}/{prefix}: no such object or folder")
+    if INDEX_NAME in listed:
+        return _sharded(store, listed[INDEX_NAME], prefix.rstrip("/"), listed)
+    indexes = sorted(k for k in listed if k.endswith(".safetensors.index.json"))
+    files = sorted(k for k in listed if k.endswith(".safetensors"))
+    if len(indexes) == 1:
+        return _sharded(store, listed[indexes[0]], prefix.rstrip("/"), listed)
+    if not indexes and len(files) == 1:
+        return [listed[files[0]]], None
+    raise InvalidInput(f"s3://{store.bucket}/{prefix}: a folder to import needs {INDEX_NAME} "
+                       f"(or exactly one *.safetensors object); found {len(indexes)} index "
+                       f"object(s) and {len(files)} .safetensors object(s)")
+
+
+def _sharded(store: ObjectStore, obj: ObjectInfo, folder: str,
+             listed: dict[str, ObjectInfo] | None = None
+             ) -> tuple[list[ObjectInfo], Index | None]:
+    if obj.size > _MAX_INDEX:
+        raise InvalidInput(f"{obj.path}: an index of {obj.size:,} bytes; at most "
+                           f"{_MAX_INDEX:,} are read")
+    index = parse_index(obj.path, store.read(obj, 0, obj.size, "index"))
+    if listed is None:
+        listed = {o.key.rpartition("/")[2]: o for o in store.children(folder + "/")}
+    out = []
+    for n in sorted(set(index.weight_map.values())):
+        if n not in listed:
+            raise CorruptData(f"{obj.path}: shard {n!r} is missing from "
+                              f"s3://{store.bucket}/{folder}/")
+        out.append(listed[n])
+    return out, index
+
+
+def _header(store: ObjectStore, obj: ObjectInfo) -> Header:
+    """The object's header, checked: one GET of its first ``HEAD_READ`` bytes holds
+    the length word and the header of any but the largest (a second GET reads the
+    rest of one that is longer)."""
+    head = store.read(obj, 0, min(obj.size, HEAD_READ), "header") if obj.size else b""
+
+    def read(n: int, offset: int, what: str) -> bytes:
+        if offset + n > obj.size:
+            raise CorruptData(f"{obj.path}: the object ends inside the {what} (it holds "
+                              f"{obj.size} bytes)")
+        if offset + n <= len(head):
+            return head[offset:offset + n]
+        return store.read(obj, offset, n, what)
+
+    return parse_header(obj.path, obj.size, read)
+
+
+#: a tensor to fetch: its object, the object's header, its entry
+_Item = tuple[ObjectInfo, Header, Entry]
+
+
+def _batches(objects: list[ObjectInfo], headers: list[Header], batch_bytes: int
+             ) -> list[list[_Item]]:
+    """The tensors in file order, cut into batches of about ``batch_bytes`` (a tensor
+    larger than that is a batch of its own). Fixed by the headers alone, so a resume
+    cuts the same batches."""
+    out: list[list[_Item]] = [[]]
+    size = 0
+    for o, h in zip(objects, headers, strict=True):
+        for e in h.entries:
+            n = e.end - e.begin
+            if out[-1] and size + n > batch_bytes:
+                out.append([])
+                size = 0
+            out[-1].append((o, h, e))
+            size += n
+    return out if out[0] else []
+
+
+def _fetch_batch(store: ObjectStore, advance: Callable[[int], None]
+                 ) -> Callable[[list[tuple[object, np.ndarray]]], list[str]]:
+    """The fill of one batch's extents (``RawPut.many``): every tensor's ranges of
+    ``part_size`` submitted at once to the object store's pool (``max_concurrency`` GETs
+    in flight, each streamed into its place in the extent), then each tensor hashed in
+    order, part by part, as its parts land. Returns (or raises) only once no GET is
+    writing into an extent."""
+
+    def fill(items: list[tuple[object, np.ndarray]]) -> list[str]:
+        part = store.part_size
+        plan: list[tuple[np.ndarray, list[tuple[int, int, Future[None]]]]] = []
+        futs: list[Future[None]] = []
+        try:
+            for tag, dst in items:
+                obj, start, name = cast(tuple[ObjectInfo, int, str], tag)
+                cuts = []
+                for lo in range(0, dst.shape[0], part):
+                    hi = min(lo + part, dst.shape[0])
+                    f = store.pool.submit(store.read_into, obj, start + lo, dst[lo:hi], name)
+                    futs.append(f)
+                    cuts.append((lo, hi, f))
+                plan.append((dst, cuts))
+            sums = []
+            for dst, cuts in plan:
+                hasher = se.Hasher()
+                for lo, hi, f in cuts:
+                    f.result()
+                    for a in range(lo, hi, se.HASH_PIECE):
+                        hasher.update(dst[a:min(a + se.HASH_PIECE, hi)])
+                    advance(hi - lo)
+                sums.append(hasher.hexdigest())
+            return sums
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            wait(futs)  # no GET may go on writing into an extent being dropped
+            raise
+
+    return fill
+
+
+def _never(dst: np.ndarray) -> str:  # a put filled with its batch (``many``)
+    raise AssertionError("filled by its batch")
