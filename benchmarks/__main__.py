@@ -141,6 +141,7 @@ PLAN: tuple[Bench, ...] = (
     Bench("materialize", "materialize",
           ("--count", "200", "--total-mib", "128", "--reps", "2", "--child-runs", "2")),
     Bench("weights", "weights", ("--sizes", "64M", "--reps", "2", "--child-runs", "2")),
+    Bench("s3_import", "s3_import", ("--mib", "256", "--reps", "3")),
     Bench("weight_sync", "weight_sync", ("--total-mib", "64", "--reps", "6", "--cold", "2")),
     Bench("checkpoint", "checkpoint", ("--size", "128M", "--reps", "2")),
     # a new store's default background scrub finding a flipped byte: up to ~70 s

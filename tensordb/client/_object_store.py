@@ -18,7 +18,7 @@ key ``NotFound``, a denied one ``Unauthorized``, an object that changed or ends 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -192,20 +192,34 @@ class ObjectStore:
         """Fill ``dst`` (a writable buffer) with ``obj``'s bytes from ``offset``: one
         ranged GET, streamed into it."""
         view = memoryview(dst).cast("B")
-        n = view.nbytes
+        self._get(obj, offset, view.nbytes, what, lambda done: view[done:], None)
+
+    def read_stream(self, obj: ObjectInfo, offset: int, nbytes: int, buf: memoryview,
+                    put: Callable[[int, memoryview], None], what: str = "") -> None:
+        """``nbytes`` of ``obj`` from ``offset`` through ``buf``: one ranged GET, each
+        piece handed to ``put(position in the range, bytes)``."""
+        self._get(obj, offset, nbytes, what, lambda done: buf[:min(buf.nbytes, nbytes - done)],
+                  put)
+
+    def _get(self, obj: ObjectInfo, offset: int, n: int, what: str,
+             room: Callable[[int], memoryview],
+             put: Callable[[int, memoryview], None] | None) -> None:
         if n == 0:
             return
         where = f"{obj.path} ({what})" if what else str(obj.path)
+        done = 0
         with self.errors(where):
             r = self._client.get_object(Bucket=self.bucket, Key=obj.key, IfMatch=obj.etag,
                                         Range=f"bytes={offset}-{offset + n - 1}")
             body = r["Body"]
             try:
-                done = 0
                 while done < n:
-                    got = body.readinto(view[done:])
+                    space = room(done)
+                    got = body.readinto(space)
                     if not got:
                         break
+                    if put is not None:
+                        put(done, space[:got])
                     done += got
             finally:
                 body.close()

@@ -5,6 +5,8 @@ checksum of a tensor's bytes. Below both ``_transaction`` (which makes them) and
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -14,7 +16,7 @@ import torch
 import storage_engine as se
 from tensordb.errors import InvalidInput
 
-__all__ = ["FileRange", "GROUP_TIMEOUT", "GroupSpec", "ManyFill", "RawPut", "ShardPut", "digest",
+__all__ = ["Extents", "FileRange", "GROUP_TIMEOUT", "GroupSpec", "ManyFill", "RawPut", "ShardPut", "digest",
            "group_spec", "source"]
 
 
@@ -30,10 +32,56 @@ class FileRange:
     advance: Callable[[int], None]
 
 
-#: fills the extents of several puts in one call: given (tag, extent) of each, in the
-#: segment's order, returns their checksums (an import from an object store, whose GETs
-#: for every tensor of a batch are in flight together)
-ManyFill = Callable[[list[tuple[object, np.ndarray]]], list[str]]
+class Extents:
+    """Where a ``many`` fill writes its puts' bytes: a segment, by offset. A fresh file
+    is written through its descriptor (``pwrite``: the kernel makes each page as it is
+    written, where a mapping would fault it in and zero it first), any other segment
+    through its mapping. Thread-safe: the writes of one fill run on many threads."""
+
+    def __init__(self, writer: se.SegmentWriter) -> None:
+        self._writer = writer
+        self.fd = writer.write_fd
+        self._buf = writer.buffer if self.fd is None else None
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """``data`` at ``offset`` of the segment."""
+        if self._buf is not None:
+            self._buf[offset:offset + data.nbytes] = np.frombuffer(data, np.uint8)
+            return
+        assert self.fd is not None
+        done = 0
+        while done < data.nbytes:
+            try:
+                done += os.pwrite(self.fd, data[done:], offset + done)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or \
+                        not self._writer.out_of_space(exc):
+                    raise
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """The extent's bytes in place (None where the segment is written through its
+        descriptor: ``read`` them)."""
+        return None if self._buf is None else self._buf[offset:offset + nbytes]
+
+    def read(self, offset: int, out: memoryview) -> None:
+        """The bytes at ``offset`` into ``out`` (to hash what was written)."""
+        if self._buf is not None:
+            np.frombuffer(out, np.uint8)[:] = self._buf[offset:offset + out.nbytes]
+            return
+        assert self.fd is not None
+        done = 0
+        while done < out.nbytes:
+            got = os.preadv(self.fd, [out[done:]], offset + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"segment ends at {offset + done}")
+            done += got
+
+
+#: fills the extents of several puts in one call: given each put's (tag, offset in the
+#: segment, nbytes), in the segment's order, and the segment's ``Extents``, returns their
+#: checksums (an import from an object store, whose GETs for every tensor of a batch
+#: are in flight together)
+ManyFill = Callable[[list[tuple[object, int, int]], Extents], list[str]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -34,7 +35,7 @@ from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
 from ._object_store import ObjectInfo, ObjectStore
-from ._puts import GroupSpec, RawPut, ShardPut
+from ._puts import Extents, GroupSpec, RawPut, ShardPut
 from ._safetensors import progress_bar, version_plan
 from ._safetensors_format import INDEX_NAME, Entry, Header, Index, parse_header, parse_index
 
@@ -231,44 +232,73 @@ def _batches(objects: list[ObjectInfo], headers: list[Header], batch_bytes: int
 
 
 def _fetch_batch(store: ObjectStore, advance: Callable[[int], None]
-                 ) -> Callable[[list[tuple[object, np.ndarray]]], list[str]]:
+                 ) -> Callable[[list[tuple[object, int, int]], Extents], list[str]]:
     """The fill of one batch's extents (``RawPut.many``): every tensor's ranges of
     ``part_size`` submitted at once to the object store's pool (``max_concurrency`` GETs
-    in flight, each streamed into its place in the extent), then each tensor hashed in
+    in flight, each streamed into its place in the segment), then each tensor hashed in
     order, part by part, as its parts land. Returns (or raises) only once no GET is
-    writing into an extent."""
+    writing into the segment."""
 
-    def fill(items: list[tuple[object, np.ndarray]]) -> list[str]:
+    def fill(items: list[tuple[object, int, int]], extents: Extents) -> list[str]:
         part = store.part_size
-        plan: list[tuple[np.ndarray, list[tuple[int, int, Future[None]]]]] = []
+        plan: list[tuple[int, list[tuple[int, int, Future[None]]]]] = []
         futs: list[Future[None]] = []
         try:
-            for tag, dst in items:
+            for tag, at, nbytes in items:
                 obj, start, name = cast(tuple[ObjectInfo, int, str], tag)
                 cuts = []
-                for lo in range(0, dst.shape[0], part):
-                    hi = min(lo + part, dst.shape[0])
-                    f = store.pool.submit(store.read_into, obj, start + lo, dst[lo:hi], name)
+                for lo in range(0, nbytes, part):
+                    hi = min(lo + part, nbytes)
+                    f = store.pool.submit(_get_part, store, obj, start + lo, hi - lo,
+                                          extents, at + lo, name)
                     futs.append(f)
                     cuts.append((lo, hi, f))
-                plan.append((dst, cuts))
+                plan.append((at, cuts))
             sums = []
-            for dst, cuts in plan:
+            scratch = memoryview(bytearray(se.HASH_PIECE))
+            for at, cuts in plan:
                 hasher = se.Hasher()
                 for lo, hi, f in cuts:
                     f.result()
                     for a in range(lo, hi, se.HASH_PIECE):
-                        hasher.update(dst[a:min(a + se.HASH_PIECE, hi)])
+                        n = min(se.HASH_PIECE, hi - a)
+                        view = extents.view(at + a, n)
+                        if view is None:  # written through the descriptor: read back
+                            extents.read(at + a, scratch[:n])
+                            hasher.update(scratch[:n])
+                        else:
+                            hasher.update(view)
                     advance(hi - lo)
                 sums.append(hasher.hexdigest())
             return sums
         except BaseException:
             for f in futs:
                 f.cancel()
-            wait(futs)  # no GET may go on writing into an extent being dropped
+            wait(futs)  # no GET may go on writing into a segment being dropped
             raise
 
     return fill
+
+
+#: bytes a GET streams through its thread's buffer when the segment is written through
+#: its descriptor (a buffer per pool thread, made once: its pages fault in once)
+_PIPE = 4 << 20
+_pipes = threading.local()
+
+
+def _get_part(store: ObjectStore, obj: ObjectInfo, offset: int, nbytes: int,
+              extents: Extents, at: int, name: str) -> None:
+    """One ranged GET of ``obj`` into the segment at ``at``: straight into its mapping,
+    or through a small buffer and ``pwrite``."""
+    view = extents.view(at, nbytes)
+    if view is not None:
+        store.read_into(obj, offset, view, name)
+        return
+    buf = getattr(_pipes, "buf", None)
+    if buf is None:
+        buf = _pipes.buf = memoryview(bytearray(_PIPE))
+    store.read_stream(obj, offset, nbytes, buf, lambda pos, data: extents.write(at + pos, data),
+                      name)
 
 
 def _never(dst: np.ndarray) -> str:  # a put filled with its batch (``many``)

@@ -36,7 +36,7 @@ from tensordb.errors import CorruptData, GroupAborted, InvalidInput, NotFound, S
 from ._inputs import dtype_name
 from ._notify import Notifier
 from ._placement import Tiers
-from ._puts import FileRange, GroupSpec, RawPut, ShardPut, digest, source
+from ._puts import Extents, FileRange, GroupSpec, RawPut, ShardPut, digest, source
 
 __all__ = ["InPlaceFile", "Writer"]
 
@@ -118,8 +118,8 @@ def _fill_many(writer: se.SegmentWriter, puts: list[RawPut], offsets: list[int],
     store's GETs) in flight at once; their checksums."""
     fill = puts[0].many
     assert fill is not None
-    buf = writer.buffer
-    return fill([(p.tag, buf[o:o + n]) for p, o, n in zip(puts, offsets, sizes, strict=True)])
+    return fill([(p.tag, o, n) for p, o, n in zip(puts, offsets, sizes, strict=True)],
+                Extents(writer))
 
 
 #: bytes of file ranges read per ``fill_from_file`` call: a progress bar moves at each
