@@ -345,18 +345,32 @@ def query_command(
 def import_command(
     ctx: typer.Context,
     collection: Annotated[str, typer.Argument(help="The collection to commit into.")],
-    path: Annotated[Path, typer.Argument(
-        help="A .safetensors file, or a folder with model.safetensors.index.json.")],
+    path: Annotated[str, typer.Argument(
+        help="A .safetensors file, or a folder with model.safetensors.index.json; or an "
+        "object URL, s3://bucket/prefix/ (credentials from the AWS environment).")],
     message: Annotated[str | None, typer.Option("--message", "-m")] = None,
     tier: Annotated[str | None, typer.Option(help="host or disk (default: the store's).")] = None,
     in_place: Annotated[bool, typer.Option(
         "--in-place", help="Commit the local files without copying them (a reflink where "
         "the filesystem has one, else a reference): keep them unchanged afterwards.")] = False,
+    endpoint_url: Annotated[str | None, typer.Option(
+        help="The S3 API endpoint of an s3:// URL (default: AWS, or AWS_ENDPOINT_URL).")
+    ] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Go on from what an interrupted import of the same objects "
+        "left (s3:// only).")] = False,
 ) -> None:
     """Import a safetensors checkpoint as one new version."""
+    options = {"endpoint_url": endpoint_url} if endpoint_url else None
+    if path.startswith("s3://"):
+        extra: dict[str, object] = {"storage_options": options, "resume": resume}
+    else:
+        extra = {}
+        if options is not None or resume:
+            raise typer.BadParameter("--endpoint-url and --resume are for s3:// URLs")
     with _open(ctx) as db:
         c = db.import_safetensors(collection, path, message=message, tier=tier, progress=True,
-                                  in_place=in_place)
+                                  in_place=in_place, **extra)  # type: ignore[arg-type]
     _console().print(f"{escape(c.collection)} version {c.version}: {c.tensors} tensors, "
                      f"{human_bytes(c.nbytes)} ({c.written} written, "
                      f"{human_bytes(c.written_nbytes)})")

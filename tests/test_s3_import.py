@@ -284,7 +284,7 @@ def test_a_sharded_folder_and_a_single_object_import_as_a_local_import_does(
     # each tensor's bytes fetched once; beside them one GET of each file's head (its
     # header and what follows, up to HEAD_READ) and the index
     tensor_bytes, overhead = _fetch_plan(folder)
-    assert work.get("object_bytes_fetched") == tensor_bytes + overhead
+    assert work["object_bytes_fetched"] == tensor_bytes + overhead
     assert remote.version == 1 and local.version == 1
     _same_bytes(db, "local", "remote")
     out = db.export_safetensors("remote", tmp_path / "out")
@@ -371,7 +371,7 @@ def test_an_endpoint_that_stops_mid_import_leaves_a_pending_import_that_resumes(
     assert _state(db) == before  # no version appeared
     with db.snapshot("model") as snap:
         assert list(snap) == ["old"]
-    landed = first.get("object_bytes_fetched")
+    landed = first["object_bytes_fetched"]
     assert 0 < landed - overhead < nbytes
     # the endpoint is back (on the same port); the resume fetches only what had not
     # landed in a committed batch, and the version is the whole folder
@@ -383,7 +383,7 @@ def test_an_endpoint_that_stops_mid_import_leaves_a_pending_import_that_resumes(
     finally:
         relay.stop()
     assert commit.version == 2
-    resumed = second.get("object_bytes_fetched") - overhead
+    resumed = second["object_bytes_fetched"] - overhead
     # at least the batch of 128 KiB that landed whole is not fetched again; what was
     # fetched of the batch the stop cut off is
     assert resumed <= nbytes - 128 * KiB
@@ -415,4 +415,25 @@ def test_gc_reclaims_a_pending_import_once_it_expires(
     with se.counting() as work:
         db.import_safetensors("model", f"s3://{s3.bucket}/m4/", storage_options=s3.options(),
                               resume=True)
-    assert work.get("object_bytes_fetched") == nbytes + overhead
+    assert work["object_bytes_fetched"] == nbytes + overhead
+
+
+def test_the_cli_imports_from_s3_with_credentials_from_the_environment(
+        s3: S3, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tensordb import cli
+
+    folder = _sharded_folder(tmp_path / "m", seed=5, shards=2)
+    _upload(s3, folder, "m5")
+    env = {"AWS_ACCESS_KEY_ID": s3.reader["key"], "AWS_SECRET_ACCESS_KEY": s3.reader["secret"],
+           "AWS_DEFAULT_REGION": REGION, "COLUMNS": "200", "TENSORDB_HOME": None}
+    home = tmp_path / "store"
+    r = CliRunner(env=env).invoke(cli.app, ["--home", str(home), "import", "m",
+                                            f"s3://{s3.bucket}/m5/", "--endpoint-url",
+                                            s3.endpoint])
+    assert r.exit_code == 0, r.output
+    assert "m version 1" in r.output
+    r = CliRunner(env=env).invoke(cli.app, ["--home", str(home), "import", "x", str(folder),
+                                            "--resume"])
+    assert r.exit_code != 0 and "s3://" in r.output
