@@ -303,6 +303,16 @@ def test_a_sharded_folder_and_a_single_object_import_as_a_local_import_does(
     again = db.import_safetensors("remote", f"s3://{s3.bucket}/m1",
                                   storage_options=s3.options())
     assert again.version == 2
+    # into the disk tier, and into a segment that reuses a freed host file (its
+    # pages exist: written through its mapping, not its descriptor)
+    db.import_safetensors("on-disk", f"s3://{s3.bucket}/m1/", tier="disk",
+                          storage_options=s3.options())
+    _same_bytes(db, "local", "on-disk")
+    db.drop("one")
+    db.drop("remote")
+    db.gc()
+    db.import_safetensors("pooled", f"s3://{s3.bucket}/m1/", storage_options=s3.options())
+    _same_bytes(db, "local", "pooled")
 
 
 def test_missing_denied_and_truncated_objects_give_typed_errors_store_unchanged(
