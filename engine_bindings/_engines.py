@@ -17,6 +17,7 @@ Uses the public ``tensordb`` API only.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Any, Union
 import torch
 
 import tensordb
+from tensordb.client import CHECKOUT_MARKER
 from tensordb.errors import InvalidInput, TensorDBError
 
 __all__ = [
@@ -373,6 +375,22 @@ class LoadSource:
                                collection=collection)
         location = StoreLocation.parse({k: extra[k] for k in LOCATION_KEYS if k in extra})
         return cls(collection, version, tag, verify, location)
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike[str], *, what: str) -> LoadSource:
+        """The source a ``tensordb checkout`` folder names (its ``tensordb.json``), for an
+        engine started on the folder with no ``model_loader_extra_config``. InvalidInput
+        where the folder has no marker, or an unreadable one."""
+        marker = Path(folder) / CHECKOUT_MARKER
+        try:
+            extra = json.loads(marker.read_text())
+        except FileNotFoundError:
+            raise InvalidInput(f"{what} needs model_loader_extra_config with a 'collection', "
+                               f"or a model folder made by `tensordb checkout` ({marker} "
+                               f"is missing)") from None
+        except (OSError, ValueError) as exc:
+            raise InvalidInput(f"{marker}: unreadable: {exc}") from None
+        return cls.from_extra_config(extra, what=f"{what} ({marker})")
 
     def open(self) -> tensordb.Database:
         return open_store(self.location)

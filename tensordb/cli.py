@@ -391,6 +391,22 @@ def export_command(
         out.print(escape(str(p)))
 
 
+@app.command("checkout")
+def checkout_command(
+    ctx: typer.Context,
+    collection: Annotated[str, typer.Argument(help="The model's collection.")],
+    out_dir: Annotated[Path, typer.Argument(help="The folder to write (made if missing).")],
+    version: Annotated[int | None, typer.Option("--version", "-v")] = None,
+    tag: Annotated[str | None, typer.Option("--tag", "-t")] = None,
+) -> None:
+    """Write a version's files (config, tokenizer) and a tensordb.json marker: an engine
+    started on the folder with --load-format tensordb reads its weights from the store."""
+    with _open(ctx) as db:
+        out = db.checkout(collection, out_dir, version=version, tag=tag)
+    _console().print(f"{escape(str(out))}: vllm serve {escape(str(out))} --load-format "
+                     f"tensordb")
+
+
 @policies_app.command("run")
 def policies_run_command(
     ctx: typer.Context,

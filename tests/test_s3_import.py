@@ -299,6 +299,19 @@ def test_a_sharded_folder_and_a_single_object_import_as_a_local_import_does(
         assert sorted(snap) == sorted(ref)
         assert all(torch.equal(snap[n], ref[n]) for n in ref)
     assert one.metadata is not None and one.metadata["format"] == "pt"
+    # the folder's files (config, tokenizer) come beside the tensors
+    (folder / "config.json").write_bytes(b'{"model_type": "llama"}')
+    (folder / "tokenizer.json").write_bytes(b'{"version": "1.0"}')
+    _upload(s3, folder, "m1f")
+    db.import_safetensors("with-files", f"s3://{s3.bucket}/m1f/",
+                          storage_options=s3.options())
+    with db.snapshot("with-files") as snap:
+        assert snap.files() == {"config.json": 23, "tokenizer.json": 18}
+        assert snap.file("config.json") == b'{"model_type": "llama"}'
+    for p in db.export_safetensors("with-files", tmp_path / "out-files"):
+        assert p.read_bytes() == (folder / p.name).read_bytes(), p.name
+    (folder / "config.json").unlink()
+    (folder / "tokenizer.json").unlink()
     # a second import of the same objects is a new version of the same bytes
     again = db.import_safetensors("remote", f"s3://{s3.bucket}/m1",
                                   storage_options=s3.options())

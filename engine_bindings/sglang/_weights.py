@@ -96,34 +96,47 @@ class TensorDBModelLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
-        self.source = LoadSource.from_extra_config(load_config.model_loader_extra_config,
-                                                   what="TensorDBModelLoader")
+        extra = load_config.model_loader_extra_config
+        #: None until the model folder is known: a ``tensordb checkout`` folder's marker
+        #: names the version where no extra config does (``source_for``)
+        self.source: LoadSource | None = (
+            LoadSource.from_extra_config(extra, what="TensorDBModelLoader") if extra else None)
         self.last_load: dict[str, Any] | None = None
+
+    def source_for(self, model_config: ModelConfig) -> LoadSource:
+        """The version to load: the extra config's, else the one the model folder's
+        ``tensordb.json`` names (InvalidInput where it has none)."""
+        if self.source is None:
+            self.source = LoadSource.from_folder(model_config.model_path,
+                                                 what="TensorDBModelLoader")
+        return self.source
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download: check that the version exists (NotFound otherwise)."""
-        with self.source.snapshot():
+        src = self.source_for(model_config)
+        with src.snapshot():
             pass
 
     def load_model(self, *, model_config: ModelConfig, device_config: DeviceConfig
                    ) -> nn.Module:
+        src = self.source_for(model_config)
         target_device = torch.device(device_config.device)
         quant_config = _get_quantization_config(model_config, self.load_config)
         tally = Tally()
         with set_default_torch_dtype(model_config.dtype):
             with target_device:
                 model = _initialize_model(model_config, self.load_config, quant_config)
-            with self.source.snapshot() as snap:
+            with src.snapshot() as snap:
                 version = snap.version
                 DefaultModelLoader.load_weights_and_postprocess(
                     model, tally.wrap(checked_tensors(snap)), target_device)
         tally.stop()
-        note_served(model, Served(self.source.location, self.source.collection, version))
-        self.last_load = {"collection": self.source.collection, "version": version,
+        note_served(model, Served(src.location, src.collection, version))
+        self.last_load = {"collection": src.collection, "version": version,
                           "tensors": tally.tensors, "bytes": tally.nbytes,
                           "seconds": tally.seconds}
         logger.info("loaded %s v%d from tensordb: %d tensors, %.1f MiB in %.2f s",
-                    self.source.collection, version, tally.tensors, tally.nbytes / 2**20,
+                    src.collection, version, tally.tensors, tally.nbytes / 2**20,
                     tally.seconds)
         return model.eval()
 

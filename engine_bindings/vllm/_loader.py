@@ -71,13 +71,24 @@ class TensorDBModelLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
-        self.source = LoadSource.from_extra_config(load_config.model_loader_extra_config,
-                                                   what=f"load format {LOAD_FORMAT!r}")
+        extra = load_config.model_loader_extra_config
+        #: None until the model folder is known: a ``tensordb checkout`` folder's marker
+        #: names the version where no extra config does (``source_for``)
+        self.source: LoadSource | None = (
+            LoadSource.from_extra_config(extra, what=f"load format {LOAD_FORMAT!r}") if extra else None)
         self.last_load: dict[str, Any] | None = None
+
+    def source_for(self, model_config: ModelConfig) -> LoadSource:
+        """The version to load: the extra config's, else the one the model folder's
+        ``tensordb.json`` names (InvalidInput where it has none)."""
+        if self.source is None:
+            self.source = LoadSource.from_folder(model_config.model, what=f"load format {LOAD_FORMAT!r}")
+        return self.source
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download: check that the version exists (NotFound otherwise)."""
-        with self.source.snapshot():
+        src = self.source_for(model_config)
+        with src.snapshot():
             pass
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module
@@ -86,25 +97,27 @@ class TensorDBModelLoader(BaseModelLoader):
         Every tensor is checked (rows, marks, checksums) before the first is handed
         out, so vLLM's in-place reload never stops part-way on a damaged or unreachable
         tensor (CorruptData, NodeUnavailable before the model is touched)."""
-        with self.source.snapshot() as snap:
+        src = self.source_for(model_config)
+        with src.snapshot() as snap:
             pairs = checked_tensors(snap)
             yield from pairs
-            note_served(model, Served(self.source.location, self.source.collection,
+            note_served(model, Served(src.location, src.collection,
                                       snap.version))
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        src = self.source_for(model_config)
         tally = Tally()
-        with self.source.snapshot() as snap:
+        with src.snapshot() as snap:
             version = snap.version
             # checked whole before the model's weight loaders see the first tensor
             loaded = model.load_weights(tally.wrap(checked_tensors(snap)))
         tally.stop()
-        note_served(model, Served(self.source.location, self.source.collection, version))
-        self.last_load = {"collection": self.source.collection, "version": version,
+        note_served(model, Served(src.location, src.collection, version))
+        self.last_load = {"collection": src.collection, "version": version,
                           "tensors": tally.tensors, "bytes": tally.nbytes,
                           "seconds": tally.seconds, **parallel_ranks()}
         logger.info("loaded %s v%d from tensordb: %d tensors, %.1f MiB in %.2f s",
-                    self.source.collection, version, tally.tensors, tally.nbytes / 2**20,
+                    src.collection, version, tally.tensors, tally.nbytes / 2**20,
                     tally.seconds)
         # as vLLM's default loader: an unquantized model that reports what it loaded
         # must have every parameter from the checkpoint
@@ -112,8 +125,8 @@ class TensorDBModelLoader(BaseModelLoader):
             missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
             if missing:
                 raise InvalidInput(
-                    f"{self.source.collection} v{version} leaves {len(missing)} parameters "
-                    f"of the model unset: {missing[:10]}", collection=self.source.collection,
+                    f"{src.collection} v{version} leaves {len(missing)} parameters "
+                    f"of the model unset: {missing[:10]}", collection=src.collection,
                     version=version)
 
 

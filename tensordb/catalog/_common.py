@@ -56,8 +56,9 @@ def now_utc() -> datetime:
 class Commit:
     """One published version of a collection.
 
-    ``tensors`` / ``nbytes``: the whole version; ``written`` / ``written_nbytes``: what
-    this commit stored anew (the rest is shared with the parent version).
+    ``tensors`` / ``nbytes``: the whole version's rows (its tensors, and the one row of
+    its files where it has any: ``Snapshot.files``); ``written`` / ``written_nbytes``:
+    what this commit stored anew (the rest is shared with the parent version).
     """
 
     collection: str

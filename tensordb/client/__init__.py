@@ -20,6 +20,7 @@ from ._kv_events import (
 )
 from ._kv_namespace import KVNodeSummary
 from ._maintenance import Corruption, GcReport, ScrubReport
+from ._model_files import CHECKOUT_MARKER
 from ._orphans import ShmArea, find_areas, remove_area
 from ._placement import EvictReport
 from ._safetensors import export_safetensors, import_safetensors
@@ -28,6 +29,7 @@ from ._snapshot import Shard, Snapshot
 from ._transaction import Transaction
 
 __all__ = [
+    "CHECKOUT_MARKER",
     "INDEX_NAME",
     "LAYOUT_KEY",
     "MAX_HEADER_SIZE",

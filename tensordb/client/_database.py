@@ -14,6 +14,7 @@ and pre-faulted buffers are not carried across fork).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
@@ -35,6 +36,7 @@ from ._cluster import Cluster
 from ._inputs import check_name
 from ._kv_cache import KVCache
 from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
+from ._model_files import CHECKOUT_MARKER, write_files
 from ._notify import notifier_for, watch
 from ._object_store import is_object_url
 from ._orphans import record_owner
@@ -441,6 +443,26 @@ class Database:
         self._check_open()
         return run_export(self, self._tiers.marks, collection, out_dir, version=version,
                           progress=progress)
+
+    def checkout(self, collection: str, out_dir: str | os.PathLike[str], *,
+                 version: int | None = None, tag: str | None = None) -> Path:
+        """Write a version's files (its config, tokenizer, chat templates) into
+        ``out_dir`` and a marker, ``tensordb.json``, naming the version and this store:
+        an engine started on the folder with ``--load-format tensordb`` reads the
+        weights from the store, with no weight file on disk. Returns the folder."""
+        self._check_open()
+        with self.snapshot(collection, version=version, tag=tag) as snap:
+            files = {n: snap.file(n) for n in snap.files()}  # checked: CorruptData
+            v = snap.version
+        out = Path(out_dir)
+        if out.exists() and not out.is_dir():
+            raise InvalidInput(f"{out}: exists and is not a folder", collection=collection)
+        c = self.config
+        marker = {"collection": collection, "version": v, "url": c.catalog_url,
+                  "home": str(c.home), "data_dir": str(c.data_dir), "node": c.node}
+        out.mkdir(parents=True, exist_ok=True)
+        write_files(out, {**files, CHECKOUT_MARKER: json.dumps(marker, indent=2).encode()})
+        return out
 
     def kv(self, namespace: str, block_tokens: int = 256, **opts: Any) -> KVCache:
         """The KV block store of ``namespace`` on this node (one model / KV layout):

@@ -34,6 +34,7 @@ import storage_engine as se
 from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
+from ._model_files import FILES_ROW, folder_files, write_files
 from ._puts import FileRange
 from ._safetensors_format import (
     F4,
@@ -54,6 +55,7 @@ from ._write import InPlaceFile
 
 if TYPE_CHECKING:
     from ._database import Database
+    from ._transaction import Transaction
 
 __all__ = ["CommitInPlace", "export_safetensors", "import_safetensors", "run_export",
            "run_import"]
@@ -153,8 +155,8 @@ def version_plan(db: Database, collection: str, headers: list[Header], index: In
                  ) -> tuple[dict[str, str], list[str]]:
     """What an import of ``headers`` commits beside the tensors: the commit's metadata
     (``__metadata__`` of the first file, and the layout), and the names of the head
-    that the files lack (deleted in the new version). CorruptData when the files and
-    the index disagree."""
+    that the files lack (deleted in the new version; ``FILES_ROW`` where the head has
+    files). CorruptData when the files and the index disagree."""
     owner = owners(headers, index)
     meta: dict[str, str] = dict(headers[0].metadata or {}) if headers else {}
     meta[LAYOUT_KEY] = json.dumps(layout(headers, index), separators=(",", ":"),
@@ -163,9 +165,24 @@ def version_plan(db: Database, collection: str, headers: list[Header], index: In
     try:  # one catalog look-up, not a listing of every collection
         with db.snapshot(collection) as snap:
             stale = [n for n in snap if n not in owner]
+            if snap.files():  # the head's files go too, unless the import brings its own
+                stale.append(FILES_ROW)
     except NotFound:  # a new collection (or one with no version yet)
         pass
     return meta, stale
+
+
+def finish_version(tx: Transaction, stale: list[str], files: dict[str, bytes]) -> None:
+    """An import's last puts: delete the head's ``stale`` names (``version_plan``), and
+    make ``files`` the version's files (none, where the head had some: ``FILES_ROW``
+    among the stale)."""
+    for name in stale:
+        if name == FILES_ROW:
+            tx.put_files({})
+        else:
+            tx.delete(name)
+    if files:
+        tx.put_files(files)
 
 
 def import_safetensors(db: Database, collection: str, path: str | os.PathLike[str],
@@ -223,6 +240,9 @@ def _import(db: Database, commit_in_place: CommitInPlace, collection: str,
         headers = _open_headers(files, fds)
         meta, stale = version_plan(db, collection, headers, index)
         source = index.path.parent if index is not None else files[0]
+        folder = Path(path) if Path(path).is_dir() else \
+            Path(index.path.parent) if index is not None else None
+        extra = folder_files(folder) if folder is not None and not in_place else {}
         total = sum(h.nbytes for h in headers)
         if in_place:
             return _import_in_place(commit_in_place, collection, headers, fds, stale,
@@ -237,8 +257,7 @@ def _import(db: Database, commit_in_place: CommitInPlace, collection: str,
                         tx.put_file_range(e.name, e.dtype, e.shape,
                                           FileRange(fd, h.data_start + e.begin, str(h.path),
                                                     advance))
-                for name in stale:
-                    tx.delete(name)
+                finish_version(tx, stale, extra)
         assert tx.result is not None
         return tx.result
     finally:
@@ -491,6 +510,7 @@ def run_export(db: Database, marks: se.Marks, collection: str,
         tensors: Mapping[str, torch.Tensor] = {**state, **sharded} if sharded else state
         for n, ext in snap.extents().items():
             extents[n] = None if n in sharded else ext
+        model_files = {n: snap.file(n) for n in snap.files()}  # checked: CorruptData
     out.mkdir(parents=True, exist_ok=True)
     total = sum(n for f in files for _, _, n in f.tensors)
     written: list[Path] = []
@@ -521,6 +541,7 @@ def run_export(db: Database, marks: se.Marks, collection: str,
             os.close(fd)
             os.replace(tmp, final)
             written.append(final)
+        written += write_files(out, model_files)
         if index is not None:
             final = out / index[0]
             tmp = out / f".{index[0]}.{uuid.uuid4().hex[:8]}.tmp"

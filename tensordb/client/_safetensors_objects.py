@@ -34,9 +34,17 @@ import storage_engine as se
 from tensordb.catalog import Commit
 from tensordb.errors import CorruptData, InvalidInput, NotFound
 
+from ._model_files import (
+    CHECKOUT_MARKER,
+    FILES_ROW,
+    MAX_FILE_BYTES,
+    check_files,
+    is_weight_file,
+    pack_files,
+)
 from ._object_store import ObjectInfo, ObjectStore
 from ._puts import Extents, GroupSpec, RawPut, ShardPut
-from ._safetensors import progress_bar, version_plan
+from ._safetensors import finish_version, progress_bar, version_plan
 from ._safetensors_format import INDEX_NAME, Entry, Header, Index, parse_header, parse_index
 
 if TYPE_CHECKING:
@@ -93,18 +101,21 @@ def run_object_import(db: Database, parts: PartCommits, default_tier: str, colle
         raise InvalidInput(f"pending_ttl must be seconds in (0, 2592000], not "
                            f"{pending_ttl!r}", collection=collection)
     with ObjectStore(url, storage_options) as store, se.gc_paused():
-        objects, index = _resolve(store)
+        objects, index, extras = _resolve(store)
         headers = list(store.pool.map(lambda o: _header(store, o), objects))
         meta, stale = version_plan(db, collection, headers, index)
+        files = _fetch_files(store, extras, url) if extras else {}
+        if files:  # the folder's files replace the head's
+            stale = [n for n in stale if n != FILES_ROW]
         batches = _batches(objects, headers, batch_bytes)
         if not batches:  # no tensor has bytes to fetch: one ordinary commit
             with db.transaction(collection, message=message or f"import {url}", tier=tier,
                                 metadata=meta) as tx:
-                for n in stale:
-                    tx.delete(n)
+                finish_version(tx, stale, files)
             assert tx.result is not None
             return tx.result
-        digest = _source_digest(collection, url, objects, tier or default_tier)
+        digest = _source_digest(collection, url, [*objects, *extras.values()],
+                                tier or default_tier)
         prefix = f"{_GROUP_PREFIX}{digest}:"
         pending = parts.open_groups(collection, prefix)
         name, done = None, set()
@@ -126,10 +137,12 @@ def run_object_import(db: Database, parts: PartCommits, default_tier: str, colle
                 spec = GroupSpec(name, i, max(1, len(batches)), float(pending_ttl))
                 parts.join_group(collection, spec)
                 fetch = _fetch_batch(store, advance)
-                puts = {e.name: RawPut(e.dtype, e.shape, e.end - e.begin, _never, many=fetch,
+                puts: dict[str, torch.Tensor | RawPut] = {e.name: RawPut(e.dtype, e.shape, e.end - e.begin, _never, many=fetch,
                                        tag=(o, h.data_start + e.begin, e.name))
                         for o, h, e in batches[i]}
                 first = i == 0
+                if first and files:
+                    puts[FILES_ROW] = torch.from_numpy(pack_files(files))
                 result = parts.commit_part(
                     collection, spec, puts, {}, set(stale) if first else set(),
                     (message or label) if first else None, tier or default_tier,
@@ -148,30 +161,60 @@ def _source_digest(collection: str, url: str, objects: list[ObjectInfo], tier: s
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 
 
-def _resolve(store: ObjectStore) -> tuple[list[ObjectInfo], Index | None]:
+def _resolve(store: ObjectStore) -> tuple[list[ObjectInfo], Index | None,
+                                          dict[str, ObjectInfo]]:
     """The objects to import: one ``.safetensors`` object, or a folder (a prefix ending
-    in ``/``, or naming one) with its index or exactly one ``.safetensors`` object."""
+    in ``/``, or naming one) with its index or exactly one ``.safetensors`` object; and
+    a folder's other objects (its files: config, tokenizer) by name."""
     prefix = store.prefix
     if prefix and not prefix.endswith("/"):
         if prefix.endswith(".safetensors"):
-            return [store.head(prefix)], None
+            return [store.head(prefix)], None, {}
         if prefix.endswith(".json"):
-            return _sharded(store, store.head(prefix), prefix.rpartition("/")[0])
+            folder = prefix.rpartition("/")[0]
+            listed = _listed(store, folder + "/")
+            return (*_sharded(store, store.head(prefix), folder, listed),
+                    _extras(listed))
         prefix += "/"
-    listed = {o.key.rpartition("/")[2]: o for o in store.children(prefix)}
+    listed = _listed(store, prefix)
     if not listed:
         raise NotFound(f"s3://{store.bucket}/{prefix}: no such object or folder")
     if INDEX_NAME in listed:
-        return _sharded(store, listed[INDEX_NAME], prefix.rstrip("/"), listed)
+        return (*_sharded(store, listed[INDEX_NAME], prefix.rstrip("/"), listed),
+                _extras(listed))
     indexes = sorted(k for k in listed if k.endswith(".safetensors.index.json"))
     files = sorted(k for k in listed if k.endswith(".safetensors"))
     if len(indexes) == 1:
-        return _sharded(store, listed[indexes[0]], prefix.rstrip("/"), listed)
+        return (*_sharded(store, listed[indexes[0]], prefix.rstrip("/"), listed),
+                _extras(listed))
     if not indexes and len(files) == 1:
-        return [listed[files[0]]], None
+        return [listed[files[0]]], None, _extras(listed)
     raise InvalidInput(f"s3://{store.bucket}/{prefix}: a folder to import needs {INDEX_NAME} "
                        f"(or exactly one *.safetensors object); found {len(indexes)} index "
                        f"object(s) and {len(files)} .safetensors object(s)")
+
+
+def _listed(store: ObjectStore, folder: str) -> dict[str, ObjectInfo]:
+    return {o.key.rpartition("/")[2]: o for o in store.children(folder)}
+
+
+def _extras(listed: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+    """A folder's objects that are files of the version, not weights."""
+    return {n: o for n, o in listed.items()
+            if n and not n.startswith(".") and not is_weight_file(n) and n != CHECKOUT_MARKER}
+
+
+def _fetch_files(store: ObjectStore, extras: dict[str, ObjectInfo], where: str
+                 ) -> dict[str, bytes]:
+    """The folder's files, fetched in parallel and checked (``check_files``)."""
+    for o in extras.values():
+        if o.size > MAX_FILE_BYTES:
+            raise InvalidInput(f"{o.path}: {o.size:,} bytes; a version's files hold at most "
+                               f"{MAX_FILE_BYTES:,} each")
+    names = sorted(extras)
+    got = list(store.pool.map(lambda n: store.read(extras[n], 0, extras[n].size, "file"),
+                              names))
+    return check_files(dict(zip(names, got, strict=True)), where)
 
 
 def _sharded(store: ObjectStore, obj: ObjectInfo, folder: str,

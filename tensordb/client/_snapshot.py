@@ -11,11 +11,12 @@ import torch
 
 import storage_engine as se
 from tensordb.arrow import LAYOUT, arrow_tensor, tensors_table
-from tensordb.catalog import Commit, Manifest, ShardRow, TensorRow, box_copies
+from tensordb.catalog import Commit, ShardRow, TensorRow, box_copies
 from tensordb.errors import InvalidInput, NotFound, StoreClosed
 
 from ._boxes import int_list, rank_box, run_of
 from ._inputs import torch_dtype
+from ._model_files import FILES_ROW, TensorRows, file_bytes, read_index
 from ._read import Reader
 
 __all__ = ["Shard", "Snapshot", "StateDict", "tensors_arrow"]
@@ -69,7 +70,7 @@ class Snapshot:
         self._verify = verify
         self._lease, info, self.version, rows = self._catalog.open_snapshot(
             collection, version, tag, se.current_holder(), lease_ttl)
-        self._rows: Manifest = rows
+        self._rows = TensorRows(rows)  # the version's files are not among its tensors
         self._cache: dict[str, torch.Tensor] = {}
         self._maps: dict[str, se.SegmentView] = {}
         self._cid = info.id
@@ -106,6 +107,32 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return self._rows.nbytes
+
+    def files(self) -> dict[str, int]:
+        """The version's files (a model folder's configs, tokenizer, chat templates:
+        ``Transaction.put_files``), name -> bytes. Maps nothing until one is read."""
+        self._check()
+        row = self._rows.files_row
+        return {} if row is None else {
+            n: e.nbytes for n, e in read_index(self._files_pack(row), self._where())[1].items()}
+
+    def file(self, name: str) -> bytes:
+        """One file's bytes, checked against its checksum (CorruptData); NotFound where
+        the version has no such file."""
+        self._check()
+        row = self._rows.files_row
+        if row is None:
+            raise NotFound(f"{self._where()} has no file {name!r}", collection=self.collection,
+                           version=self.version)
+        return file_bytes(self._files_pack(row), name, self._where())
+
+    def _files_pack(self, row: TensorRow) -> np.ndarray:
+        got = self._reader.materialize(self.collection, [row], verify=self._verify,
+                                       maps=self._maps, shards=None)[FILES_ROW]
+        return got.numpy()
+
+    def _where(self) -> str:
+        return f"collection {self.collection!r} version {self.version}"
 
     @property
     def commit(self) -> Commit:

@@ -14,6 +14,7 @@ from tensordb.catalog import Commit
 from tensordb.errors import InvalidInput
 
 from ._inputs import DTYPES, check_name, dtype_name, numpy_to_torch, torch_dtype
+from ._model_files import FILES_ROW, check_files, pack_files
 from ._puts import FileRange, GroupSpec, RawPut, ShardPut
 
 if TYPE_CHECKING:
@@ -289,6 +290,21 @@ class Transaction:
             if self._shards:
                 for name in staged:
                     self._shards.pop(name, None)
+
+    def put_files(self, files: Mapping[str, bytes]) -> None:
+        """Make ``files`` (file name -> bytes: a model folder's ``config.json``, its
+        tokenizer, chat templates) the version's files, in place of those it had; an
+        empty mapping: none. Kept beside the tensors (``Snapshot.files``), each with its
+        checksum; a plain file name each, no weight file (those are tensors), at most
+        ``MAX_FILES`` of ``MAX_FILE_BYTES`` each, else InvalidInput."""
+        self._check()
+        checked = check_files(files, f"the files of {self.collection!r}")
+        if checked:
+            self._puts[FILES_ROW] = torch.from_numpy(pack_files(checked))
+            self._deletes.discard(FILES_ROW)
+        else:
+            self._puts.pop(FILES_ROW, None)
+            self._deletes.add(FILES_ROW)
 
     def delete(self, name: str) -> None:
         self._check()

@@ -34,6 +34,7 @@ from tensordb.catalog import (
 from tensordb.errors import CorruptData, GroupAborted, InvalidInput, NotFound, StoreFull
 
 from ._inputs import dtype_name
+from ._model_files import FILES_ROW
 from ._notify import Notifier
 from ._placement import Tiers
 from ._puts import Extents, FileRange, GroupSpec, RawPut, ShardPut, digest, source
@@ -226,6 +227,8 @@ class Writer:
         # of k tensors reads k rows whatever the collection's size
         live = (self.catalog.live(info.id, [*names, *deletes])
                 if info is not None and info.head else {})
+        if FILES_ROW in deletes and FILES_ROW not in live:  # no files to drop: nothing to do
+            deletes.discard(FILES_ROW)
         for name in sorted(deletes):
             if name not in live:
                 raise NotFound(f"cannot delete {name!r}: collection {collection!r} has no such "

@@ -440,3 +440,44 @@ def test_a_damaged_update_leaves_the_engine_serving_its_version(store: tensordb.
         assert tokens(generate(llm)) == before
         assert llm.collective_rpc("tensordb_weights_version") == [
             {"collection": "llama", "version": 1}]
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of the serving Llama's 512 ids (``w3`` .. ``w511``, and the
+    special tokens), made with ``tokenizers`` and saved as a Hugging Face one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "model_max_length": 512}))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2}))
+
+
+def test_an_engine_starts_from_a_checkout_folder_with_no_weight_file(
+        store: tensordb.Database, tmp_path: Path) -> None:
+    """A whole model folder (config, tokenizer, weights) imported, then checked out:
+    ``--load-format tensordb`` on the checkout (no weight file in it, no extra config:
+    its ``tensordb.json`` names the version) answers a text prompt as the engine on
+    the original folder does, tokenizer included."""
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+
+    folder = write_serving_config(tmp_path / "model")
+    save_file(serving_checkpoint(3), str(folder / "model.safetensors"))
+    _tiny_tokenizer(folder)
+    store.import_safetensors("llama", folder)
+    co = store.checkout("llama", tmp_path / "checkout")
+    assert not list(co.glob("*.safetensors"))
+    prompt = " ".join(f"w{(i * 7) % 500 + 3}" for i in range(40))
+    params = SamplingParams(max_tokens=8, temperature=0)
+    with serving(folder, skip_tokenizer_init=False) as llm:
+        (want,) = llm.generate([prompt], params, use_tqdm=False)
+    with serving(co, skip_tokenizer_init=False, load_format="tensordb") as llm:
+        (got,) = llm.generate([prompt], params, use_tqdm=False)
+    assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    assert got.outputs[0].text == want.outputs[0].text and got.outputs[0].text
