@@ -14,6 +14,7 @@ from tensordb.client import (  # the format lives in the store; re-exported here
     import_safetensors,
 )
 
+from ._adapters import adapter_folder
 from ._sync import UpdateReport, WeightUpdater
 from ._torch import (
     LoadReport,
@@ -25,6 +26,7 @@ from ._torch import (
 )
 
 __all__ = [
+    "adapter_folder",
     "INDEX_NAME",
     "LAYOUT_KEY",
     "MAX_HEADER_SIZE",

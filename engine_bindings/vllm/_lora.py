@@ -25,9 +25,7 @@ this one as ``tensordb``, its settings from the environment: ``TENSORDB_LORA_MAX
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import threading
 import zlib
 from pathlib import Path
@@ -39,12 +37,12 @@ from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
 import tensordb
 from tensordb.errors import InvalidInput, NotFound
 
+from .._adapters import adapter_folder, default_cache
 from .._engines import LoadSource, StoreLocation, open_store
 
-__all__ = ["ADAPTER_CONFIG", "RESOLVER_NAME", "TensorDBLoRAResolver", "register_lora_resolver"]
+__all__ = ["RESOLVER_NAME", "TensorDBLoRAResolver", "register_lora_resolver"]
 
 RESOLVER_NAME = "tensordb"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 class TensorDBLoRAResolver(LoRAResolver):
@@ -56,7 +54,7 @@ class TensorDBLoRAResolver(LoRAResolver):
             raise InvalidInput(f"max_lora_rank must be a positive int, not {max_lora_rank!r}")
         self.max_lora_rank = max_lora_rank
         self.location = StoreLocation.parse(location) if location is not None else None
-        self.cache_dir = Path(cache_dir or f"/dev/shm/tensordb-lora-{os.getuid()}")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache()
         self._lock = threading.Lock()
         #: (base, adapter name) -> (version, the request)
         self._resolved: dict[tuple[str, str], tuple[int, LoRARequest]] = {}
@@ -86,32 +84,9 @@ class TensorDBLoRAResolver(LoRAResolver):
 
     def _load(self, db: tensordb.Database, base: str, name: str, version: int
               ) -> LoRARequest:
-        with db.snapshot(name, version=version) as snap:
-            if ADAPTER_CONFIG not in snap.files():
-                raise InvalidInput(f"collection {name!r} v{version} is no LoRA adapter: it "
-                                   f"has no {ADAPTER_CONFIG}", collection=name)
-            try:
-                cfg = json.loads(snap.file(ADAPTER_CONFIG))
-                names_base, rank = cfg.get("base_model_name_or_path"), cfg["r"]
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise InvalidInput(f"{name!r} v{version}: {ADAPTER_CONFIG} is not a PEFT "
-                                   f"LoRA config: {exc!r}", collection=name) from None
-        if names_base != base:
-            raise InvalidInput(f"adapter {name!r} is for base {names_base!r}, but this engine "
-                               f"serves {base!r}", collection=name)
-        if not isinstance(rank, int) or rank > self.max_lora_rank:
-            raise InvalidInput(f"adapter {name!r} has rank {rank!r}, more than this engine's "
-                               f"max_lora_rank {self.max_lora_rank}", collection=name)
-        folder = self.cache_dir / f"{name.replace('/', '%2F')}@v{version}"
-        if not folder.is_dir():  # written beside, then renamed: never seen half-written
-            self.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.cache_dir / f".{folder.name}.{os.getpid()}.{threading.get_ident()}"
-            db.export_safetensors(name, tmp, version=version)
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another process wrote it first: the same bytes
-                shutil.rmtree(tmp, ignore_errors=True)
-        return LoRARequest(lora_name=name, lora_int_id=_int_id(name, version),
+        folder, v = adapter_folder(db, name, base=base, max_lora_rank=self.max_lora_rank,
+                                   version=version, cache_dir=self.cache_dir)
+        return LoRARequest(lora_name=name, lora_int_id=_int_id(name, v),
                            lora_path=str(folder), base_model_name=base)
 
 
@@ -128,6 +103,6 @@ def register_lora_resolver() -> bool:
     rank = os.environ.get("TENSORDB_LORA_MAX_RANK", "16")
     if not rank.isdigit() or int(rank) <= 0:
         raise InvalidInput(f"TENSORDB_LORA_MAX_RANK must be a positive int, not {rank!r}")
-    LoRAResolverRegistry.register_resolver(RESOLVER_NAME, TensorDBLoRAResolver(
-        max_lora_rank=int(rank), cache_dir=os.environ.get("TENSORDB_LORA_CACHE")))
+    LoRAResolverRegistry.register_resolver(RESOLVER_NAME,
+                                           TensorDBLoRAResolver(max_lora_rank=int(rank)))
     return True
