@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -110,6 +110,7 @@ class ObjectStore:
                                f"{exc}") from None
         self.endpoint = self._client.meta.endpoint_url
         self._pool = ThreadPoolExecutor(self.max_concurrency, "tensordb-s3")
+        self._prefetched: dict[str, Future[Any]] = {}
 
     def __enter__(self) -> ObjectStore:
         return self
@@ -124,6 +125,13 @@ class ObjectStore:
     @property
     def pool(self) -> ThreadPoolExecutor:
         return self._pool
+
+    def prefetch(self, key: str, fn: Callable[[], Any]) -> None:
+        """Start ``fn`` (a read of ``key``) on the pool now; ``prefetched`` hands it out."""
+        self._prefetched[key] = self._pool.submit(fn)
+
+    def prefetched(self, key: str) -> Future[Any] | None:
+        return self._prefetched.pop(key, None)
 
     def _path(self, key: str) -> ObjectPath:
         return ObjectPath(f"{self.bucket}/{key}")

@@ -20,6 +20,7 @@ its bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -102,7 +103,9 @@ def run_object_import(db: Database, parts: PartCommits, default_tier: str, colle
                            f"{pending_ttl!r}", collection=collection)
     with ObjectStore(url, storage_options) as store, se.gc_paused():
         objects, index, extras = _resolve(store)
-        headers = list(store.pool.map(lambda o: _header(store, o), objects))
+        heads = [store.prefetched(o.key) or store.pool.submit(_header, store, o)
+                 for o in objects]
+        headers = [cast(Header, f.result()) for f in heads]
         meta, stale = version_plan(db, collection, headers, index)
         files = _fetch_files(store, extras, url) if extras else {}
         if files:  # the folder's files replace the head's
@@ -223,9 +226,13 @@ def _sharded(store: ObjectStore, obj: ObjectInfo, folder: str,
     if obj.size > _MAX_INDEX:
         raise InvalidInput(f"{obj.path}: an index of {obj.size:,} bytes; at most "
                            f"{_MAX_INDEX:,} are read")
-    index = parse_index(obj.path, store.read(obj, 0, obj.size, "index"))
     if listed is None:
-        listed = {o.key.rpartition("/")[2]: o for o in store.children(folder + "/")}
+        listed = _listed(store, folder + "/")
+    # the shards' heads read while the index is: one round trip fewer before the data
+    for n, o in listed.items():
+        if n.endswith(".safetensors"):
+            store.prefetch(o.key, functools.partial(_header, store, o))
+    index = parse_index(obj.path, store.read(obj, 0, obj.size, "index"))
     out = []
     for n in sorted(set(index.weight_map.values())):
         if n not in listed:
@@ -279,13 +286,14 @@ def _fetch_batch(store: ObjectStore, advance: Callable[[int], None]
     """The fill of one batch's extents (``RawPut.many``): every tensor's ranges of
     ``part_size`` submitted at once to the object store's pool (``max_concurrency`` GETs
     in flight, each streamed into its place in the segment), then each tensor hashed in
-    order, part by part, as its parts land. Returns (or raises) only once no GET is
-    writing into the segment."""
+    order, part by part, as its parts land; a tensor of one part is hashed by its GET
+    as its bytes stream in, while they are in cache. Returns (or raises) only once no
+    GET is writing into the segment."""
 
     def fill(items: list[tuple[object, int, int]], extents: Extents) -> list[str]:
         part = store.part_size
-        plan: list[tuple[int, list[tuple[int, int, Future[None]]]]] = []
-        futs: list[Future[None]] = []
+        plan: list[tuple[int, list[tuple[int, int, Future[str | None]]]]] = []
+        futs: list[Future[str | None]] = []
         try:
             for tag, at, nbytes in items:
                 obj, start, name = cast(tuple[ObjectInfo, int, str], tag)
@@ -293,13 +301,19 @@ def _fetch_batch(store: ObjectStore, advance: Callable[[int], None]
                 for lo in range(0, nbytes, part):
                     hi = min(lo + part, nbytes)
                     f = store.pool.submit(_get_part, store, obj, start + lo, hi - lo,
-                                          extents, at + lo, name)
+                                          extents, at + lo, name, nbytes <= part)
                     futs.append(f)
                     cuts.append((lo, hi, f))
                 plan.append((at, cuts))
             sums = []
             scratch = memoryview(bytearray(se.HASH_PIECE))
             for at, cuts in plan:
+                if len(cuts) == 1:  # hashed by its GET
+                    digest = cuts[0][2].result()
+                    assert digest is not None
+                    sums.append(digest)
+                    advance(cuts[0][1])
+                    continue
                 hasher = se.Hasher()
                 for lo, hi, f in cuts:
                     f.result()
@@ -330,18 +344,29 @@ _pipes = threading.local()
 
 
 def _get_part(store: ObjectStore, obj: ObjectInfo, offset: int, nbytes: int,
-              extents: Extents, at: int, name: str) -> None:
+              extents: Extents, at: int, name: str, whole: bool) -> str | None:
     """One ranged GET of ``obj`` into the segment at ``at``: straight into its mapping,
-    or through a small buffer and ``pwrite``."""
+    or through a small buffer and ``pwrite``. ``whole``: the range is a whole tensor,
+    hashed here as it streams in; its checksum is returned."""
+    hasher = se.Hasher() if whole else None
     view = extents.view(at, nbytes)
     if view is not None:
         store.read_into(obj, offset, view, name)
-        return
-    buf = getattr(_pipes, "buf", None)
-    if buf is None:
-        buf = _pipes.buf = memoryview(bytearray(_PIPE))
-    store.read_stream(obj, offset, nbytes, buf, lambda pos, data: extents.write(at + pos, data),
-                      name)
+        if hasher is not None:
+            for a in range(0, nbytes, se.HASH_PIECE):
+                hasher.update(view[a:a + se.HASH_PIECE])
+    else:
+        buf = getattr(_pipes, "buf", None)
+        if buf is None:
+            buf = _pipes.buf = memoryview(bytearray(_PIPE))
+
+        def put(pos: int, data: memoryview) -> None:
+            extents.write(at + pos, data)
+            if hasher is not None:
+                hasher.update(data)
+
+        store.read_stream(obj, offset, nbytes, buf, put, name)
+    return hasher.hexdigest() if hasher is not None else None
 
 
 def _never(dst: np.ndarray) -> str:  # a put filled with its batch (``many``)

@@ -361,3 +361,19 @@ def sglang_rank(server_args: Any) -> Iterator[None]:
         destroy_model_parallel()
         destroy_distributed_environment()
         reset_context()
+
+
+def write_tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of the serving Llama's 512 ids (``w3`` .. ``w511``, and the
+    special tokens), made with ``tokenizers`` and saved as a Hugging Face one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "model_max_length": 512}))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2}))

@@ -19,7 +19,7 @@ import pytest
 import tensordb
 from tensordb.errors import NotFound
 
-from .engine_support import serving_checkpoint, write_serving_config
+from .engine_support import serving_checkpoint, write_serving_config, write_tiny_tokenizer
 
 pytestmark = [
     pytest.mark.engine("sglang"),
@@ -89,3 +89,35 @@ def test_engine_loads_from_the_store_and_pulls_an_update(store: tensordb.Databas
         with pytest.raises(NotFound):
             update_weights_from_tensordb(engine, store, "llama", version=9)
         assert tokens(engine) == want
+
+
+def test_an_engine_starts_from_a_checkout_folder_with_no_weight_file(
+        store: tensordb.Database, tmp_path: Path) -> None:
+    """SGLang on a ``tensordb checkout`` folder (config and tokenizer, no weight file,
+    no extra config: its ``tensordb.json`` names the version) answers a text prompt as
+    the engine on the original folder does."""
+    import sglang
+    from safetensors.torch import save_file
+
+    from engine_bindings.sglang import TensorDBModelLoader
+
+    folder = write_serving_config(tmp_path / "model")
+    save_file(serving_checkpoint(3), str(folder / "model.safetensors"))
+    write_tiny_tokenizer(folder)
+    store.import_safetensors("llama", folder)
+    co = store.checkout("llama", tmp_path / "checkout")
+    prompt = " ".join(f"w{(i * 7) % 500 + 3}" for i in range(40))
+    params = {"max_new_tokens": 8, "temperature": 0}
+    common: dict[str, Any] = dict(
+        device="cpu", dtype="float32", attention_backend="torch_native",
+        disable_cuda_graph=True, mem_fraction_static=0.05, max_total_tokens=4096,
+        page_size=1, log_level="warning", random_seed=0)
+    outs = []
+    for path, more in ((folder, {}), (co, {"load_format": TensorDBModelLoader})):
+        engine = sglang.Engine(model_path=str(path), **common, **more)
+        try:
+            outs.append(engine.generate(prompt, sampling_params=params))
+        finally:
+            engine.shutdown()
+    assert outs[0]["text"] and outs[1]["text"] == outs[0]["text"]
+    assert list(outs[1]["output_ids"]) == list(outs[0]["output_ids"])

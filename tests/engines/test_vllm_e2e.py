@@ -26,7 +26,12 @@ import torch
 import tensordb
 from tensordb.errors import InvalidInput
 
-from .engine_support import serving_checkpoint, why_no_forward, write_serving_config
+from .engine_support import (
+    serving_checkpoint,
+    why_no_forward,
+    write_serving_config,
+    write_tiny_tokenizer,
+)
 
 pytestmark = [
     pytest.mark.engine("vllm"),
@@ -442,22 +447,6 @@ def test_a_damaged_update_leaves_the_engine_serving_its_version(store: tensordb.
             {"collection": "llama", "version": 1}]
 
 
-def _tiny_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer of the serving Llama's 512 ids (``w3`` .. ``w511``, and the
-    special tokens), made with ``tokenizers`` and saved as a Hugging Face one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
-        "bos_token": "<s>", "eos_token": "</s>", "model_max_length": 512}))
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": 2}))
-
-
 def test_an_engine_starts_from_a_checkout_folder_with_no_weight_file(
         store: tensordb.Database, tmp_path: Path) -> None:
     """A whole model folder (config, tokenizer, weights) imported, then checked out:
@@ -469,7 +458,7 @@ def test_an_engine_starts_from_a_checkout_folder_with_no_weight_file(
 
     folder = write_serving_config(tmp_path / "model")
     save_file(serving_checkpoint(3), str(folder / "model.safetensors"))
-    _tiny_tokenizer(folder)
+    write_tiny_tokenizer(folder)
     store.import_safetensors("llama", folder)
     co = store.checkout("llama", tmp_path / "checkout")
     assert not list(co.glob("*.safetensors"))

@@ -112,7 +112,7 @@ def test_load_format_resolves_through_vllm_registry(store: tensordb.Database) ->
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ({}, "'collection'"),
+    ({"bucket": 1}, "'collection'"),
     ({"collection": "llama", "bucket": 1}, "'bucket'"),
     ({"collection": "llama", "version": 1, "tag": "t"}, "not both"),
     ({"collection": "llama", "version": "3"}, "version"),
@@ -127,6 +127,25 @@ def test_bad_extra_config_is_a_value_error(extra: dict[str, Any], needle: str) -
     with pytest.raises(ValueError, match=needle) as err:
         get_model_loader(LoadConfig(load_format="tensordb", model_loader_extra_config=extra))
     assert isinstance(err.value, InvalidInput)
+
+
+def test_no_extra_config_reads_the_model_folders_marker_or_says_what_is_missing(
+        store: tensordb.Database, model_dir: Path, tmp_path: Path) -> None:
+    """With no extra config the version is the one the model folder's ``tensordb.json``
+    (a ``tensordb checkout``) names; a folder without one is InvalidInput saying so."""
+    from types import SimpleNamespace
+
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(LoadConfig(load_format="tensordb"))
+    with pytest.raises(InvalidInput, match="'collection'.*tensordb checkout"):
+        loader.download_model(SimpleNamespace(model=str(model_dir)))  # type: ignore[arg-type]
+    store.commit("llama", checkpoint(1))
+    co = store.checkout("llama", tmp_path / "co")
+    loader.download_model(SimpleNamespace(model=str(co)))  # type: ignore[arg-type]
+    assert loader.source is not None and loader.source.collection == "llama"
+    assert loader.source.version == 1
 
 
 def test_download_model_checks_the_version_exists(store: tensordb.Database,
@@ -533,5 +552,6 @@ def test_extension_mixes_into_vllm_workers(qualname: str) -> None:
     worker_cls.__bases__ = worker_cls.__bases__ + (ext,)
     assert callable(worker_cls.update_weights_from_tensordb)
     # importing the extension registered the load format in the worker's process
-    with pytest.raises(InvalidInput, match="'collection'"):
-        get_model_loader(LoadConfig(load_format="tensordb"))
+    from engine_bindings.vllm import TensorDBModelLoader
+    assert isinstance(get_model_loader(LoadConfig(load_format="tensordb")),
+                      TensorDBModelLoader)
