@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import _verdict
+from benchmarks import _common, _verdict
 
 REGION = "us-east-1"
 BUCKET = "bench"
@@ -255,7 +255,8 @@ def run(mib: int, shards: int, reps: int) -> dict[str, Any]:
         upload(endpoint, folder)
         res: dict[str, Any] = {"mib": mib, "shards": shards, "tensor_bytes": nbytes,
                                "concurrency": CONCURRENCY, "part_bytes": PART,
-                               "loopback_gbps": loopback_gbps()}
+                               "loopback_gbps": loopback_gbps(),
+                               **_common.measure_populate()}
         runs: dict[str, list[float]] = {"raw": [], "tensordb": [], "runai": []}
         errors: dict[str, str] = {}
         for r in range(reps):  # interleaved, so a slow spell of the host hits all alike
@@ -339,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"objects from moto on 127.0.0.1 ({CONCURRENCY} GETs of "
                   f"{PART >> 20} MiB in flight); best of {a.reps}, each a fresh process")
     console.print(f"  loopback TCP, one stream    {res['loopback_gbps']:.2f} GB/s")
+    pop_s = res["tensor_bytes"] / (res["populate_1t_gbps"] * 1e9)
+    console.print(f"  shared memory: {_common.populate_text(res)} ({pop_s:.2f} s of one core "
+                  f"for these bytes, which the import pays and the raw GETs into anonymous "
+                  f"memory do not, beside the server on the same cores)")
     console.print(f"  raw parallel ranged GETs    {fig('raw')}")
     console.print(f"  tensordb import             {fig('tensordb')}")
     console.print(f"  Run:ai Model Streamer       {fig('runai')}")
