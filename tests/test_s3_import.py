@@ -460,3 +460,18 @@ def test_the_cli_imports_from_s3_with_credentials_from_the_environment(
     r = CliRunner(env=env).invoke(cli.app, ["--home", str(home), "import", "x", str(folder),
                                             "--resume"])
     assert r.exit_code != 0 and "s3://" in r.output
+
+
+def test_an_object_replaced_during_a_read_is_corrupt_data_never_mixed(s3: S3) -> None:
+    """Every GET names the ETag read at the start (If-Match): bytes of a newer object
+    are refused, not mixed with the old one's."""
+    from tensordb.client._object_store import ObjectStore
+
+    c = s3.client()
+    c.put_object(Bucket=s3.bucket, Key="swap/x.bin", Body=b"a" * 1000)
+    with ObjectStore(f"s3://{s3.bucket}/swap/", s3.options()) as store:
+        obj = store.head("swap/x.bin")
+        assert store.read(obj, 10, 5, "probe") == b"aaaaa"
+        c.put_object(Bucket=s3.bucket, Key="swap/x.bin", Body=b"b" * 1000)
+        with pytest.raises(CorruptData, match="changed"):
+            store.read(obj, 10, 5, "probe")
