@@ -166,7 +166,7 @@ def run_import(endpoint: str, home: str) -> dict[str, float]:
         with db.snapshot("model") as snap:
             nbytes = sum(nb for _, _, nb in snap.info().values())
     finally:
-        db.close()
+        _common.remove_store(db)
     return {"seconds": seconds, "bytes": float(nbytes)}
 
 
@@ -243,7 +243,7 @@ def identical(endpoint: str, folder: Path, work: Path) -> bool:
             p.read_bytes() == (folder / p.name).read_bytes() ==
             (work / "out-local" / p.name).read_bytes() for p in a)
     finally:
-        db.close()
+        _common.remove_store(db)
 
 
 def run(mib: int, shards: int, reps: int) -> dict[str, Any]:

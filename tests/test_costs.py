@@ -450,6 +450,7 @@ for b in range(int(sys.argv[2])):
     kv.put(keys, blocks)
 print("done", flush=True)
 kv.destroy(); db.close()
+import shutil; shutil.rmtree(db.config.shm_dir, ignore_errors=True)  # its pool too
 """
 
 
