@@ -377,3 +377,27 @@ def write_tiny_tokenizer(folder: Path) -> None:
         "bos_token": "<s>", "eos_token": "</s>", "model_max_length": 512}))
     (folder / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2}))
+
+
+def make_adapter(folder: Path, *, base: str, rank: int = 8, seed: int = 7) -> Path:
+    """A PEFT LoRA of the serving Llama (q and v projections), its weights random so
+    that it changes the outputs, saved by peft; ``base`` as its base model's name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in SERVING.items()
+                                         if k != "architectures"}))
+    hf.load_state_dict(serving_checkpoint(3))
+    pm = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                       target_modules=["q_proj", "v_proj"], bias="none",
+                                       task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    pm.save_pretrained(str(folder))
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = base  # peft leaves it None for a model from a config
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

@@ -19,7 +19,12 @@ import pytest
 import tensordb
 from tensordb.errors import NotFound
 
-from .engine_support import serving_checkpoint, write_serving_config, write_tiny_tokenizer
+from .engine_support import (
+    make_adapter,
+    serving_checkpoint,
+    write_serving_config,
+    write_tiny_tokenizer,
+)
 
 pytestmark = [
     pytest.mark.engine("sglang"),
@@ -121,3 +126,48 @@ def test_an_engine_starts_from_a_checkout_folder_with_no_weight_file(
             engine.shutdown()
     assert outs[0]["text"] and outs[1]["text"] == outs[0]["text"]
     assert list(outs[1]["output_ids"]) == list(outs[0]["output_ids"])
+
+
+def test_an_adapter_from_the_store_serves_as_from_its_folder(
+        store: tensordb.Database, tmp_path: Path) -> None:
+    """A peft LoRA imported as a collection, checked and written out by
+    ``adapter_folder``, loaded into a running engine with ``load_lora_adapter``: the
+    same outputs as the adapter loaded from its own folder, not the base's."""
+    pytest.importorskip("peft", reason="the adapter is made with peft")
+    import torch
+    if not torch.cuda.is_available():  # its LoRA layers put their offsets on the GPU
+        pytest.skip("SGLang 0.5.23's LoRA layers need CUDA (sglang/srt/lora/layers.py "
+                    "makes their offsets on the device): no CPU path to test here")
+    import sglang
+    from safetensors.torch import save_file
+
+    from engine_bindings import adapter_folder
+    from engine_bindings.sglang import TensorDBModelLoader
+
+    base = write_serving_config(tmp_path / "base")
+    save_file(serving_checkpoint(3), str(base / "model.safetensors"))
+    store.import_safetensors("llama", base)
+    adapter = make_adapter(tmp_path / "adapter", base="llama")
+    store.import_safetensors("my-lora", adapter)
+    co = store.checkout("llama", tmp_path / "co")
+    folder, _ = adapter_folder(store, "my-lora", base="llama", max_lora_rank=8,
+                               cache_dir=tmp_path / "cache")
+    engine = sglang.Engine(
+        model_path=str(co), load_format=TensorDBModelLoader, skip_tokenizer_init=True,
+        device="cpu", dtype="float32", attention_backend="torch_native",
+        disable_cuda_graph=True, mem_fraction_static=0.05, max_total_tokens=4096,
+        page_size=1, log_level="warning", random_seed=0, enable_lora=True,
+        max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"], max_loras_per_batch=2)
+    try:
+        engine.load_lora_adapter("from-store", str(folder))
+        engine.load_lora_adapter("from-folder", str(adapter))
+
+        def run(lora: str | None) -> list[int]:
+            out = engine.generate(input_ids=list(PROMPT), lora_path=lora, sampling_params={
+                "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+            return list(out["output_ids"])
+
+        plain, ours, theirs = run(None), run("from-store"), run("from-folder")
+    finally:
+        engine.shutdown()
+    assert ours == theirs and ours != plain
