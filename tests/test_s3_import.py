@@ -203,10 +203,11 @@ class Relay:
 
     def stop(self) -> None:
         self.stopped = True
-        try:
-            self.listener.close()
+        try:  # shutdown wakes the thread in accept(), which would keep the port bound
+            self.listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self.listener.close()
         with self._lock:
             socks, self._socks = self._socks, []
         for s in socks:

@@ -283,36 +283,25 @@ def _batches(objects: list[ObjectInfo], headers: list[Header], batch_bytes: int
 
 def _fetch_batch(store: ObjectStore, advance: Callable[[int], None]
                  ) -> Callable[[list[tuple[object, int, int]], Extents], list[str]]:
-    """The fill of one batch's extents (``RawPut.many``): every tensor's ranges of
-    ``part_size`` submitted at once to the object store's pool (``max_concurrency`` GETs
-    in flight, each streamed into its place in the segment), then each tensor hashed in
-    order, part by part, as its parts land; a tensor of one part is hashed by its GET
-    as its bytes stream in, while they are in cache. Returns (or raises) only once no
-    GET is writing into the segment."""
+    """The fill of one batch's extents (``RawPut.many``), every GET submitted at once to
+    the object store's pool (``max_concurrency`` in flight). Tensors that lie next to
+    each other in one object go in runs of up to ``WHOLE_PARTS`` parts, one GET each,
+    streamed into their extents and each tensor hashed as its bytes stream in (a GET
+    costs the server more than its bytes: a model's small tensors must not take one
+    each). A larger tensor is fetched in ``part_size`` parts in parallel and hashed in
+    order once they land. Returns (or raises) only once no GET is writing into the
+    segment."""
 
     def fill(items: list[tuple[object, int, int]], extents: Extents) -> list[str]:
-        part = store.part_size
-        plan: list[tuple[int, list[tuple[int, int, Future[str | None]]]]] = []
-        futs: list[Future[str | None]] = []
+        futs: list[Future[Any]] = []
         try:
-            for tag, at, nbytes in items:
-                obj, start, name = cast(tuple[ObjectInfo, int, str], tag)
-                cuts = []
-                for lo in range(0, nbytes, part):
-                    hi = min(lo + part, nbytes)
-                    f = store.pool.submit(_get_part, store, obj, start + lo, hi - lo,
-                                          extents, at + lo, name, nbytes <= part)
-                    futs.append(f)
-                    cuts.append((lo, hi, f))
-                plan.append((at, cuts))
-            sums = []
+            plan = _submit(store, items, extents, futs)
+            sums: list[str] = []
             scratch = memoryview(bytearray(se.HASH_PIECE))
-            for at, cuts in plan:
-                if len(cuts) == 1:  # hashed by its GET
-                    digest = cuts[0][2].result()
-                    assert digest is not None
-                    sums.append(digest)
-                    advance(cuts[0][1])
+            for run_f, cuts, at, nbytes in plan:
+                if run_f is not None:
+                    sums.extend(run_f.result())
+                    advance(nbytes)
                     continue
                 hasher = se.Hasher()
                 for lo, hi, f in cuts:
@@ -337,36 +326,100 @@ def _fetch_batch(store: ObjectStore, advance: Callable[[int], None]
     return fill
 
 
-#: bytes a GET streams through its thread's buffer when the segment is written through
-#: its descriptor (a buffer per pool thread, made once: its pages fault in once)
+#: what a batch's fill waits on, in segment order: a run's GET (its tensors'
+#: checksums) and its bytes, or a large tensor's parts (lo, hi, GET), its offset and size
+_Plan = list[tuple[Future[list[str]] | None, list[tuple[int, int, Future[Any]]], int, int]]
+
+
+def _submit(store: ObjectStore, items: list[tuple[object, int, int]], extents: Extents,
+            futs: list[Future[Any]]) -> _Plan:
+    """Every GET of a batch submitted (each also appended to ``futs``), in runs and
+    parts as ``_fetch_batch`` says."""
+    part = store.part_size
+    whole = WHOLE_PARTS * part
+    plan: _Plan = []
+    run: list[tuple[int, int]] = []  # (at, nbytes) of the tensors of the run so far
+    run_obj: ObjectInfo | None = None
+    run_start = run_end = 0
+
+    def close_run() -> None:
+        if run:
+            assert run_obj is not None
+            f = store.pool.submit(_get_run, store, run_obj, run_start, list(run), extents)
+            futs.append(f)
+            plan.append((f, [], 0, sum(n for _, n in run)))
+            run.clear()
+
+    for tag, at, nbytes in items:
+        obj, start, _ = cast(tuple[ObjectInfo, int, str], tag)
+        if nbytes > whole:  # in parts, in parallel
+            close_run()
+            cuts = []
+            for lo in range(0, nbytes, part):
+                hi = min(lo + part, nbytes)
+                f = store.pool.submit(_get_run, store, obj, start + lo, [(at + lo, hi - lo)],
+                                      extents, hash_it=False)
+                futs.append(f)
+                cuts.append((lo, hi, f))
+            plan.append((None, cuts, at, nbytes))
+            continue
+        if run and (obj is not run_obj or start != run_end
+                    or run_end - run_start + nbytes > whole):
+            close_run()
+        if not run:
+            run_obj, run_start, run_end = obj, start, start
+        run.append((at, nbytes))
+        run_end += nbytes
+    close_run()
+    return plan
+
+
+#: a tensor of at most this many parts is fetched whole, in a run with its neighbours
+#: (one GET, hashed as it streams in); a larger one in parts
+WHOLE_PARTS = 4
+
+#: bytes a GET streams through its thread's buffer (a buffer per pool thread, made
+#: once: its pages fault in once)
 _PIPE = 4 << 20
 _pipes = threading.local()
 
 
-def _get_part(store: ObjectStore, obj: ObjectInfo, offset: int, nbytes: int,
-              extents: Extents, at: int, name: str, whole: bool) -> str | None:
-    """One ranged GET of ``obj`` into the segment at ``at``: straight into its mapping,
-    or through a small buffer and ``pwrite``. ``whole``: the range is a whole tensor,
-    hashed here as it streams in; its checksum is returned."""
-    hasher = se.Hasher() if whole else None
-    view = extents.view(at, nbytes)
-    if view is not None:
-        store.read_into(obj, offset, view, name)
-        if hasher is not None:
-            for a in range(0, nbytes, se.HASH_PIECE):
-                hasher.update(view[a:a + se.HASH_PIECE])
-    else:
-        buf = getattr(_pipes, "buf", None)
-        if buf is None:
-            buf = _pipes.buf = memoryview(bytearray(_PIPE))
+def _pipe() -> memoryview:
+    buf = getattr(_pipes, "buf", None)
+    if buf is None:
+        buf = _pipes.buf = memoryview(bytearray(_PIPE))
+    return cast(memoryview, buf)
 
-        def put(pos: int, data: memoryview) -> None:
-            extents.write(at + pos, data)
-            if hasher is not None:
-                hasher.update(data)
 
-        store.read_stream(obj, offset, nbytes, buf, put, name)
-    return hasher.hexdigest() if hasher is not None else None
+def _get_run(store: ObjectStore, obj: ObjectInfo, start: int, dests: list[tuple[int, int]],
+             extents: Extents, *, hash_it: bool = True) -> list[str]:
+    """One ranged GET of the tensors lying from ``start`` in ``obj``, one after the
+    other, into their extents (``dests``: at, nbytes), each hashed as it streams in
+    (unless not ``hash_it``: a part of a tensor, hashed once all its parts landed);
+    their checksums."""
+    hashers = [se.Hasher() for _ in dests]
+    bounds = []  # the stream position each tensor begins at
+    pos = 0
+    for _, n in dests:
+        bounds.append(pos)
+        pos += n
+    k = 0
+
+    def put(p: int, data: memoryview) -> None:
+        nonlocal k
+        while data.nbytes:
+            while p >= bounds[k] + dests[k][1]:  # a tensor of 0 bytes, or one done
+                k += 1
+            at, n = dests[k]
+            take = min(data.nbytes, bounds[k] + n - p)
+            piece = data[:take]
+            extents.write(at + p - bounds[k], piece)
+            if hash_it:
+                hashers[k].update(piece)
+            data, p = data[take:], p + take
+
+    store.read_stream(obj, start, pos, _pipe(), put, f"{len(dests)} tensor(s)")
+    return [h.hexdigest() for h in hashers]
 
 
 def _never(dst: np.ndarray) -> str:  # a put filled with its batch (``many``)
