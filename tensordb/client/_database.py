@@ -426,7 +426,7 @@ class Database:
                 raise InvalidInput("an import from object storage cannot be in place",
                                    collection=collection)
             return run_object_import(
-                self, self._writer, self._writer.default_tier, collection, str(path),
+                self, self._writer, collection, str(path),
                 storage_options=storage_options, message=message, tier=tier,
                 progress=progress, resume=resume, batch_bytes=batch_bytes,
                 pending_ttl=pending_ttl)

@@ -2,10 +2,10 @@
 
 Every header (and the index) is read with ranged GETs and validated before anything is
 fetched, as the local import does. The tensors' bytes then go straight into the store's
-extents: each tensor is a ``put_raw`` fill that splits it into ``part_size`` ranges,
-fetches them in parallel on the object store's pool (``max_concurrency`` GETs in
-flight, each streamed into its place in the extent) and hashes them in order as they
-land, while the fills of other tensors run beside it.
+extents: one fill per batch (``RawPut.many``, ``_fetch_batch``) submits every GET at once
+to the object store's pool (``max_concurrency`` in flight), neighbouring tensors in runs
+of up to ``WHOLE_PARTS`` parts (one GET each, each tensor hashed as its bytes stream
+in), a larger tensor in ``part_size`` parts hashed in order once they land.
 
 An import is resumable. Its tensors are committed in batches of about ``batch_bytes``,
 each batch a part of one group commit (``Writer.commit_part``): the version appears,
@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -70,6 +71,8 @@ class PartCommits(Protocol):
     """What an object import needs beyond the public API: the writer's group parts,
     committed one at a time without waiting, kept open when one fails (``Writer``)."""
 
+    default_tier: str
+
     def join_group(self, collection: str, group: GroupSpec) -> int: ...
 
     def commit_part(self, collection: str, group: GroupSpec,
@@ -85,8 +88,7 @@ class PartCommits(Protocol):
     def ready_ranks(self, collection: str, group: str) -> set[int] | None: ...
 
 
-def run_object_import(db: Database, parts: PartCommits, default_tier: str, collection: str,
-                      url: str, *, storage_options: Mapping[str, Any] | None,
+def run_object_import(db: Database, parts: PartCommits, collection: str, url: str, *, storage_options: Mapping[str, Any] | None,
                       message: str | None, tier: str | None, progress: bool | None,
                       resume: bool, batch_bytes: int = BATCH_BYTES,
                       pending_ttl: float = PENDING_TTL) -> Commit:
@@ -117,8 +119,8 @@ def run_object_import(db: Database, parts: PartCommits, default_tier: str, colle
                 finish_version(tx, stale, files)
             assert tx.result is not None
             return tx.result
-        digest = _source_digest(collection, url, [*objects, *extras.values()],
-                                tier or default_tier)
+        tier = tier or parts.default_tier
+        digest = _source_digest(collection, url, [*objects, *extras.values()], tier)
         prefix = f"{_GROUP_PREFIX}{digest}:"
         pending = parts.open_groups(collection, prefix)
         name, done = None, set()
@@ -130,7 +132,7 @@ def run_object_import(db: Database, parts: PartCommits, default_tier: str, colle
                 parts.abort_group(collection, GroupSpec(old, 0, 1, pending_ttl),
                                   "a new import of the same source replaced it")
         if name is None:
-            name = f"{prefix}{se.current_holder()}:{np.random.default_rng().integers(1 << 62)}"
+            name = f"{prefix}{uuid.uuid4().hex}"
         label = f"import {url}"
         todo = [i for i in range(len(batches)) if i not in done]
         total = sum(sum(e.end - e.begin for _, _, e in batches[i]) for i in todo)
@@ -140,15 +142,16 @@ def run_object_import(db: Database, parts: PartCommits, default_tier: str, colle
                 spec = GroupSpec(name, i, max(1, len(batches)), float(pending_ttl))
                 parts.join_group(collection, spec)
                 fetch = _fetch_batch(store, advance)
-                puts: dict[str, torch.Tensor | RawPut] = {e.name: RawPut(e.dtype, e.shape, e.end - e.begin, _never, many=fetch,
-                                       tag=(o, h.data_start + e.begin, e.name))
-                        for o, h, e in batches[i]}
+                puts: dict[str, torch.Tensor | RawPut] = {
+                    e.name: RawPut(e.dtype, e.shape, e.end - e.begin, _never, many=fetch,
+                                   tag=(o, h.data_start + e.begin, e.name))
+                    for o, h, e in batches[i]}
                 first = i == 0
                 if first and files:
                     puts[FILES_ROW] = torch.from_numpy(pack_files(files))
                 result = parts.commit_part(
                     collection, spec, puts, {}, set(stale) if first else set(),
-                    (message or label) if first else None, tier or default_tier,
+                    (message or label) if first else None, tier,
                     meta if first else None, keep_open=True)
         if result is None:  # every batch had landed before: the group published then
             raise CorruptData(f"{collection}: the pending import {name!r} of {url} has "
@@ -221,13 +224,11 @@ def _fetch_files(store: ObjectStore, extras: dict[str, ObjectInfo], where: str
 
 
 def _sharded(store: ObjectStore, obj: ObjectInfo, folder: str,
-             listed: dict[str, ObjectInfo] | None = None
-             ) -> tuple[list[ObjectInfo], Index | None]:
+             listed: dict[str, ObjectInfo]) -> tuple[list[ObjectInfo], Index | None]:
+    """The shards the index ``obj`` names, each one of the folder's objects ``listed``."""
     if obj.size > _MAX_INDEX:
         raise InvalidInput(f"{obj.path}: an index of {obj.size:,} bytes; at most "
                            f"{_MAX_INDEX:,} are read")
-    if listed is None:
-        listed = _listed(store, folder + "/")
     # the shards' heads read while the index is: one round trip fewer before the data
     for n, o in listed.items():
         if n.endswith(".safetensors"):
