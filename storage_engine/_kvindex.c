@@ -50,7 +50,7 @@
 #include "_stream.h"
 
 #define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
-#define KV_VERSION 2
+#define KV_VERSION 3 /* 3: the table file has its own header */
 #define KEYMAX 32
 #define INLINE_META 40
 #define MAX_SLABS 1024
@@ -119,7 +119,7 @@ typedef struct {
     uint64_t capacity, slab_bytes;
     uint32_t eviction, gpu_seen;
     uint32_t table_gen, nslabs; /* slab slots ever used (high-water mark) */
-    uint64_t nbuckets, cap, bump, free_rec, nrecs;
+    uint64_t bump, free_rec, nrecs; /* records made, the free ones' chain, those in use */
     uint64_t spill_seq, write_epoch;
     uint64_t count[NCOUNTERS];
     queue_t q[NQ];
@@ -244,6 +244,55 @@ static void ev_put(Idx *s, int type, int medium, const uint8_t *key, uint32_t kl
                    const uint8_t *meta, uint32_t mlen);
 
 /* ---------------------------------------------------------------------------------- */
+/* fault injection (tests), as SQLite's test builds have: a named point in a step does
+ * what a test asked of it, once its count of hits runs out. Compiled in always: while
+ * no point is armed, a point costs one load of a flag that never changes. */
+
+enum { FP_OFF = 0, FP_KILL = 1, FP_SLEEP = 2 };
+typedef struct {
+    const char *name;
+    int action;
+    long arg;   /* FP_SLEEP: microseconds */
+    long after; /* hits before it acts (1: the next) */
+} fpoint_t;
+static fpoint_t fpoints[] = {
+    {"put.reserved", 0, 0, 0},  /* a put's chunks reserved, under the lock */
+    {"put.copied", 0, 0, 0},    /* its copies made, before the lock to publish */
+    {"put.publish", 0, 0, 0},   /* the first of its records published, under the lock */
+    {"read.copy", 0, 0, 0},     /* a batch read between its look-up and its copies */
+    {"grow.made", 0, 0, 0},     /* a table growth's new file written, not published */
+    {"grow.published", 0, 0, 0},/* the new table published, the old file not removed */
+    {"evict", 0, 0, 0},         /* a victim's record taken out of its queue */
+    {"spill.written", 0, 0, 0}, /* a victim's spill file written, its record not moved */
+    {"promote.read", 0, 0, 0},  /* a spilled block read back into a chunk, not published */
+    {"reclaim", 0, 0, 0},       /* a dead process's first chunk given back */
+};
+#define NFPOINTS (sizeof fpoints / sizeof fpoints[0])
+static int faults_armed;
+
+static void fault_hit(const char *name) {
+    for (size_t i = 0; i < NFPOINTS; i++) {
+        fpoint_t *f = &fpoints[i];
+        if (f->action == FP_OFF || strcmp(f->name, name) != 0)
+            continue;
+        if (__atomic_sub_fetch(&f->after, 1, __ATOMIC_RELAXED) > 0)
+            return;
+        if (f->action == FP_KILL)
+            kill(getpid(), SIGKILL); /* a crash: nothing of this process runs on */
+        else
+            usleep((useconds_t)f->arg);
+        if (f->after <= 0)
+            f->after = 1; /* a sleep acts at every hit from then on */
+        return;
+    }
+}
+#define FAULT(name)                                                                     \
+    do {                                                                                \
+        if (__builtin_expect(faults_armed, 0))                                          \
+            fault_hit(name);                                                            \
+    } while (0)
+
+/* ---------------------------------------------------------------------------------- */
 /* small helpers */
 
 static inline uint64_t mix64(uint64_t x) {
@@ -314,9 +363,26 @@ static inline rec_t *R(Idx *s, uint32_t i) { return &s->recs[i]; }
 /* ---------------------------------------------------------------------------------- */
 /* the table file */
 
+/* A table file starts with its own header: its sizes live with it, so that a growth
+ * publishes a new table with one store (the index's table_gen, written last) and a
+ * holder killed at any point of it leaves either the old table named, whole, or the new
+ * one, whole (a file made and not named is removed by the next growth). */
+#define TABLE_MAGIC 0x3162617462647374ULL /* "tsdbtab1" */
+typedef struct {
+    uint64_t magic;
+    uint32_t gen, pad;
+    uint64_t nbuckets, cap;
+    uint64_t spare[4];
+} thdr_t; /* 64 bytes: the buckets after it stay aligned */
+#define THDR_BYTES 64
+_Static_assert(sizeof(thdr_t) == THDR_BYTES, "a table header is 64 bytes");
+
 static size_t table_bytes(uint64_t nbuckets, uint64_t cap) {
-    return (size_t)(nbuckets * 8 + cap * sizeof(rec_t));
+    return (size_t)(THDR_BYTES + nbuckets * 8 + cap * sizeof(rec_t));
 }
+
+/* a new table file of the sizes, its header written (fd, or -1) */
+static int create_table(const char *path, uint32_t gen, uint64_t nb, uint64_t cap);
 
 static void table_path(Idx *s, uint32_t gen, char *out, size_t n) {
     snprintf(out, n, "%s/table-%u.kvx", s->root, gen);
@@ -333,13 +399,9 @@ static int table_sizes_ok(uint64_t nb, uint64_t cap) {
  * SIGBUS at the first touch) */
 static int map_table(Idx *s) {
     hdr_t *h = s->hdr;
-    uint32_t gen = h->table_gen;
-    uint64_t nb = h->nbuckets, cap = h->cap;
+    uint32_t gen = __atomic_load_n(&h->table_gen, __ATOMIC_ACQUIRE);
     char path[4096], file[64];
     snprintf(file, sizeof file, "table-%u.kvx", gen);
-    if (!table_sizes_ok(nb, cap))
-        return damaged(s, "index.kvx", "it names a table of %llu buckets and %llu records",
-                       (unsigned long long)nb, (unsigned long long)cap);
     table_path(s, gen, path, sizeof path);
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) {
@@ -347,12 +409,24 @@ static int map_table(Idx *s) {
             return damaged(s, file, "the table file the index names is missing");
         return -1;
     }
-    size_t size = table_bytes(nb, cap);
+    thdr_t th;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         close(fd);
         return -1;
     }
+    if ((uint64_t)st.st_size < THDR_BYTES || pread(fd, &th, sizeof th, 0) != sizeof th) {
+        close(fd);
+        return damaged(s, file, "it is %lld bytes: no table header", (long long)st.st_size);
+    }
+    uint64_t nb = th.nbuckets, cap = th.cap;
+    if (th.magic != TABLE_MAGIC || th.gen != gen || !table_sizes_ok(nb, cap)) {
+        close(fd);
+        return damaged(s, file, "its header says generation %u (named: %u), %llu buckets "
+                       "and %llu records", th.gen, gen, (unsigned long long)nb,
+                       (unsigned long long)cap);
+    }
+    size_t size = table_bytes(nb, cap);
     if ((uint64_t)st.st_size < size) {
         close(fd);
         return damaged(s, file, "it is %lld bytes; a table of %llu records is %zu",
@@ -366,8 +440,8 @@ static int map_table(Idx *s) {
         munmap(s->table, s->table_size);
     s->table = (char *)m;
     s->table_size = size;
-    s->buckets = (uint64_t *)m;
-    s->recs = (rec_t *)((char *)m + nb * 8);
+    s->buckets = (uint64_t *)((char *)m + THDR_BYTES);
+    s->recs = (rec_t *)((char *)m + THDR_BYTES + nb * 8);
     s->table_gen = gen;
     s->nb = nb;
     s->ncap = cap;
@@ -389,6 +463,26 @@ static int create_file(const char *path, size_t size) {
     return fd;
 }
 
+static int create_table(const char *path, uint32_t gen, uint64_t nb, uint64_t cap) {
+    int fd = create_file(path, table_bytes(nb, cap));
+    if (fd < 0)
+        return -1;
+    thdr_t th;
+    memset(&th, 0, sizeof th);
+    th.magic = TABLE_MAGIC;
+    th.gen = gen;
+    th.nbuckets = nb;
+    th.cap = cap;
+    if (pwrite(fd, &th, sizeof th, 0) != sizeof th) {
+        int e = errno ? errno : EIO;
+        close(fd);
+        unlink(path);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
 /* 0, or -1 when no bucket is free (the table holds at most half as many records as
  * buckets: only a damaged table is full) */
 static int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx) {
@@ -405,7 +499,7 @@ static int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t 
 /* double the records (and the buckets with them) into a new table file */
 static int grow(Idx *s) {
     hdr_t *h = s->hdr;
-    uint64_t cap = h->cap * 2, nb = h->nbuckets * 2;
+    uint64_t cap = s->ncap * 2, nb = s->nb * 2;
     if (nb > (1ULL << 32)) { /* a bucket's tag holds 32 bits of the hash: its home */
         errno = ENOSPC;
         return -1;
@@ -413,7 +507,7 @@ static int grow(Idx *s) {
     char path[4096];
     table_path(s, h->table_gen + 1, path, sizeof path);
     size_t size = table_bytes(nb, cap);
-    int fd = create_file(path, size);
+    int fd = create_table(path, h->table_gen + 1, nb, cap);
     if (fd < 0)
         return -1;
     char *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -422,10 +516,10 @@ static int grow(Idx *s) {
         unlink(path);
         return -1;
     }
-    uint64_t *buckets = (uint64_t *)m;
-    rec_t *recs = (rec_t *)(m + nb * 8);
+    uint64_t *buckets = (uint64_t *)(m + THDR_BYTES);
+    rec_t *recs = (rec_t *)(m + THDR_BYTES + nb * 8);
     memcpy(recs, s->recs, h->bump * sizeof(rec_t));
-    for (uint64_t b = 0; b < h->nbuckets; b++) {
+    for (uint64_t b = 0; b < s->nb; b++) {
         uint64_t v = s->buckets[b];
         if (v) {
             uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
@@ -440,19 +534,20 @@ static int grow(Idx *s) {
             }
         }
     }
+    FAULT("grow.made");
     char old[4096];
     table_path(s, h->table_gen, old, sizeof old);
+    /* published: one store, after everything it names is written */
+    __atomic_store_n(&h->table_gen, h->table_gen + 1, __ATOMIC_RELEASE);
     munmap(s->table, s->table_size);
     s->table = m;
     s->table_size = size;
     s->buckets = buckets;
     s->recs = recs;
-    h->nbuckets = nb;
-    h->cap = cap;
-    h->table_gen += 1;
     s->table_gen = h->table_gen;
     s->nb = nb;
     s->ncap = cap;
+    FAULT("grow.published");
     unlink(old); /* the others' mappings keep its pages until they remap */
     return 0;
 }
@@ -583,7 +678,7 @@ static int64_t rec_new(Idx *s) {
         }
         h->free_rec = R(s, i)->next;
     } else {
-        if (h->bump >= h->cap && grow(s) < 0)
+        if (h->bump >= s->ncap && grow(s) < 0)
             return -1;
         i = (uint32_t)h->bump++;
         R(s, i)->gen = 0;
@@ -1293,10 +1388,10 @@ static int spill(Idx *s, uint32_t i) {
     const char *src = base + (size_t)r->chunk * h->slabs[r->slab].csize;
     uint64_t seq = ++h->spill_seq;
     uint32_t slab = r->slab, chunk = r->chunk;
-    r->slab = (uint32_t)(seq >> 32);
-    r->chunk = (uint32_t)seq;
+    /* the record names its chunk until it names its file, with the state that says which
+     * (a holder killed before then leaves the block in the arena, the file an orphan) */
     char path[4096];
-    spill_path(s, r, path, sizeof path);
+    spill_file(s, r->key, r->klen, seq, path, sizeof path);
     /* metadata past the record goes after the bytes: a spilled block holds nothing of
      * the arena (its metadata's chunk kept the arena full of spilled blocks' metadata) */
     uint8_t *owned;
@@ -1308,10 +1403,10 @@ static int spill(Idx *s, uint32_t i) {
               (meta != NULL && write_all(fd, (const char *)meta, mlen) == 0));
     if (fd >= 0)
         close(fd);
+    if (ok)
+        FAULT("spill.written");
     if (!ok) {
         unlink(path);
-        r->slab = slab;
-        r->chunk = chunk;
         return -1;
     }
     ev_rec(s, EVT_REMOVED, MED_CPU, i);
@@ -1322,6 +1417,8 @@ static int spill(Idx *s, uint32_t i) {
         r->mslab = META_SPILLED;
         r->mchunk = 0;
     }
+    r->slab = (uint32_t)(seq >> 32);
+    r->chunk = (uint32_t)seq;
     r->state = S_DISK;
     r->gen++;
     q_push(s, Q_DISK, i);
@@ -1385,6 +1482,7 @@ static void evict(Idx *s, uint32_t i) {
     h->count[C_EVICTIONS]++;
     if (s->disk_root != NULL) {
         q_remove(s, i);
+        FAULT("evict");
         h->count[C_HOST_BLOCKS]--;
         h->count[C_HOST_BYTES] -= r->nbytes;
         if (spill(s, i) == 0)
@@ -1530,6 +1628,7 @@ static uint64_t reclaim_dead(Idx *s) {
         if (r->state == S_WRITING && r->writer && r->writer <= MAX_PROCS &&
                 (dead >> (r->writer - 1) & 1)) {
             release_chunk(s, r->slab, r->chunk);
+            FAULT("reclaim");
             meta_free(s, r);
             h_delete(s, i);
             rec_free(s, i);
@@ -1641,14 +1740,12 @@ static int hdr_check(Idx *s) {
         return damaged(s, "index.kvx", "%u slabs, eviction %u, publisher %u, a ring of "
                        "%llu bytes", h->nslabs, h->eviction, h->ev_pub,
                        (unsigned long long)h->ev_ring);
-    if (h->nbuckets != s->nb || h->cap != s->ncap || h->bump > h->cap ||
-            h->free_rec > h->bump || h->nrecs > h->bump)
-        return damaged(s, "index.kvx", "a table of %llu buckets and %llu records (of "
-                       "generation %u, mapped: %llu and %llu), %llu made, free from %llu",
-                       (unsigned long long)h->nbuckets, (unsigned long long)h->cap,
-                       h->table_gen, (unsigned long long)s->nb,
+    if (h->table_gen != s->table_gen || h->bump > s->ncap || h->free_rec > h->bump ||
+            h->nrecs > h->bump)
+        return damaged(s, "index.kvx", "table generation %u (mapped: %u, of %llu records), "
+                       "%llu made, free from %llu, %llu in use", h->table_gen, s->table_gen,
                        (unsigned long long)s->ncap, (unsigned long long)h->bump,
-                       (unsigned long long)h->free_rec);
+                       (unsigned long long)h->free_rec, (unsigned long long)h->nrecs);
     for (int q = 0; q < NQ; q++)
         if (h->q[q].head > h->bump || h->q[q].tail > h->bump || h->q[q].len > h->bump ||
                 (h->q[q].len == 0) != (h->q[q].head == 0))
@@ -1703,7 +1800,17 @@ static void unlock(Idx *s) { pthread_mutex_unlock(&s->hdr->lock); }
 /* everything derivable from the records, after a process died holding the lock */
 static void rebuild(Idx *s) {
     hdr_t *h = s->hdr;
-    memset(s->buckets, 0, h->nbuckets * 8);
+    memset(s->buckets, 0, s->nb * 8); /* the mapped table's: its own header's size */
+    { /* a growth's holder killed before it removed the old file, or before it named
+       * the new one */
+        char other[4096];
+        if (h->table_gen > 1) {
+            table_path(s, h->table_gen - 1, other, sizeof other);
+            unlink(other);
+        }
+        table_path(s, h->table_gen + 1, other, sizeof other);
+        unlink(other);
+    }
     memset(h->q, 0, sizeof h->q);
     for (int c = 0; c < NCOUNTERS; c++)
         if (c != C_HITS && c != C_MISSES && c != C_EVICTIONS && c != C_SPILLS &&
@@ -1744,7 +1851,7 @@ static void rebuild(Idx *s) {
                 r->mchunk < h->slabs[r->mslab].nchunks)
             used[r->mslab][r->mchunk / 8] |= (uint8_t)(1 << (r->mchunk % 8));
         if (r->state != S_ZOMBIE &&
-                h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen), i) < 0)
+                h_insert_raw(s->buckets, s->nb, khash(h, r->key, r->klen), i) < 0)
             table_damaged(s, "no bucket is free for record %u", i);
         if (r->state == S_HOST) {
             h->count[C_HOST_BLOCKS]++;
@@ -1929,12 +2036,10 @@ static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
         h->capacity = capacity;
         h->slab_bytes = slab_bytes;
         h->eviction = (uint32_t)eviction;
-        h->nbuckets = INITIAL_RECS * 2;
-        h->cap = INITIAL_RECS;
         h->table_gen = 1;
         char tpath[4096];
         table_path(s, 1, tpath, sizeof tpath);
-        int t = create_file(tpath, table_bytes(h->nbuckets, h->cap));
+        int t = create_table(tpath, 1, INITIAL_RECS * 2, INITIAL_RECS);
         if (t < 0) {
             munmap(h, sizeof *h);
             close(tfd);
@@ -1973,8 +2078,7 @@ static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (h->magic != KV_MAGIC || h->version != KV_VERSION || !h->ready ||
-            h->nbuckets == 0 || (h->nbuckets & (h->nbuckets - 1)) || h->cap == 0 ||
-            h->nslabs > MAX_SLABS || h->bump > h->cap || h->eviction > EV_S3FIFO) {
+            h->nslabs > MAX_SLABS || h->eviction > EV_S3FIFO) {
         munmap(h, sizeof *h);
         PyErr_Format(PyExc_ValueError, "damaged: %s is not a block index of this version",
                      path);
@@ -2160,7 +2264,27 @@ typedef struct {
     uint32_t idx, gen, slab, chunk;
     Py_ssize_t i;
     uint32_t untouched; /* a chunk of a fresh slab never written: its pages not made yet */
+    /* the chunk's address in this process's mapping and its size, taken under the lock
+     * where they were checked: the copies outside it never read the shared slab table,
+     * which another process may change meanwhile (a slab dropped and its slot made again
+     * with another chunk size would move the address outside this mapping) */
+    char *at;
+    uint64_t csize;
 } res_t;
+
+/* the address of a batch entry's chunk, under the lock after slab_check: 0, or -1 (the
+ * chunk lies outside the mapping: damage) */
+static int res_at(Idx *s, res_t *r, uint64_t nbytes) {
+    smap_t *m = &s->maps[r->slab];
+    uint64_t cs = s->hdr->slabs[r->slab].csize;
+    uint64_t off = (uint64_t)r->chunk * cs;
+    if (m->base == NULL || nbytes > cs || off > m->size || m->size - off < cs)
+        return damaged(s, "index.kvx", "slab %u: chunk %u of %llu bytes lies outside its "
+                       "%zu-byte file", r->slab, r->chunk, (unsigned long long)cs, m->size);
+    r->at = m->base + off;
+    r->csize = cs;
+    return 0;
+}
 
 /* the copies of a batch step, outside the lock and the GIL: on two threads (or as many
  * as the host has, at most four) when the batch is large enough to repay starting them
@@ -2181,7 +2305,6 @@ typedef struct {
 
 static void copy_range(copy_job_t *j) {
     Idx *s = j->s;
-    hdr_t *h = s->hdr;
     void *state = xxh_state_new();
     for (Py_ssize_t k = j->lo; k < j->hi; k++) {
         res_t *r = &j->res[k];
@@ -2199,7 +2322,7 @@ static void copy_range(copy_job_t *j) {
                                                                   : j->want[k];
             continue;
         }
-        char *chunk = s->maps[r->slab].base + (size_t)r->chunk * h->slabs[r->slab].csize;
+        char *chunk = r->at;
         if (j->mode == CP_PUT)
             j->sums[k] = state != NULL ? copy_hash_one(state, chunk, ext, n, j->stream_min) : 0;
         else if (j->mode == CP_READ)
@@ -2503,7 +2626,7 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
             rec_t *r = R(s, (uint32_t)f);
             r->klen = k[0];
             memcpy(r->key, k + 1, KEYMAX);
-            if (h_insert_raw(s->buckets, h->nbuckets, khash(h, r->key, r->klen),
+            if (h_insert_raw(s->buckets, s->nb, khash(h, r->key, r->klen),
                              (uint32_t)f) < 0) {
                 table_damaged(s, "no bucket of %llu is free", (unsigned long long)s->nb);
                 rec_free(s, (uint32_t)f);
@@ -2546,7 +2669,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
     }
     /* the chunks' files are whole before anything is written through the mappings */
     for (Py_ssize_t j = 0; j < nres && err == E_OK; j++)
-        if ((j == 0 || res[j].slab != res[j - 1].slab) && slab_check(s, res[j].slab) < 0)
+        if (((j == 0 || res[j].slab != res[j - 1].slab) && slab_check(s, res[j].slab) < 0) ||
+                res_at(s, &res[j], sizes[res[j].i]) < 0)
             err = E_IO;
     if (err != E_OK) {
         for (Py_ssize_t j = 0; j < nres; j++) {
@@ -2558,6 +2682,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         }
         nres = 0;
     }
+    if (nres)
+        FAULT("put.reserved");
     unlock(s);
     if (after != Py_None && nres) {
         Py_BLOCK_THREADS
@@ -2578,9 +2704,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         while (k < nres && res[k].untouched && res[k].slab == res[j].slab &&
                res[k].chunk == res[k - 1].chunk + 1)
             k++;
-        uint64_t cs = h->slabs[res[j].slab].csize;
-        uintptr_t lo = (uintptr_t)(s->maps[res[j].slab].base + (size_t)res[j].chunk * cs);
-        uintptr_t hi = (uintptr_t)(s->maps[res[j].slab].base + (size_t)(res[k - 1].chunk + 1) * cs);
+        uintptr_t lo = (uintptr_t)res[j].at;
+        uintptr_t hi = (uintptr_t)(res[k - 1].at + res[k - 1].csize);
         lo &= ~(uintptr_t)(PAGE - 1);
         if (hi - lo >= 16 * PAGE)
             madvise((void *)lo, hi - lo, 23 /* MADV_POPULATE_WRITE */);
@@ -2589,6 +2714,8 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
     /* the copies, outside the lock: writers copy in parallel */
     copy_job_t job = {s, res, sums, addrs, sizes, NULL, ks.keys, CP_PUT, 0, 0, 0};
     copy_all(job, nres);
+    if (nres)
+        FAULT("put.copied");
     if (nres && lock(s) == 0) {
         locked = 1;
         for (Py_ssize_t j = 0; j < nres; j++) {
@@ -2605,6 +2732,7 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
             h->count[C_HOST_BYTES] += r->nbytes;
             stored[res[j].i] = 1;
             ev_rec(s, EVT_STORED, MED_CPU, res[j].idx);
+            FAULT("put.publish");
         }
         unlock(s);
     }
@@ -2698,7 +2826,7 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     rec_t *r = R(s, i);
     if (s->disk_root == NULL)
         return 0;
-    uint32_t slot, chunk;
+    uint32_t slot, chunk, mslab = 0, mchunk = 0;
     /* allocation may evict (and spill) others, never this record: it is not HOST, and
      * out of the disk queue meanwhile, so a trim of the disk cannot drop it */
     q_remove(s, i);
@@ -2744,13 +2872,19 @@ static int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
             h->count[C_CORRUPT]++;
             return -1;
         }
-        r->mslab = ms;
-        r->mchunk = mc;
+        mslab = ms;
+        mchunk = mc;
     }
+    FAULT("promote.read");
     ev_rec(s, EVT_REMOVED, MED_STORAGE, i);
     unlink(path);
     h->count[C_DISK_BLOCKS]--;
     h->count[C_DISK_BYTES] -= r->nbytes;
+    /* the record names its chunks with the state that says so (see spill) */
+    if (r->meta_len > INLINE_META) {
+        r->mslab = mslab;
+        r->mchunk = mchunk;
+    }
     r->slab = slot;
     r->chunk = chunk;
     r->state = S_HOST;
@@ -2888,7 +3022,8 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             res[nres].untouched = 0;
             want[nres] = r->csum;
             /* a batch's blocks sit in a few slabs: one fstat each, not one a block */
-            if (r->slab != checked && slab_check(s, r->slab) < 0) {
+            if ((r->slab != checked && slab_check(s, r->slab) < 0) ||
+                    res_at(s, &res[nres], r->nbytes) < 0) {
                 ioerr = 1;
                 break;
             }
@@ -2908,6 +3043,8 @@ static PyObject *Idx_read_into(Idx *s, PyObject *args) {
             h->count[C_MISSES] += (uint64_t)(asked - hits);
         }
         unlock(s);
+        if (nres)
+            FAULT("read.copy");
         copy_job_t job = {s, res, sums, addrs, sizes, want, ks.keys,
                           verify ? CP_READ : CP_READ_NOVERIFY, 0, 0, 0};
         copy_all(job, nres);
@@ -3718,7 +3855,7 @@ static PyObject *Idx_stats(Idx *s, PyObject *unused) {
     if (r == 0) {
         memcpy(c, s->hdr->count, sizeof c);
         recs = s->hdr->nrecs;
-        cap = s->hdr->cap;
+        cap = s->ncap;
         unlock(s);
     }
     Py_END_ALLOW_THREADS
@@ -3882,6 +4019,185 @@ static PyObject *Idx_quiescent(Idx *s, PyObject *unused) {
 
 /* settings() -> (capacity, slab_bytes, eviction, gpu_seen): the first process's, and
  * whether any process gave the store a GPU tier */
+/* check() -> a list of the inconsistencies found (empty: none), for tests and tools:
+ * every structure the index keeps beside its records is compared with what the records
+ * say (buckets, free records, queues, chunks in use and free, counters) */
+#define CHECK_SAY(...)                                                                  \
+    do {                                                                                \
+        if (nsaid < 16)                                                                 \
+            snprintf(said[nsaid], sizeof said[0], __VA_ARGS__);                          \
+        nsaid++;                                                                        \
+    } while (0)
+static PyObject *Idx_check(Idx *s, PyObject *unused) {
+    (void)unused;
+    if (!usable(s))
+        return NULL;
+    char said[16][160];
+    int nsaid = 0, r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        uint64_t bump = h->bump, live = 0, in_buckets = 0, host_n = 0, host_b = 0,
+                 disk_n = 0, disk_b = 0;
+        /* buckets: each names a record of its key, found where it is */
+        for (uint64_t b = 0; b < s->nb; b++) {
+            uint64_t v = s->buckets[b];
+            if (!v)
+                continue;
+            in_buckets++;
+            uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
+            rec_t *rec = i < bump ? R(s, i) : NULL;
+            if (rec == NULL || rec->state == S_FREE || rec->state == S_ZOMBIE ||
+                    rec->klen == 0 || rec->klen > KEYMAX) {
+                CHECK_SAY("bucket %llu names record %u, which is free or of no key",
+                          (unsigned long long)b, i);
+                continue;
+            }
+            if (h_find(s, rec->key, rec->klen) != (int64_t)i)
+                CHECK_SAY("record %u is not found by its key", i);
+        }
+        /* records: those in use are in the buckets, counted once */
+        uint8_t *chunks[MAX_SLABS] = {0};
+        for (uint32_t k = 0; k < h->nslabs; k++)
+            if (h->slabs[k].live && slab_ok(h, &h->slabs[k]))
+                chunks[k] = calloc(h->slabs[k].nchunks, 1);
+        uint64_t qlen[NQ] = {0};
+        for (uint64_t j = 0; j < bump; j++) {
+            rec_t *rec = R(s, (uint32_t)j);
+            if (rec->state == S_FREE)
+                continue;
+            if (rec->state != S_ZOMBIE)
+                live++;
+            if (rec->queue > 0 && rec->queue <= NQ)
+                qlen[rec->queue - 1]++;
+            int holds = rec->state == S_WRITING || rec->state == S_HOST ||
+                        rec->state == S_ZOMBIE;
+            if (rec->state == S_WRITING &&
+                    (rec->writer == 0 || rec->writer > MAX_PROCS ||
+                     !h->procs[rec->writer - 1].used))
+                CHECK_SAY("record %llu is being written by process slot %u, which is gone "
+                          "(its chunk leaks)", (unsigned long long)j, rec->writer);
+            for (int p = 0; p < MAX_PROCS; p++)
+                if ((rec->readers >> p & 1) && !h->procs[p].used)
+                    CHECK_SAY("record %llu is leased by process slot %d, which is gone",
+                              (unsigned long long)j, p);
+            if (holds) {
+                if (!chunk_ok(h, rec->slab, rec->chunk, 0) || chunks[rec->slab] == NULL)
+                    CHECK_SAY("record %llu names chunk %u of slab %u, not a live one",
+                              (unsigned long long)j, rec->chunk, rec->slab);
+                else if (chunks[rec->slab][rec->chunk]++)
+                    CHECK_SAY("chunk %u of slab %u is held by two records", rec->chunk,
+                              rec->slab);
+                if (rec->meta_len > INLINE_META) {
+                    if (!chunk_ok(h, rec->mslab, rec->mchunk, 1) || chunks[rec->mslab] == NULL)
+                        CHECK_SAY("record %llu names metadata chunk %u of slab %u",
+                                  (unsigned long long)j, rec->mchunk, rec->mslab);
+                    else if (chunks[rec->mslab][rec->mchunk]++)
+                        CHECK_SAY("metadata chunk %u of slab %u is held twice", rec->mchunk,
+                                  rec->mslab);
+                }
+            }
+            if (rec->state == S_HOST) {
+                host_n++;
+                host_b += rec->nbytes;
+            } else if (rec->state == S_DISK) {
+                disk_n++;
+                disk_b += rec->nbytes;
+            }
+        }
+        if (live != in_buckets)
+            CHECK_SAY("%llu records in use, %llu in the buckets", (unsigned long long)live,
+                      (unsigned long long)in_buckets);
+        /* the free records' chain: free ones only, every free one */
+        uint64_t nfree = 0;
+        for (uint64_t f = h->free_rec; f && nfree <= bump; nfree++) {
+            rec_t *rec = f <= bump ? R(s, (uint32_t)f - 1) : NULL;
+            if (rec == NULL || rec->state != S_FREE) {
+                CHECK_SAY("the free records' chain reaches record %llu, not free",
+                          (unsigned long long)f - 1);
+                break;
+            }
+            f = rec->next;
+        }
+        uint64_t in_use = 0;
+        for (uint64_t j = 0; j < bump; j++)
+            in_use += R(s, (uint32_t)j)->state != S_FREE;
+        if (nfree + in_use != bump)
+            CHECK_SAY("%llu records made: %llu in use, %llu chained free",
+                      (unsigned long long)bump, (unsigned long long)in_use,
+                      (unsigned long long)nfree);
+        /* queues: as long as they say, each record in the one it names */
+        for (int q = 0; q < NQ; q++) {
+            uint64_t n = 0;
+            uint32_t prev = 0;
+            for (uint32_t l = h->q[q].head; l && n <= bump; n++) {
+                rec_t *rec = l <= bump ? R(s, l - 1) : NULL;
+                if (rec == NULL || rec->queue != q + 1 || rec->prev != prev) {
+                    CHECK_SAY("queue %d: record %u is not linked into it", q, l - 1);
+                    break;
+                }
+                prev = l;
+                l = rec->next;
+            }
+            if (n != h->q[q].len || qlen[q] != h->q[q].len || h->q[q].tail != prev)
+                CHECK_SAY("queue %d: %llu long, %llu walked, %llu records name it", q,
+                          (unsigned long long)h->q[q].len, (unsigned long long)n,
+                          (unsigned long long)qlen[q]);
+        }
+        /* chunks: in use as the records hold them; the rest made are chained free */
+        for (uint32_t k = 0; k < h->nslabs; k++) {
+            slab_t *sl = &h->slabs[k];
+            if (chunks[k] == NULL)
+                continue;
+            uint64_t held = 0, chained = 0;
+            for (uint32_t c = 0; c < sl->nchunks; c++)
+                held += chunks[k][c] != 0;
+            char *base = slab_base(s, k);
+            for (uint32_t c = sl->free_head; c && base != NULL && chained <= sl->nchunks;) {
+                if (c > sl->bump || chunks[k][c - 1]) {
+                    CHECK_SAY("slab %u: its free chain reaches chunk %u, held or not made", k,
+                              c - 1);
+                    break;
+                }
+                chunks[k][c - 1] = 2;
+                chained++;
+                memcpy(&c, base + (size_t)(c - 1) * sl->csize, 4);
+            }
+            if (held != sl->used || held + chained != sl->bump)
+                CHECK_SAY("slab %u: %u chunks made, %u in use; %llu held, %llu free", k,
+                          sl->bump, sl->used, (unsigned long long)held,
+                          (unsigned long long)chained);
+            free(chunks[k]);
+        }
+        if (host_n != h->count[C_HOST_BLOCKS] || host_b != h->count[C_HOST_BYTES] ||
+                disk_n != h->count[C_DISK_BLOCKS] || disk_b != h->count[C_DISK_BYTES])
+            CHECK_SAY("counters: %llu host blocks (%llu bytes), %llu on disk (%llu); the "
+                      "records: %llu (%llu), %llu (%llu)",
+                      (unsigned long long)h->count[C_HOST_BLOCKS],
+                      (unsigned long long)h->count[C_HOST_BYTES],
+                      (unsigned long long)h->count[C_DISK_BLOCKS],
+                      (unsigned long long)h->count[C_DISK_BYTES], (unsigned long long)host_n,
+                      (unsigned long long)host_b, (unsigned long long)disk_n,
+                      (unsigned long long)disk_b);
+        if (h->nrecs != in_use)
+            CHECK_SAY("%llu records counted, %llu in use", (unsigned long long)h->nrecs,
+                      (unsigned long long)in_use);
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0 || s->dmg)
+        return lock_error(s);
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out != NULL && i < nsaid && i < 16; i++) {
+        PyObject *u = PyUnicode_FromString(said[i]);
+        if (u == NULL || PyList_Append(out, u) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(u);
+    }
+    return out;
+}
+
 static PyObject *Idx_settings(Idx *s, PyObject *unused) {
     (void)unused;
     if (!usable(s))
@@ -4002,6 +4318,8 @@ static PyObject *py_size_class(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef Idx_methods[] = {
+    {"check", (PyCFunction)Idx_check, METH_NOARGS,
+     "check() -> the inconsistencies of the index with its records (empty: none)"},
     {"put", (PyCFunction)Idx_put, METH_VARARGS, NULL},
     {"match", (PyCFunction)Idx_match, METH_O, NULL},
     {"contains", (PyCFunction)Idx_contains, METH_O, NULL},
@@ -4153,7 +4471,58 @@ static PyObject *py_set_damage_error(PyObject *self, PyObject *cls) {
     Py_RETURN_NONE;
 }
 
+/* set_fault(point, action, arg=0, after=1): arm a fault point (tests) */
+static PyObject *py_set_fault(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name, *action;
+    long arg = 0, after = 1;
+    if (!PyArg_ParseTuple(args, "ss|ll", &name, &action, &arg, &after))
+        return NULL;
+    int a = strcmp(action, "off") == 0 ? FP_OFF : strcmp(action, "kill") == 0 ? FP_KILL
+          : strcmp(action, "sleep") == 0 ? FP_SLEEP : -1;
+    if (a < 0 || after < 1 || arg < 0) {
+        PyErr_Format(PyExc_ValueError, "a fault is off, kill or sleep (microseconds >= 0), "
+                     "after at least one hit: %s %ld after %ld", action, arg, after);
+        return NULL;
+    }
+    fpoint_t *f = NULL;
+    for (size_t i = 0; i < NFPOINTS; i++)
+        if (strcmp(fpoints[i].name, name) == 0)
+            f = &fpoints[i];
+    if (f == NULL) {
+        PyErr_Format(PyExc_ValueError, "no fault point %s", name);
+        return NULL;
+    }
+    f->action = a;
+    f->arg = arg;
+    f->after = after;
+    int armed = 0;
+    for (size_t i = 0; i < NFPOINTS; i++)
+        armed |= fpoints[i].action != FP_OFF;
+    faults_armed = armed;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fault_points(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    PyObject *t = PyTuple_New((Py_ssize_t)NFPOINTS);
+    for (size_t i = 0; t != NULL && i < NFPOINTS; i++) {
+        PyObject *u = PyUnicode_FromString(fpoints[i].name);
+        if (u == NULL) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, u);
+    }
+    return t;
+}
+
 static PyMethodDef kv_functions[] = {
+    {"set_fault", py_set_fault, METH_VARARGS,
+     "set_fault(point, action, arg=0, after=1): arm a fault point (tests): action off, "
+     "kill (SIGKILL) or sleep (arg microseconds), at the after-th hit"},
+    {"fault_points", py_fault_points, METH_NOARGS, "fault_points() -> the points' names"},
     {"set_damage_error", py_set_damage_error, METH_O,
      "set_damage_error(cls) -> what a damaged namespace raises: cls(path, reason)"},
     {"keys_fit", py_keys_fit, METH_O,

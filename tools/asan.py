@@ -7,7 +7,8 @@ one by tools/asan_plugin.py (a pytest plugin, `-p`, loaded before any test impor
 storage_engine), with the sanitizer runtimes preloaded into the interpreter. Any
 report aborts the process, so a finding fails the run. Leak detection is off: the
 interpreter itself keeps allocations until exit. Child processes the tests start load
-the ordinary build (only this process is instrumented).
+the ordinary build, except those of the race and kill-point tests, which load this one
+(they import asan_plugin where $TENSORDB_ASAN_LIB is set).
 
 Run:  .venv/bin/python tools/asan.py [pytest args...]   (default: the native-path tests)
 """
@@ -31,7 +32,8 @@ FLAGS = ["-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
 #: damaged KV files, opened in this process (not those counting page faults or mmap
 #: calls: the sanitizers' shadow memory takes both)
 TESTS = ["tests/test_first_write.py", "tests/test_kv.py", "tests/test_kv_batch.py",
-         "tests/test_kv_events.py", "tests/test_kv_fuzz.py", "tests/test_scale.py",
+         "tests/test_kv_events.py", "tests/test_kv_fuzz.py", "tests/test_kv_race.py",
+         "tests/test_kv_torture.py", "tests/test_scale.py",
          "tests/test_pool.py", "tests/test_costs.py", "-k",
          "not postgres and not fault and not filling"]
 
@@ -61,7 +63,10 @@ def main(argv: list[str]) -> int:
            "LD_PRELOAD": f"{runtime('libasan.so')}:{runtime('libubsan.so')}",
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
-           "TENSORDB_ASAN_LIB": str(lib), "PYTHONPATH": str(ROOT / "tools")}
+           "TENSORDB_ASAN_LIB": str(lib), "PYTHONPATH": str(ROOT / "tools"),
+           # the race and kill-point tests' children load this build too: longer here
+           "TENSORDB_KV_RACE_S": os.environ.get("TENSORDB_KV_RACE_S", "60"),
+           "TENSORDB_KV_TORTURE_RUNS": os.environ.get("TENSORDB_KV_TORTURE_RUNS", "5")}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "asan_plugin", *(argv or TESTS)]
     print(" ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode

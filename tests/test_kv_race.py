@@ -1,0 +1,145 @@
+"""Processes racing on one KV namespace: two writers churn blocks of 600 B to 1 MiB
+while two readers ``match`` / ``get`` / ``get_into`` the same keys.
+
+The writers' size band moves with the clock (both writers in step), so the arena fills
+with one chunk size, its slabs empty as those blocks are evicted or deleted, and come
+back in the same table slots with another chunk size: the window in which a reader's
+lock-free copy must not trust what the shared slab table says after it unlocked. Every
+block's bytes are a function of its key, so a reader checks each byte it is served.
+Every process loads the build the parent has (under ``make asan`` the instrumented one).
+
+The default suite runs a few seconds; ``make asan`` (tools/asan.py) runs it longer with
+every process on the instrumented build (``TENSORDB_KV_RACE_S``, 60 there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SECONDS = float(os.environ.get("TENSORDB_KV_RACE_S", "6"))
+#: the readers' fault point "read.copy" sleeps this long between a batch's look-up and
+#: its copies: the window in which the writers drop and remake slabs. On the build
+#: before the copies took their addresses under the lock, both readers died of SIGSEGV
+#: within 15 s (a chunk number times another slab's chunk size, outside the mapping)
+WINDOW_US = 2000
+
+_CODE = r"""
+import json, os, sys, time
+if os.environ.get("TENSORDB_ASAN_LIB"):
+    import asan_plugin  # noqa: F401  (the instrumented build, as in the parent)
+import numpy as np
+from storage_engine import BlockStore
+from storage_engine._kv_types import KVCorrupt
+
+role, root, seconds, seed = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+WINDOW_US = int(sys.argv[5])
+BANDS = (600, 1500, 5000, 9000, 40000, 130000, 600000, 1 << 20)
+COUNT = (3072, 1024, 256, 256, 96, 96, 96, 96)  # small blocks many: high chunk numbers
+FIRST = [sum(COUNT[:b]) for b in range(len(BANDS))]
+rng = np.random.default_rng(seed)
+store = BlockStore(root, capacity_bytes=16 << 20, slab_bytes=4 << 20)
+
+def key(i):
+    return b"race" + i.to_bytes(4, "little")
+
+def size(i):
+    return next(BANDS[b] for b in reversed(range(len(BANDS))) if i >= FIRST[b])
+
+def block(i):
+    b = np.full(size(i), i % 251, np.uint8)
+    b[:4] = np.frombuffer(i.to_bytes(4, "little"), np.uint8)
+    return b
+
+def band_now():
+    return int(time.monotonic() * 5) % len(BANDS)
+
+if role == "reader":  # a long window between a read's look-up and its copies
+    from storage_engine import _stream
+    _stream.set_fault("read.copy", "sleep", WINDOW_US)
+stats = {"ops": 0, "served": 0, "bad": 0, "full": 0}
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    band = band_now()
+    if role == "reader" and rng.random() < 0.5:
+        band = int(rng.integers(0, len(BANDS)))
+    ids = [int(x) for x in FIRST[band] + rng.choice(COUNT[band], 24, replace=False)]
+    if role == "reader" and rng.random() < 0.5:  # large copies first: a long window
+        ids = [int(x) for x in FIRST[7] + rng.choice(COUNT[7], 6, replace=False)] + ids
+    keys = [key(i) for i in ids]
+    stats["ops"] += 1
+    if role == "writer":
+        try:
+            store.put(keys, [block(i) for i in ids])
+        except Exception as exc:  # a full arena of pinned / leased blocks: try again
+            if type(exc).__name__ != "KVStoreFull":
+                raise
+            stats["full"] += 1
+        if rng.random() < 0.3:
+            store.delete(keys[: int(rng.integers(1, len(keys)))])
+        continue
+    store.match(keys)
+    store.contains(keys)
+    try:
+        if rng.random() < 0.5:
+            views = store.get(keys)
+            got = [(i, v.data) for i, v in zip(ids, views) if v is not None]
+        else:
+            outs = [np.empty(size(i), np.uint8) for i in ids]
+            found = store.get_into(keys, outs)
+            got = [(i, o) for i, o, f in zip(ids, outs, found) if f]
+    except KVCorrupt as exc:
+        stats["bad"] += len(exc.args[0]) if exc.args else 1
+        continue
+    for i, data in got:
+        stats["served"] += 1
+        if data.size != size(i) or not np.array_equal(data, block(i)):
+            stats["bad"] += 1
+    del got
+print(json.dumps({**stats, "slab_drops": store.index_stats().get("slab_drops", -1)}))
+store.close()
+"""
+
+
+def test_readers_racing_churning_writers_are_served_only_whole_blocks(tmp_path: Path
+                                                                       ) -> None:
+    root = Path("/dev/shm") / f"tensordb-kvrace-{os.getpid()}"
+    shutil.rmtree(root, ignore_errors=True)
+    script = tmp_path / "race.py"
+    script.write_text(_CODE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "tools"), *sys.path])}
+    roles = ["writer", "writer", "reader", "reader"]
+    try:
+        procs = [subprocess.Popen([sys.executable, str(script), role, str(root),
+                                   str(SECONDS), str(seed), str(WINDOW_US)],
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+                 for seed, role in enumerate(roles)]
+        results = []
+        for p, role in zip(procs, roles, strict=True):
+            out, err = p.communicate(timeout=SECONDS * 4 + 120)
+            assert p.returncode == 0, f"a {role} ended with {p.returncode}:\n{err[-4000:]}"
+            results.append((role, json.loads(out.strip().splitlines()[-1])))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    readers = [r for role, r in results if role == "reader"]
+    writers = [r for role, r in results if role == "writer"]
+    assert all(r["bad"] == 0 for r in readers), results
+    assert all(r["served"] > 0 for r in readers), results
+    assert all(w["ops"] > 0 for w in writers), results
+    # the churn did what it is for: slabs emptied and came back with other sizes
+    assert max(r["slab_drops"] for _, r in results) > 0, results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
