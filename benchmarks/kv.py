@@ -46,6 +46,9 @@ Then, ours alone:
   memory (a namespace destroyed before: its slabs went to the store's pool), against a
   warm namespace; and the same in new processes (what a new engine sees: it also maps
   the freed memory, which the process that freed it keeps mapped), shown beside;
+* *fill*: new blocks into a fresh namespace of a fresh store until 512 MiB (1 MiB
+  blocks) or 256 MiB (8 KiB) are in, against the populate bound, then its warm and full
+  phases (``measure_fill``);
 * *scale*: a store of ``--scale-blocks`` (10^6) blocks of 1-8 KiB: the fill's rate,
   ``match`` over 1,000 keys, ``get_into`` of 1,000 random keys, ``stats()``;
 * *engines*: vLLM's scheduler-side lookup (``get_num_new_matched_tokens`` of our
@@ -56,7 +59,8 @@ Then, ours alone:
 Goals: put+get >= 10 x Redis, >= 1 x LMCache and >= 10 x Mooncake at every size;
 >= 0.5 x memcpy from 2 MiB up; at 8 KiB >= 500,000 blocks/s put and >= 800,000 get;
 ``match`` over 1,000 keys <= 0.2 ms with 10^6 blocks stored; puts into a full arena >=
-0.8 x into an empty one; a new namespace in a store holding freed memory within 1.25 x
+0.8 x into an empty one; new blocks into a filling arena >= 0.8 x the populate bound at
+1 MiB and 8 KiB; a new namespace in a store holding freed memory within 1.25 x
 of a warm one; the engines' lookups <= 1 ms.
 
 Run:  .venv/bin/python -m benchmarks.kv [--sizes-kib 8 64 256 2048 8192]
@@ -102,6 +106,9 @@ GOAL_X_MEMCPY = 0.5  # from 2 MiB up
 GOAL_PUT_BPS = 500_000  # 8 KiB blocks a second
 GOAL_GET_BPS = 800_000
 GOAL_FULL_X = 0.8
+GOAL_FILL_X = 0.8  # new blocks into a filling arena, against the populate bound
+#: the fill phase: (block bytes, blocks a batch, bytes filled)
+FILLS = ((1 * MiB, 64, 512 * MiB), (8 * KiB, 1024, 256 * MiB))
 GOAL_COLD_X = 1.25
 GOAL_LOOKUP_MS = 1.0
 #: rounds of the full-arena and cold-namespace comparisons (judged on medians)
@@ -111,6 +118,10 @@ COLD_PROCESSES = 3
 #: keys per Mooncake batch call: its TCP transfers of thousands of small objects in one
 #: call fail (TRANSFER_FAIL) on this host; batches of this many succeed
 MOONCAKE_BATCH = 256
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
 def tokens_for(nbytes: int) -> int:
@@ -322,6 +333,62 @@ def measure_full_arena(db: tensordb.Database, reps: int) -> dict[str, float]:
             # host over the run cancels in the pair
             "paired_x": statistics.median(e / f for e, f in zip(empty, full, strict=True)),
             "rounds": rounds, "evictions_per_put": evicted / (rounds * n)}
+
+
+def measure_fill(tmp: str) -> list[dict[str, float]]:
+    """What a new engine meets in its first minutes: puts of new blocks (a list of
+    separate tensors a batch, no deletes) into a fresh namespace of a fresh store (no
+    pooled memory, no prefault, no environment), until ``FILLS``' bytes are in; then the
+    warm phase (the same puts into the filled namespace, each batch deleted after: its
+    chunks recycled) and the full phase (an arena of just the filled bytes: every block
+    evicts one). Every page the fill writes is new: its bound is the populate rate."""
+    out = []
+    for nbytes, per, fill in FILLS:
+        home = os.path.join(tmp, f"fill-{nbytes}")
+        db = tensordb.connect(home=home, data_dir=os.path.join(home, "data"))
+        bt = tokens_for(nbytes)
+        try:
+            kv = db.kv(f"fill-{nbytes}", block_tokens=bt, capacity_bytes=fill, spill=False)
+            blocks = list(make_blocks(nbytes, per, bt).unbind(0))
+            batches = fill // (nbytes * per)
+            rates = []
+            t_all = time.perf_counter()
+            for b in range(batches):
+                keys = kv.keys(np.arange(per * bt) + (b << 30))
+                t0 = time.perf_counter()
+                kv.put(keys, blocks)
+                rates.append(nbytes * per / (time.perf_counter() - t0))
+            fill_s = time.perf_counter() - t_all
+            st = kv.stats()
+            warm, full = [], []
+            for r in range(5):  # a few batches each, alternated
+                keys = kv.keys(np.arange(per * bt) + ((batches + r) << 30))
+                t0 = time.perf_counter()
+                kv.put(keys, blocks)  # the arena is full: every block evicts one
+                full.append(nbytes * per / (time.perf_counter() - t0))
+                kv.delete(keys)
+                keys = kv.keys(np.arange(per * bt) + ((2 * batches + r) << 30))
+                t0 = time.perf_counter()
+                kv.put(keys, blocks)  # into the chunks just freed
+                warm.append(nbytes * per / (time.perf_counter() - t0))
+                kv.delete(keys)
+            q = max(1, len(rates) // 4)
+            out.append({"block_bytes": nbytes, "batch": per, "bytes": nbytes * per * batches,
+                        "stored": st.host_bytes, "fill_gbps": nbytes * per * batches
+                        / fill_s / GB,
+                        "first_quarter_gbps": q * nbytes * per / sum(nbytes * per / x
+                                                                     for x in rates[:q]) / GB,
+                        "last_quarter_gbps": q * nbytes * per / sum(nbytes * per / x
+                                                                    for x in rates[-q:]) / GB,
+                        "slowest_batch_gbps": min(rates) / GB,
+                        "warm_gbps": statistics.median(warm) / GB,
+                        "full_gbps": statistics.median(full) / GB})
+            kv.destroy()
+        finally:
+            db.close()
+            shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+            shutil.rmtree(home, ignore_errors=True)
+    return out
 
 
 def _warm_round(kv: KVCache, blocks: torch.Tensor, outs: torch.Tensor, tag: int) -> float:
@@ -1125,6 +1192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         db.close()
         shutil.rmtree(db.config.shm_dir, ignore_errors=True)
+    res["fill"] = measure_fill(tmp)
     res["cold"] = measure_cold(tmp, args.reps)
     if args.scale_blocks:
         res["scale"] = measure_scale(tmp, args.scale_blocks)
@@ -1238,6 +1306,14 @@ def goals(res: dict[str, Any]) -> list[Verdict]:
                                  f"{x:.2f} x, the median of {f['rounds']} rounds' ratios "
                                  f"(medians: {f['full_bps']:,.0f} against "
                                  f"{f['empty_bps']:,.0f} blocks/s)"))
+    pop = res["populate_gbps"]
+    for fl in res.get("fill", []):
+        x = fl["fill_gbps"] / pop
+        out.append(_verdict.at_least(
+            f"new {_size(fl['block_bytes'])} blocks into a filling arena >= {GOAL_FILL_X:g} x "
+            f"the populate bound", x, GOAL_FILL_X,
+            f"{fl['fill_gbps']:.2f} GB/s over {fl['bytes'] / MiB:.0f} MiB against "
+            f"{pop:.2f} GB/s populate (one thread): {x:.2f} x"))
     c = res["cold"]
     x = c["paired_x"]
     bound = (c["warm_s"] + c["map_existing_s"]) / c["warm_s"]
@@ -1318,6 +1394,13 @@ def print_report(res: dict[str, Any]) -> None:
               f"({f['empty_best_bps']:,.0f}) blocks/s into an empty arena, "
               f"{f['full_bps']:,.0f} ({f['full_best_bps']:,.0f}) into a full one "
               f"({f['evictions_per_put']:.2f} evictions a block)")
+    for fl in res.get("fill", []):
+        con.print(f"fill of a fresh store, {_size(fl['block_bytes'])} blocks, {fl['batch']:,} "
+                  f"a batch, to {fl['bytes'] / MiB:.0f} MiB: {fl['fill_gbps']:.2f} GB/s "
+                  f"(first quarter {fl['first_quarter_gbps']:.2f}, last "
+                  f"{fl['last_quarter_gbps']:.2f}, slowest batch "
+                  f"{fl['slowest_batch_gbps']:.2f}); then warm {fl['warm_gbps']:.2f}, full "
+                  f"{fl['full_gbps']:.2f} GB/s; {_common.populate_text(res['populate'])}")
     c = res["cold"]
     con.print(f"first put+get of {c['bytes'] / MiB:.0f} MiB from db.kv(): new store "
               f"{c['new_store_s'] * 1e3:.1f} ms; median of {c['rounds']} rounds (best): "
