@@ -1,16 +1,17 @@
 """Extent checksums: xxh3-64 over the tensor's bytes, written as 16 hex digits.
 
 The write path copies and hashes in one pass over memory. The compiled extension
-(``storage_engine._stream``, required) binds the xxhash package's own XXH3 functions,
-then hashes each 4 KiB piece of the source, which brings it into L1, and streams it
+(``storage_engine._stream``, required) has XXH3 of the vendored xxHash (the release the
+xxhash package ships; its digests are checked against the package's at import), and
+hashes each 4 KiB piece of the source, which brings it into L1, and streams it
 from there into the extent around the cache: the source crosses the memory bus once and
 the destination is never read. Measured on a 2-core host, two threads, per GiB: 67 ms,
 against 81 ms hashing and streaming 2 MiB pieces from Python and 102 ms copying with
 memcpy, whose ordinary stores read every destination line first, then hashing the
 destination. A source changed by another thread while it is copied can leave a piece
 whose stored bytes differ from the bytes hashed; reads that verify then report the
-extent as corrupt, which is what it is. Where the xxhash build does not export its XXH3
-functions, pieces are hashed from Python and streamed by the extension; a copy the
+extent as corrupt, which is what it is. Were the two digests ever to differ, pieces are
+hashed from Python and streamed by the extension; a copy the
 extension cannot stream (a strided or read-only buffer) goes through numpy, hashed
 from the destination while it is still in cache.
 """
@@ -28,27 +29,21 @@ from ._work import add_work
 
 
 def _bind_copy_hash() -> Callable[[np.ndarray, np.ndarray], int] | None:
-    """The extension's one-pass copy + xxh3, bound to the xxhash package's own XXH3
-    functions, or None (an xxhash build that does not export them). Checked against
-    ``xxhash`` itself before it is used."""
-    try:
-        import xxhash._xxhash as impl
-
-        _stream.bind_xxhash(impl.__file__)
-        ok = True
-        for size in (256 * 1031, 8192, 100):  # the streamed and the one-shot paths
-            probe = np.frombuffer(bytes(range(256)) * (size // 256 + 1), np.uint8)[:size]
-            out = np.empty_like(probe)
-            ok = ok and (_stream.stream_copy_hash(out, probe) == xxhash.xxh3_64_intdigest(probe)
-                         and np.array_equal(out, probe))
-    except (ImportError, AttributeError, OSError, TypeError):
-        return None
+    """The extension's one-pass copy + xxh3 (the vendored xxHash,
+    ``storage_engine/xxhash``), checked against the ``xxhash`` package's digests on the
+    streamed and the one-shot paths before it is used; None where they differ."""
+    ok = True
+    for size in (256 * 1031, 8192, 100):
+        probe = np.frombuffer(bytes(range(256)) * (size // 256 + 1), np.uint8)[:size]
+        out = np.empty_like(probe)
+        ok = ok and (_stream.stream_copy_hash(out, probe) == xxhash.xxh3_64_intdigest(probe)
+                     and np.array_equal(out, probe))
     return _stream.stream_copy_hash if ok else None
 
 
 _copy_hash = _bind_copy_hash()
 #: the extension's batch of one-pass copies from raw addresses (``fill_from_addresses``):
-#: it hashes with the bound XXH3 functions, so it is there only where they are bound
+#: there only where the extension's digests are the xxhash package's
 copy_hash_many: Callable[..., None] | None = \
     _stream.copy_hash_many if _copy_hash is not None else None
 

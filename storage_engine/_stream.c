@@ -14,9 +14,8 @@
  *
  * stream_copy_hash(dst, src): the same, returning the xxh3-64 of src, computed in the
  * same pass: each small piece is hashed (which brings it into L1) and then streamed
- * from there, so the bytes cross the memory bus once. The hash is the xxhash
- * package's own: bind_xxhash(path) resolves its XXH3 functions from the extension
- * module that package ships (they are exported), so the digests are its digests.
+ * from there, so the bytes cross the memory bus once. The hash is XXH3 of the
+ * vendored xxHash (storage_engine/xxhash), the release the xxhash package ships.
  *
  * copy_hash_many(dst, addrs, sizes, offsets, digests): stream_copy_hash of many
  * sources in one call, for commits of many small tensors (a Python call per tensor
@@ -44,7 +43,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -99,62 +97,33 @@ HIDDEN void stream_copy(char *d, const char *s, size_t n, size_t stream_min) {
     fence();
 }
 
-/* the XXH3 streaming API of the xxhash package's extension (opaque state) */
-typedef void *(*create_fn)(void);
-typedef int (*free_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
-static create_fn xxh_create;
-static free_fn xxh_free;
-static reset_fn xxh_reset;
-static update_fn xxh_update;
-static digest_fn xxh_digest;
-typedef uint64_t (*oneshot_fn)(const void *, size_t);
-static oneshot_fn xxh_oneshot; /* XXH3_64bits: small inputs hash faster without a state */
-HIDDEN oneshot128_fn xxh_oneshot128; /* XXH3_128bits: the Bloom filters of KV keys */
+/* XXH3 from the vendored xxHash (storage_engine/xxhash, BSD-2, the release the xxhash
+ * package ships, so the digests are its digests): inlined here, and its dispatching
+ * entry points (xxh_x86dispatch.c), which pick the widest vector unit the CPU has
+ * (AVX2, AVX-512; the plain entry points are the SSE2 build, a third of the speed) */
+#define XXH_INLINE_ALL
+#include "xxhash/xxhash.h"
+#include "xxhash/xxh_x86dispatch.h"
 
-HIDDEN int xxh_bound(void) { return xxh_update != NULL; }
-HIDDEN void *xxh_state_new(void) { return xxh_create(); }
-HIDDEN void xxh_state_free(void *state) { xxh_free(state); }
+static xxh128_t hash128(const void *p, size_t n) {
+    XXH128_hash_t h = XXH3_128bits_dispatch(p, n);
+    xxh128_t out = {h.low64, h.high64};
+    return out;
+}
+HIDDEN oneshot128_fn xxh_oneshot128 = hash128; /* XXH3_128bits: the KV keys' Bloom filters */
+
+HIDDEN int xxh_bound(void) { return 1; }
+HIDDEN void *xxh_state_new(void) { return XXH3_createState(); }
+HIDDEN void xxh_state_free(void *state) { XXH3_freeState((XXH3_state_t *)state); }
+#define xxh_oneshot XXH3_64bits_dispatch /* small inputs hash faster without a state */
+#define xxh_reset(st) XXH3_64bits_reset((XXH3_state_t *)(st))
+#define xxh_update(st, p, n) XXH3_64bits_update_dispatch((XXH3_state_t *)(st), p, n)
+#define xxh_digest(st) XXH3_64bits_digest((XXH3_state_t *)(st))
+#define xxh_create() xxh_state_new()
+#define xxh_free(st) xxh_state_free(st)
 
 /* piece hashed then streamed while it is in L1 (4 KiB measured best, 16 KiB 6% slower) */
 #define HASH_PIECE (4 * 1024)
-
-static PyObject *py_bind_xxhash(PyObject *self, PyObject *args) {
-    const char *path;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "s:bind_xxhash", &path))
-        return NULL;
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    if (h == NULL)
-        h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (h == NULL) {
-        PyErr_Format(PyExc_ImportError, "bind_xxhash: %s", dlerror());
-        return NULL;
-    }
-    create_fn c = (create_fn)dlsym(h, "XXH3_createState");
-    free_fn f = (free_fn)dlsym(h, "XXH3_freeState");
-    reset_fn r = (reset_fn)dlsym(h, "XXH3_64bits_reset");
-    update_fn u = (update_fn)dlsym(h, "XXH3_64bits_update");
-    digest_fn d = (digest_fn)dlsym(h, "XXH3_64bits_digest");
-    if (!c || !f || !r || !u || !d) {
-        PyErr_SetString(PyExc_ImportError, "bind_xxhash: the XXH3 functions are not exported");
-        return NULL;
-    }
-    /* the dispatching entry points pick the widest vector unit the CPU has (AVX2,
-     * AVX-512): the plain ones are the SSE2 build, a third of the speed here; same
-     * digests either way */
-    update_fn ud = (update_fn)dlsym(h, "XXH3_64bits_update_dispatch");
-    xxh_create = c; xxh_free = f; xxh_reset = r; xxh_update = ud ? ud : u; xxh_digest = d;
-    xxh_oneshot = (oneshot_fn)dlsym(h, "XXH3_64bits_dispatch");
-    if (xxh_oneshot == NULL)
-        xxh_oneshot = (oneshot_fn)dlsym(h, "XXH3_64bits");
-    xxh_oneshot128 = (oneshot128_fn)dlsym(h, "XXH3_128bits_dispatch");
-    if (xxh_oneshot128 == NULL)
-        xxh_oneshot128 = (oneshot128_fn)dlsym(h, "XXH3_128bits");
-    Py_RETURN_NONE;
-}
 
 static int same_length(Py_buffer *dst, Py_buffer *src, const char *what) {
     if (dst->len == src->len)
@@ -174,7 +143,7 @@ HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n,
     /* up to STREAM_MIN the source stays in L2 between the hash and the copy: one call of
      * the one-shot hash (the streaming state's bookkeeping cost a quarter of an 8 KiB
      * block's read) */
-    if (n < STREAM_MIN && xxh_oneshot != NULL) {
+    if (n < STREAM_MIN) {
         uint64_t h = xxh_oneshot(s, n);
         if (streamed)
             stream_lines(d, s, n);
@@ -195,20 +164,13 @@ HIDDEN uint64_t copy_hash_one(void *state, char *d, const char *s, size_t n,
 }
 
 HIDDEN uint64_t hash_only(void *state, const char *s, size_t n) {
-    if (xxh_oneshot != NULL)
-        return xxh_oneshot(s, n);
-    xxh_reset(state);
-    xxh_update(state, s, n);
-    return xxh_digest(state);
+    (void)state;
+    return xxh_oneshot(s, n);
 }
 
 static PyObject *py_stream_copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     (void)self;
-    if (xxh_update == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "stream_copy_hash: call bind_xxhash first");
-        return NULL;
-    }
     if (!PyArg_ParseTuple(args, "w*y*:stream_copy_hash", &dst, &src))
         return NULL;
     if (!same_length(&dst, &src, "stream_copy_hash"))
@@ -234,10 +196,6 @@ static PyObject *py_stream_copy_hash(PyObject *self, PyObject *args) {
 static PyObject *py_copy_hash_many(PyObject *self, PyObject *args) {
     Py_buffer dst, addrs, sizes, offsets, digests;
     (void)self;
-    if (xxh_update == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "copy_hash_many: call bind_xxhash first");
-        return NULL;
-    }
     if (!PyArg_ParseTuple(args, "w*y*y*y*w*:copy_hash_many", &dst, &addrs, &sizes,
                           &offsets, &digests))
         return NULL;
@@ -362,10 +320,6 @@ static PyObject *py_pwrite_hash_many(PyObject *self, PyObject *args) {
     int fd;
     unsigned long long limit;
     (void)self;
-    if (xxh_update == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "pwrite_hash_many: call bind_xxhash first");
-        return NULL;
-    }
     if (!PyArg_ParseTuple(args, "iKy*y*y*w*:pwrite_hash_many", &fd, &limit, &addrs, &sizes,
                           &offsets, &digests))
         return NULL;
@@ -457,10 +411,6 @@ static PyObject *py_pread_pwrite_hash(PyObject *self, PyObject *args) {
     int src_fd, fd;
     unsigned long long limit;
     (void)self;
-    if (xxh_update == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "pread_pwrite_hash: call bind_xxhash first");
-        return NULL;
-    }
     if (!PyArg_ParseTuple(args, "iiKy*y*y*w*:pread_pwrite_hash", &src_fd, &fd, &limit,
                           &srcs, &sizes, &offsets, &digests))
         return NULL;
@@ -573,8 +523,6 @@ static PyMethodDef methods[] = {
      "pwrite_hash_many(fd, limit, addrs, sizes, offsets, digests): copy_hash_many with pwrite."},
     {"pread_pwrite_hash", py_pread_pwrite_hash, METH_VARARGS,
      "pread_pwrite_hash(src_fd, fd, limit, src_offsets, sizes, offsets, digests) -> int."},
-    {"bind_xxhash", py_bind_xxhash, METH_VARARGS,
-     "bind_xxhash(path): take the XXH3 functions of the xxhash extension at path."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,5 @@
-/* What the two C files of storage_engine._stream share: the one-pass copy + xxh3 of
- * _stream.c, and the XXH3 functions it binds from the xxhash package's extension. */
+/* What the C files of storage_engine._stream share: the one-pass copy + xxh3 of
+ * _stream.c, over the vendored xxHash (storage_engine/xxhash). */
 #ifndef TENSORDB_STREAM_H
 #define TENSORDB_STREAM_H
 
@@ -11,7 +11,7 @@
 typedef struct { uint64_t low64, high64; } xxh128_t;
 typedef xxh128_t (*oneshot128_fn)(const void *, size_t);
 
-/* the XXH3 functions of the xxhash package (NULL until bind_xxhash) */
+/* XXH3 (the vendored xxHash) */
 HIDDEN extern oneshot128_fn xxh_oneshot128;
 HIDDEN void *xxh_state_new(void);
 HIDDEN void xxh_state_free(void *state);

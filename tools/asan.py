@@ -23,10 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "asan"
-SOURCES = ["storage_engine/_stream.c", "storage_engine/_kvindex.c"]
+SOURCES = ["storage_engine/_stream.c", "storage_engine/_kvindex.c",
+           "storage_engine/xxhash/xxh_x86dispatch.c"]
 FLAGS = ["-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
          "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-         "-Wall", "-Wextra", "-Werror"]
+         "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
 #: the tests whose calls reach the native code: the fills (pwrite, copy + hash), the KV
 #: block store's index, arena, eviction, spill and event ring, and the fuzz cases of
 #: damaged KV files, opened in this process (not those counting page faults or mmap
