@@ -149,6 +149,7 @@ PLAN: tuple[Bench, ...] = (
     Bench("kv", "kv", ("--sizes-kib", "8", "64", "2048", "--reps", "3", "--arena-mib", "512"),
           timeout=600, host_lacks=_engine_goals),
     Bench("kv_events", "kv_events", ("--blocks", "8192"), host_lacks=_engine_goals),
+    Bench("kv_spill", "kv_spill", ("--spill-mib", "512")),
     # the goals on vLLM's own code, from its venv (no forward pass: the CPU ops unused)
     Bench("kv (vLLM venv)", "kv", ("--engines-only",), venv=VLLM_VENV,
           why_not=no_vllm_venv, keep=_on_vllm),

@@ -1377,41 +1377,34 @@ static int write_all(int fd, const char *p, size_t n) {
 }
 
 /* the block at host record i goes to a spill file; 0, or -1 (it could not: drop it) */
-static int spill(Idx *s, uint32_t i) {
-    hdr_t *h = s->hdr;
-    rec_t *r = R(s, i);
-    if (rec_check(s, i) < 0)
-        return -1;
-    char *base = slab_base(s, r->slab);
-    if (base == NULL || s->disk_root == NULL || r->nbytes > s->disk_capacity)
-        return -1;
-    const char *src = base + (size_t)r->chunk * h->slabs[r->slab].csize;
-    uint64_t seq = ++h->spill_seq;
-    uint32_t slab = r->slab, chunk = r->chunk;
-    /* the record names its chunk until it names its file, with the state that says which
-     * (a holder killed before then leaves the block in the arena, the file an orphan) */
-    char path[4096];
-    spill_file(s, r->key, r->klen, seq, path, sizeof path);
-    /* metadata past the record goes after the bytes: a spilled block holds nothing of
-     * the arena (its metadata's chunk kept the arena full of spilled blocks' metadata) */
-    uint8_t *owned;
-    uint32_t mlen;
-    const uint8_t *meta = r->meta_len > INLINE_META ? rec_meta(s, r, &mlen, &owned) : NULL;
+/* a spill's file: the block's bytes, then its metadata past the record (a spilled block
+ * holds nothing of the arena: its metadata's chunk kept the arena full of spilled
+ * blocks' metadata). Needs no lock: the bytes are a HOST chunk, which nothing rewrites
+ * while it is held. 0, or -1 (nothing left behind) */
+static int spill_write(const char *path, const char *src, uint64_t n, const uint8_t *meta,
+                       uint32_t mlen, int want_meta) {
     int fd = open(path, O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
-    int ok = fd >= 0 && write_all(fd, src, r->nbytes) == 0 &&
-             (r->meta_len <= INLINE_META ||
-              (meta != NULL && write_all(fd, (const char *)meta, mlen) == 0));
+    int ok = fd >= 0 && write_all(fd, src, n) == 0 &&
+             (!want_meta || (meta != NULL && write_all(fd, (const char *)meta, mlen) == 0));
     if (fd >= 0)
         close(fd);
-    if (ok)
-        FAULT("spill.written");
     if (!ok) {
         unlink(path);
         return -1;
     }
+    FAULT("spill.written");
+    return 0;
+}
+
+/* a HOST record, its spill file written, becomes a spilled one (under the lock): the
+ * record names its chunk until it names its file, with the state that says which (a
+ * holder killed before then leaves the block in the arena, the file an orphan) */
+static void spill_commit(Idx *s, uint32_t i, uint64_t seq) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
     ev_rec(s, EVT_REMOVED, MED_CPU, i);
     ev_rec(s, EVT_STORED, MED_STORAGE, i);
-    release_chunk(s, slab, chunk);
+    release_chunk(s, r->slab, r->chunk);
     if (r->meta_len > INLINE_META) {
         release_chunk(s, r->mslab, r->mchunk);
         r->mslab = META_SPILLED;
@@ -1427,7 +1420,146 @@ static int spill(Idx *s, uint32_t i) {
     h->count[C_DISK_BYTES] += r->nbytes;
     if (h->count[C_DISK_BYTES] > s->disk_capacity)
         trim_disk(s);
+}
+
+/* a victim spilled under the lock (an eviction a batch's spills before it did not
+ * foresee): 0, or -1 (not spilled) */
+static int spill(Idx *s, uint32_t i) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    if (rec_check(s, i) < 0)
+        return -1;
+    char *base = slab_base(s, r->slab);
+    if (base == NULL || s->disk_root == NULL || r->nbytes > s->disk_capacity)
+        return -1;
+    const char *src = base + (size_t)r->chunk * h->slabs[r->slab].csize;
+    uint64_t seq = ++h->spill_seq;
+    char path[4096];
+    spill_file(s, r->key, r->klen, seq, path, sizeof path);
+    uint8_t *owned = NULL;
+    uint32_t mlen = 0;
+    const uint8_t *meta = r->meta_len > INLINE_META ? rec_meta(s, r, &mlen, &owned) : NULL;
+    int bad = spill_write(path, src, r->nbytes, meta, mlen, r->meta_len > INLINE_META);
+    free(owned);
+    if (bad)
+        return -1;
+    spill_commit(s, i, seq);
     return 0;
+}
+
+/* Spills written outside the lock. A batch that will evict (its blocks need more room
+ * than the arena has free) picks its victims first, under the lock, and holds each by
+ * this process's reader bit (so that nothing evicts, rewrites or frees its chunk; a
+ * read still serves it from the arena; a delete parks it as a zombie), lets the lock go,
+ * writes their files, and takes the lock again to make each a spilled block: only where
+ * nothing else came to hold it meanwhile (another reader, a pin, a delete), else its file
+ * is removed and the block stays. A lookup then never waits behind a spill's write. */
+static int64_t victim(Idx *s);
+
+typedef struct {
+    uint32_t idx, gen;
+    uint64_t seq, nbytes;
+    const char *src;
+    uint8_t *meta; /* a copy */
+    uint32_t mlen;
+    int want_meta;
+    char path[4096];
+} pspill_t;
+
+/* the room the arena has for chunks of the classes cls (free chunks of their slabs, and
+ * capacity for new slabs) */
+static uint64_t room_for(Idx *s, const uint64_t *cls, int ncls) {
+    hdr_t *h = s->hdr;
+    uint64_t room = h->capacity > h->count[C_ARENA_BYTES] ? h->capacity - h->count[C_ARENA_BYTES]
+                                                          : 0;
+    for (uint32_t k = 0; k < h->nslabs; k++) {
+        slab_t *sl = &h->slabs[k];
+        if (!sl->live || sl->meta || sl->used > sl->nchunks)
+            continue;
+        for (int c = 0; c < ncls; c++)
+            if (sl->csize == cls[c]) {
+                room += (uint64_t)(sl->nchunks - sl->used) * sl->csize;
+                break;
+            }
+    }
+    return room;
+}
+
+/* under the lock: hold victims for `need` bytes (at most max); returns how many */
+static Py_ssize_t prespill_pick(Idx *s, uint64_t need, pspill_t *out, Py_ssize_t max) {
+    hdr_t *h = s->hdr;
+    uint64_t bit = 1ULL << s->slot;
+    Py_ssize_t n = 0;
+    while (need > 0 && n < max && !s->dmg) {
+        int64_t v = victim(s);
+        if (v < 0)
+            break;
+        rec_t *r = R(s, (uint32_t)v);
+        if (rec_check(s, (uint32_t)v) < 0 || r->nbytes > s->disk_capacity)
+            break;
+        char *base = slab_base(s, r->slab);
+        if (base == NULL)
+            break;
+        pspill_t *p = &out[n];
+        p->idx = (uint32_t)v;
+        p->gen = r->gen;
+        p->nbytes = r->nbytes;
+        p->src = base + (size_t)r->chunk * h->slabs[r->slab].csize;
+        p->want_meta = r->meta_len > INLINE_META;
+        p->meta = NULL;
+        p->mlen = 0;
+        if (p->want_meta) {
+            uint8_t *owned = NULL;
+            uint32_t mlen = 0;
+            const uint8_t *m = rec_meta(s, r, &mlen, &owned);
+            p->meta = m != NULL ? malloc(mlen ? mlen : 1) : NULL;
+            if (p->meta != NULL)
+                memcpy(p->meta, m, mlen);
+            p->mlen = mlen;
+            free(owned);
+        }
+        p->seq = ++h->spill_seq;
+        spill_file(s, r->key, r->klen, p->seq, p->path, sizeof p->path);
+        r->readers |= bit;
+        uint64_t cs = size_class(r->nbytes);
+        need = need > cs ? need - cs : 0;
+        n++;
+    }
+    return n;
+}
+
+/* under the lock again: each held victim, its file written (ok), becomes a spilled
+ * block where nothing else holds it; else it stays and its file goes */
+static void prespill_commit(Idx *s, pspill_t *ps, Py_ssize_t n, const uint8_t *ok) {
+    hdr_t *h = s->hdr;
+    uint64_t bit = 1ULL << s->slot;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        pspill_t *p = &ps[j];
+        rec_t *r = p->idx < h->bump ? R(s, p->idx) : NULL;
+        int mine = r != NULL && (r->readers & bit);
+        if (mine && ok[j] && r->state == S_HOST && r->gen == p->gen && r->readers == bit &&
+                r->pins == 0) {
+            r->readers = 0;
+            h->count[C_EVICTIONS]++;
+            q_remove(s, p->idx);
+            h->count[C_HOST_BLOCKS]--;
+            h->count[C_HOST_BYTES] -= r->nbytes;
+            spill_commit(s, p->idx, p->seq);
+        } else {
+            if (ok[j])
+                unlink(p->path);
+            if (mine) {
+                r->readers &= ~bit;
+                if (r->state == S_ZOMBIE && !r->readers) {
+                    release_chunk(s, r->slab, r->chunk);
+                    meta_free(s, r);
+                    rec_free(s, p->idx);
+                }
+            }
+        }
+        free(p->meta);
+        p->meta = NULL;
+    }
 }
 
 /* ---------------------------------------------------------------------------------- */
@@ -2484,6 +2616,58 @@ static void set_meta(Idx *s, rec_t *r, const char *meta, size_t len, uint32_t ms
  * are sizes[i] bytes at the raw addresses addrs[i]; the caller keeps them alive. On an
  * error nothing of the batch is stored. after_reserve, when given, is called between
  * the reservation and the copies (a test's way to stop a writer there). */
+/* under the lock, before a batch's reservations: the spills the batch will cause,
+ * written outside the lock (see pspill_t), in rounds of PRESPILL_ROUND victims. 0, or
+ * -1 (the lock could not be taken again: damage, unlocked) */
+#define PRESPILL_ROUND 64
+static int prespill(Idx *s, const keyset_t *ks, const uint64_t *sizes) {
+    uint64_t cls[8], want = 0;
+    int ncls = 0;
+    for (Py_ssize_t i = 0; i < ks->n; i++) {
+        int64_t f = h_find(s, ks->keys[i] + 1, ks->keys[i][0]);
+        if (f >= 0 && R(s, (uint32_t)f)->state != S_GHOST)
+            continue; /* present, or being written: no room taken */
+        uint64_t c = size_class(sizes[i]);
+        want += c;
+        int k = 0;
+        while (k < ncls && cls[k] != c)
+            k++;
+        if (k == ncls && ncls < 8)
+            cls[ncls++] = c;
+    }
+    pspill_t *ps = NULL;
+    uint8_t ok[PRESPILL_ROUND];
+    uint64_t last = 0;
+    for (int rounds = 0; rounds < 1024 && !s->dmg; rounds++) {
+        uint64_t room = room_for(s, cls, ncls);
+        if (want <= room || (rounds > 0 && room <= last))
+            break; /* room enough, or the last round made none (its victims were of other
+                    * sizes): the reservations evict as before */
+        last = room;
+        if (ps == NULL && (ps = malloc(sizeof *ps * PRESPILL_ROUND)) == NULL)
+            break; /* the reservations evict as before */
+        Py_ssize_t m = prespill_pick(s, want - room, ps, PRESPILL_ROUND);
+        if (m == 0)
+            break;
+        unlock(s);
+        for (Py_ssize_t j = 0; j < m; j++)
+            ok[j] = spill_write(ps[j].path, ps[j].src, ps[j].nbytes, ps[j].meta, ps[j].mlen,
+                                ps[j].want_meta) == 0;
+        if (lock(s) < 0) {
+            for (Py_ssize_t j = 0; j < m; j++) {
+                if (ok[j])
+                    unlink(ps[j].path);
+                free(ps[j].meta);
+            }
+            free(ps);
+            return -1;
+        }
+        prespill_commit(s, ps, m, ok);
+    }
+    free(ps);
+    return 0;
+}
+
 static PyObject *Idx_put(Idx *s, PyObject *args) {
     PyObject *keys_o, *addrs_o, *sizes_o, *metas_o, *after = Py_None;
     if (!PyArg_ParseTuple(args, "OOOO|O", &keys_o, &addrs_o, &sizes_o, &metas_o, &after))
@@ -2558,6 +2742,10 @@ static PyObject *Idx_put(Idx *s, PyObject *args) {
         goto unlocked;
     }
     int reclaimed = 0;
+    if (s->disk_root != NULL && n > 0 && prespill(s, &ks, sizes) < 0) {
+        err = E_IO;
+        goto unlocked;
+    }
     for (Py_ssize_t i = 0; i < n && err == E_OK; i++) {
         uint8_t *k = ks.keys[i];
         int64_t f = h_find(s, k + 1, k[0]);
