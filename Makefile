@@ -4,6 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the native library (storage_engine._stream): a rebuild when any of it changes
+NATIVE := storage_engine/_stream.c storage_engine/_stream.h $(wildcard storage_engine/kv/*.c storage_engine/kv/*.h)
 LINT_STAMP := $(VENV)/.lint-installed
 
 .PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean bench asan
@@ -12,7 +14,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c storage_engine/_stream.h
+$(STAMP): $(BIN)/python pyproject.toml $(NATIVE)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
@@ -40,7 +42,7 @@ lint: $(LINT_STAMP)
 VLLM_CPU := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU)/.installed
 
-$(VLLM_CPU_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c
+$(VLLM_CPU_STAMP): pyproject.toml $(NATIVE)
 	test -x $(VLLM_CPU)/bin/python || $(PY) -m venv $(VLLM_CPU)
 	$(VLLM_CPU)/bin/pip install -q --upgrade pip
 	$(VLLM_CPU)/bin/pip install -q torch==2.13.0
@@ -59,7 +61,7 @@ e2e-vllm: $(VLLM_CPU_STAMP)
 SGLANG := .venv-sglang
 SGLANG_STAMP := $(SGLANG)/.installed
 
-$(SGLANG_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c
+$(SGLANG_STAMP): pyproject.toml $(NATIVE)
 	test -x $(SGLANG)/bin/python || $(PY) -m venv $(SGLANG)
 	$(SGLANG)/bin/pip install -q --upgrade pip
 	$(SGLANG)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
@@ -91,7 +93,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
-$(LMCACHE_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c
+$(LMCACHE_STAMP): pyproject.toml $(NATIVE)
 	test -x $(LMCACHE)/bin/python || $(PY) -m venv $(LMCACHE)
 	$(LMCACHE)/bin/pip install -q --upgrade pip
 	$(LMCACHE)/bin/pip install -q torch==2.13.0
@@ -135,7 +137,7 @@ GPU_STAMP := $(GPU_VENV)/.installed
 GPU_WHEELS := .whl-gpu
 .PHONY: gpu gpu-wheels
 
-$(GPU_STAMP): pyproject.toml storage_engine/_stream.c storage_engine/_kvindex.c storage_engine/_stream.h
+$(GPU_STAMP): pyproject.toml $(NATIVE)
 	$(PY) tools/gpu_check.py prepare --venv $(GPU_VENV) --wheels $(GPU_WHEELS)
 
 ifeq ($(GPU_STANDIN),1)

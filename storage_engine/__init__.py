@@ -7,7 +7,7 @@ read instead of the tier's type; ``SegmentView`` is what ``Tier.open`` returns, 
 host or on a device. ``storage_engine.testing.TierTests`` is the contract suite a tier
 passes. See docs/storage.md.
 
-The compiled extension ``storage_engine._stream`` (``_stream.c`` and ``_kvindex.c``: the
+The compiled extension ``storage_engine._stream`` (``_stream.c`` and the KV library ``kv/*.c``: the
 streaming copies and the KV store's native index) is required: without it the package
 does not import, and says how to build it.
 """
@@ -19,7 +19,7 @@ try:
 except ImportError as _exc:
     raise ImportError(
         "storage_engine's C extension storage_engine._stream (storage_engine/_stream.c, "
-        "_kvindex.c: the streaming copies and the KV store's native index) is not built "
+        "kv/*.c: the streaming copies and the KV store's native index) is not built "
         f"or does not load ({_exc}); it is required. Rebuild it with a C compiler "
         "installed (gcc): pip install -e . (or make test, which does)"
     ) from _exc

@@ -1,6 +1,6 @@
 """The eviction order of the KV store's GPU tier, with its state in the tier's LMDB index.
 
-(The host arena's orders, LRU and S3-FIFO, run in the native index, ``_kvindex.c``.)
+(The host arena's orders, LRU and S3-FIFO, run in the native index, ``storage_engine/kv/evict.c``.)
 The state lives in LMDB, not in a process, so every process attached to one store
 shares one eviction order. Each method runs inside the caller's LMDB write transaction
 (``txn``) and must not open one of its own. An eviction only orders blocks resident in

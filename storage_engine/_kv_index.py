@@ -1,7 +1,7 @@
 """The LMDB index of a KV block store's GPU tier, its write transactions, and read leases.
 
 Only the GPU tier (``_kv_gpu``, ``_kv_gpu_part``) indexes its blocks here; the host's
-blocks are in the store's native index (``_kvindex.c``), which has no LMDB in it. One
+blocks are in the store's native index (``storage_engine/kv/``), which has no LMDB in it. One
 LMDB environment per store that has a GPU tier (``<root>/index``, ``lock=True``: every
 process of the host shares it). The tier's parts keep their records in named databases
 of it and count in its shared counters; ``KVIndex.write`` is the one write transaction

@@ -36,7 +36,7 @@ HIDDEN void fence(void);
 /* copy n bytes, streamed around the cache from stream_min up (fenced) */
 HIDDEN void stream_copy(char *d, const char *s, size_t n, size_t stream_min);
 
-/* the block index type (_kvindex.c), added to the module by its init */
+/* the block index type (kv/module.c), added to the module by its init */
 HIDDEN int kvindex_add_type(void *module);
 
 #endif

@@ -1,4 +1,4 @@
-"""The sanitizer build: the C extension (storage_engine/_stream.c, _kvindex.c) compiled
+"""The sanitizer build: the C extension (storage_engine/_stream.c and the KV library, storage_engine/kv/) compiled
 with AddressSanitizer and UndefinedBehaviorSanitizer (and -Wall -Wextra -Werror), then
 the tests that drive its code run against it (`make asan`, in CI after `make test`).
 
@@ -23,8 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "asan"
-SOURCES = ["storage_engine/_stream.c", "storage_engine/_kvindex.c",
-           "storage_engine/xxhash/xxh_x86dispatch.c"]
+SOURCES = ["storage_engine/_stream.c", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "storage_engine" / "kv").glob("*.c")),
+    "storage_engine/xxhash/xxh_x86dispatch.c"]
 FLAGS = ["-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
          "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
          "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]

@@ -58,7 +58,7 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("feed", "complete", "split_ranges"),
         ("tests/test_transport_pull.py",)),
     # KV: the facade over the native index (first writer wins, pins, eviction, spill and
-    # leases are in _kvindex.c, which this tool does not mutate: its Python callers are)
+    # leases are in storage_engine/kv/, which this tool does not mutate: its Python callers are)
     "storage_engine/_kv.py": (
         ("put_batch", "_slice_end", "get", "read_into", "flush", "_native", "check_keys"),
         ("tests/test_kv.py", "tests/test_kv_batch.py", "-k",

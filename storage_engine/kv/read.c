@@ -1,0 +1,549 @@
+/* Reads: match and contains (the index only), read_into (copies checked by the records'
+ * generations, a seqlock), lease / release of zero-copy views, promotion of spilled
+ * blocks back into the arena. */
+#include "kv.h"
+
+PyObject *Idx_match(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    Py_ssize_t n = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        for (; n < ks.n; n++) {
+            int64_t f = h_find(s, ks.keys[n] + 1, ks.keys[n][0]);
+            if (f < 0 || !readable(R(s, (uint32_t)f)))
+                break;
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    free_keys(&ks);
+    if (r < 0 || s->dmg)
+        return lock_error(s);
+    return PyLong_FromSsize_t(n);
+}
+
+PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ks.n);
+    if (out == NULL) {
+        free_keys(&ks);
+        return NULL;
+    }
+    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        for (Py_ssize_t i = 0; i < ks.n; i++) {
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            o[i] = f >= 0 && readable(R(s, (uint32_t)f));
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    free_keys(&ks);
+    if (r < 0 || s->dmg) {
+        Py_DECREF(out);
+        return lock_error(s);
+    }
+    return out;
+}
+
+/* a spilled block back into the arena (under the lock): 1 now HOST, 0 no spill here,
+ * -2 no room in the arena (it stays on disk), -1 corrupt or missing (dropped) */
+int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
+    hdr_t *h = s->hdr;
+    rec_t *r = R(s, i);
+    if (s->disk_root == NULL)
+        return 0;
+    uint32_t slot, chunk, mslab = 0, mchunk = 0;
+    /* allocation may evict (and spill) others, never this record: it is not HOST, and
+     * out of the disk queue meanwhile, so a trim of the disk cannot drop it */
+    q_remove(s, i);
+    if (allocate(s, size_class(r->nbytes), &slot, &chunk, reclaimed, NULL) != E_OK) {
+        q_push(s, Q_DISK, i);
+        return -2;
+    }
+    r = R(s, i);
+    char path[4096];
+    spill_path(s, r, path, sizeof path);
+    char *base = slab_base(s, slot);
+    int ok = 0;
+    if (base != NULL) {
+        char *dst = base + (size_t)chunk * h->slabs[slot].csize;
+        ok = read_spill(path, dst, r->nbytes) == 0 &&
+             hash_only(state, dst, r->nbytes) == r->csum;
+    }
+    if (!ok) {
+        release_chunk(s, slot, chunk);
+        drop_disk(s, i, 1);
+        h->count[C_CORRUPT]++;
+        return -1;
+    }
+    if (r->meta_len > INLINE_META) { /* its metadata back into the arena */
+        uint32_t ms, mc;
+        if (allocate_meta(s, size_class(r->meta_len), &ms, &mc) != E_OK) {
+            release_chunk(s, slot, chunk);
+            q_push(s, Q_DISK, i);
+            return -2;
+        }
+        r = R(s, i);
+        char *mb = slab_base(s, ms);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t got = fd >= 0 && mb != NULL
+            ? pread(fd, mb + (size_t)mc * h->slabs[ms].csize, r->meta_len, (off_t)r->nbytes)
+            : -1;
+        if (fd >= 0)
+            close(fd);
+        if (got != (ssize_t)r->meta_len) {
+            release_chunk(s, ms, mc);
+            release_chunk(s, slot, chunk);
+            drop_disk(s, i, 1);
+            h->count[C_CORRUPT]++;
+            return -1;
+        }
+        mslab = ms;
+        mchunk = mc;
+    }
+    FAULT("promote.read");
+    ev_rec(s, EVT_REMOVED, MED_STORAGE, i);
+    unlink(path);
+    h->count[C_DISK_BLOCKS]--;
+    h->count[C_DISK_BYTES] -= r->nbytes;
+    /* the record names its chunks with the state that says so (see spill) */
+    if (r->meta_len > INLINE_META) {
+        r->mslab = mslab;
+        r->mchunk = mchunk;
+    }
+    r->slab = slot;
+    r->chunk = chunk;
+    r->state = S_HOST;
+    r->gen++;
+    ev_rec(s, EVT_STORED, MED_CPU, i);
+    on_insert(s, i, 0);
+    h->count[C_HOST_BLOCKS]++;
+    h->count[C_HOST_BYTES] += r->nbytes;
+    return 1;
+}
+
+/* whether a readable record's size is not that of its bytes (under the lock, on the
+ * path of a buffer of another size only): a host block whose checksum fails over the
+ * bytes its record gives, a spilled block whose file is of another length */
+static int size_lies(Idx *s, uint32_t i) {
+    rec_t *r = R(s, i);
+    if (r->state == S_DISK) {
+        if (s->disk_root == NULL)
+            return 0;
+        char path[4096];
+        struct stat st;
+        spill_path(s, r, path, sizeof path);
+        uint64_t want = r->nbytes + (r->meta_len > INLINE_META ? r->meta_len : 0);
+        return stat(path, &st) == 0 && (uint64_t)st.st_size != want;
+    }
+    char *base = slab_base(s, r->slab);
+    void *state = base != NULL ? xxh_state_new() : NULL;
+    if (state == NULL)
+        return 0;
+    uint64_t sum = hash_only(state, base + (size_t)r->chunk * s->hdr->slabs[r->slab].csize,
+                             r->nbytes);
+    xxh_state_free(state);
+    return sum != r->csum;
+}
+
+/* read_into(keys, addrs, sizes, verify) -> (status: bytes, error_index)
+ * status per key: 0 absent, 1 copied, 2 corrupt (dropped). error_index >= 0: that
+ * key's block has another size than its buffer; nothing was copied. */
+enum { RD_ABSENT = 0, RD_OK = 1, RD_CORRUPT = 2, RD_COPY = 3 };
+
+PyObject *Idx_read_into(Idx *s, PyObject *args) {
+    PyObject *keys_o, *addrs_o, *sizes_o;
+    int verify;
+    if (!PyArg_ParseTuple(args, "OOOp", &keys_o, &addrs_o, &sizes_o, &verify))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    Py_buffer ab, sb;
+    if (parse_batch(keys_o, addrs_o, sizes_o, &ks, &ab, &sb) < 0)
+        return NULL;
+    Py_ssize_t n = ks.n;
+    const uint64_t *addrs = ab.buf, *sizes = sb.buf;
+    PyObject *result = NULL;
+    PyObject *status_o = PyBytes_FromStringAndSize(NULL, n);
+    res_t *res = PyMem_Malloc(sizeof(res_t) * (size_t)(n ? n : 1));
+    uint64_t *sums = PyMem_Malloc(8 * (size_t)(n ? n : 1));
+    uint64_t *want = PyMem_Malloc(8 * (size_t)(n ? n : 1));
+    if (status_o == NULL || res == NULL || sums == NULL || want == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint8_t *st = (uint8_t *)PyBytes_AS_STRING(status_o);
+    memset(st, RD_ABSENT, (size_t)n);
+    Py_ssize_t bad_size = -1;
+    int ioerr = 0;
+    Py_BEGIN_ALLOW_THREADS
+    hdr_t *h = s->hdr;
+    /* round 0 reads every key; later rounds only those whose record moved meanwhile */
+    for (int round = 0; round < 4 && !ioerr && bad_size < 0; round++) {
+        if (lock(s) < 0) {
+            ioerr = 1;
+            break;
+        }
+        Py_ssize_t nres = 0, hits = 0, asked = 0;
+        uint32_t checked = UINT32_MAX;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (round > 0 && st[i] != RD_COPY)
+                continue;
+            st[i] = RD_ABSENT;
+            asked++;
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f >= 0 && readable(R(s, (uint32_t)f)) && rec_check(s, (uint32_t)f) < 0)
+                f = -2;
+            if (s->dmg) {
+                ioerr = 1;
+                break;
+            }
+            if (f < 0)
+                continue;
+            rec_t *r = R(s, (uint32_t)f);
+            if (r->nbytes != sizes[i] && readable(r) && size_lies(s, (uint32_t)f)) {
+                /* its record's size is not its bytes': damaged, dropped (not the
+                 * caller's buffer at fault) */
+                if (r->state == S_DISK)
+                    drop_disk(s, (uint32_t)f, 1);
+                else
+                    remove_host(s, (uint32_t)f);
+                h->count[C_CORRUPT]++;
+                st[i] = RD_CORRUPT;
+                continue;
+            }
+            if (r->state == S_DISK && s->disk_root != NULL) {
+                /* straight from its file into the caller's buffer: a read never evicts
+                 * (a batch larger than the arena reads whole) */
+                if (r->nbytes != sizes[i]) {
+                    bad_size = i;
+                    break;
+                }
+                res[nres].idx = (uint32_t)f;
+                res[nres].gen = r->gen;
+                res[nres].slab = r->slab;
+                res[nres].chunk = r->chunk;
+                res[nres].i = i;
+                res[nres].untouched = 2; /* on disk */
+                want[nres] = r->csum;
+                nres++;
+                hits++;
+                st[i] = RD_COPY;
+                continue;
+            }
+            if (r->state != S_HOST)
+                continue;
+            if (r->nbytes != sizes[i]) {
+                bad_size = i;
+                break;
+            }
+            if (round == 0)
+                on_access(s, (uint32_t)f);
+            res[nres].idx = (uint32_t)f;
+            res[nres].gen = r->gen;
+            res[nres].slab = r->slab;
+            res[nres].chunk = r->chunk;
+            res[nres].i = i;
+            res[nres].untouched = 0;
+            want[nres] = r->csum;
+            /* a batch's blocks sit in a few slabs: one fstat each, not one a block */
+            if ((r->slab != checked && slab_check(s, r->slab) < 0) ||
+                    res_at(s, &res[nres], r->nbytes) < 0) {
+                ioerr = 1;
+                break;
+            }
+            checked = r->slab;
+            nres++;
+            hits++;
+            st[i] = RD_COPY;
+        }
+        if (bad_size >= 0 || ioerr || s->dmg) {
+            for (Py_ssize_t i = 0; i < n; i++)
+                st[i] = RD_ABSENT;
+            unlock(s);
+            break;
+        }
+        if (round == 0) {
+            h->count[C_HITS] += (uint64_t)hits;
+            h->count[C_MISSES] += (uint64_t)(asked - hits);
+        }
+        unlock(s);
+        if (nres)
+            FAULT("read.copy");
+        copy_job_t job = {s, res, sums, addrs, sizes, want, ks.keys,
+                          verify ? CP_READ : CP_READ_NOVERIFY, 0, 0, 0};
+        copy_all(job, nres);
+        if (nres == 0)
+            break;
+        if (lock(s) < 0) {
+            ioerr = 1;
+            break;
+        }
+        int again = 0;
+        for (Py_ssize_t j = 0; j < nres; j++) {
+            rec_t *r = R(s, res[j].idx);
+            Py_ssize_t i = res[j].i;
+            int on_disk = res[j].untouched == 2;
+            if (r->state != (on_disk ? S_DISK : S_HOST) || r->gen != res[j].gen) {
+                again = 1; /* it moved while we copied: read it again */
+                continue;
+            }
+            if ((verify || on_disk) && sums[j] != want[j]) {
+                if (on_disk)
+                    drop_disk(s, res[j].idx, 1);
+                else
+                    remove_host(s, res[j].idx);
+                h->count[C_CORRUPT]++;
+                st[i] = RD_CORRUPT;
+                continue;
+            }
+            st[i] = RD_OK;
+        }
+        unlock(s);
+        if (!again)
+            break;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (st[i] == RD_COPY)
+            st[i] = RD_ABSENT; /* moved four times while we read it: a miss */
+    Py_END_ALLOW_THREADS
+    if (ioerr || s->dmg) {
+        lock_error(s);
+        goto out;
+    }
+    result = Py_BuildValue("(On)", status_o, bad_size);
+out:
+    Py_XDECREF(status_o);
+    PyMem_Free(res);
+    PyMem_Free(sums);
+    PyMem_Free(want);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&sb);
+    free_keys(&ks);
+    return result;
+}
+
+/* lease(keys) -> list of None (absent), -1 (corrupt: dropped), -2 (spilled, and the arena
+ * has no room to bring it back: every block in it is pinned or being read) or
+ * (idx, gen, slab, slab_gen, offset, nbytes, csum, meta): a read lease on each present
+ * block (this process's bit in its record) for a zero-copy view, given back by release */
+typedef struct {
+    uint32_t idx, gen, slab, slab_gen;
+    uint64_t offset, nbytes, csum;
+    size_t meta_at, meta_len;
+    int status; /* 1 leased, 0 absent, -1 corrupt */
+} leased_t;
+
+PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
+    if (!usable(s))
+        return NULL;
+    keyset_t ks;
+    if (parse_keys(keys_o, &ks) < 0)
+        return NULL;
+    Py_ssize_t n = ks.n;
+    leased_t *ls = PyMem_Calloc((size_t)(n ? n : 1), sizeof(leased_t));
+    void *state = xxh_state_new();
+    PyObject *out = NULL;
+    char *metas = NULL;
+    size_t mused = 0, mcap = 0;
+    int r = 0, oom = 0;
+    if (ls == NULL || state == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        hdr_t *h = s->hdr;
+        int reclaimed = 0;
+        Py_ssize_t hits = 0;
+        uint64_t bit = 1ULL << s->slot;
+        uint32_t checked = UINT32_MAX;
+        for (Py_ssize_t i = 0; i < n && !oom && !s->dmg; i++) {
+            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+            if (f < 0 || !readable(R(s, (uint32_t)f)) || rec_check(s, (uint32_t)f) < 0)
+                continue;
+            rec_t *rr = R(s, (uint32_t)f);
+            if (rr->state == S_DISK) {
+                int p = promote(s, (uint32_t)f, state, &reclaimed);
+                if (p < 0)
+                    ls[i].status = p == -2 ? -2 : -1;
+                if (p <= 0)
+                    continue;
+                rr = R(s, (uint32_t)f);
+            }
+            if (rr->state != S_HOST || (rr->slab != checked && slab_check(s, rr->slab) < 0))
+                continue;
+            checked = rr->slab;
+            const char *mp = (const char *)rr->meta;
+            if (rr->meta_len > INLINE_META)
+                mp = s->maps[rr->mslab].base != NULL || slab_base(s, rr->mslab) != NULL
+                         ? s->maps[rr->mslab].base + (size_t)rr->mchunk * h->slabs[rr->mslab].csize
+                         : NULL;
+            if (mused + rr->meta_len > mcap) {
+                size_t cap = (mcap + rr->meta_len) * 2 + 256;
+                char *m = realloc(metas, cap);
+                if (m == NULL) {
+                    oom = 1;
+                    break;
+                }
+                metas = m;
+                mcap = cap;
+            }
+            leased_t *l = &ls[i];
+            l->meta_at = mused;
+            l->meta_len = mp != NULL ? rr->meta_len : 0;
+            if (mp != NULL && rr->meta_len) /* metas is NULL until the first meta */
+                memcpy(metas + mused, mp, rr->meta_len);
+            mused += l->meta_len;
+            slab_t *sl = &h->slabs[rr->slab];
+            l->idx = (uint32_t)f;
+            l->gen = rr->gen;
+            l->slab = rr->slab;
+            l->slab_gen = sl->gen;
+            l->offset = (uint64_t)rr->chunk * sl->csize;
+            l->nbytes = rr->nbytes;
+            l->csum = rr->csum;
+            l->status = 1;
+            rr->readers |= bit;
+            on_access(s, (uint32_t)f);
+            hits++;
+        }
+        if (oom || s->dmg) /* give the leases back */
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (ls[i].status == 1)
+                    R(s, ls[i].idx)->readers &= ~bit;
+        h->count[C_HITS] += (uint64_t)hits;
+        h->count[C_MISSES] += (uint64_t)(n - hits);
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0 || s->dmg) {
+        lock_error(s);
+        goto done;
+    }
+    if (oom) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        leased_t *l = &ls[i];
+        PyObject *item;
+        if (l->status == 0) {
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else if (l->status < 0) {
+            item = PyLong_FromLong(l->status);
+        } else {
+            item = Py_BuildValue("(IIIIKKKy#)", l->idx, l->gen, l->slab, l->slab_gen,
+                                 (unsigned long long)l->offset,
+                                 (unsigned long long)l->nbytes,
+                                 (unsigned long long)l->csum,
+                                 metas != NULL ? metas + l->meta_at : "",
+                                 (Py_ssize_t)l->meta_len);
+        }
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    /* on an error here the leases stay until this handle closes: no view was made */
+done:
+    PyMem_Free(ls);
+    free(metas);
+    if (state != NULL)
+        xxh_state_free(state);
+    free_keys(&ks);
+    return out;
+}
+
+/* release(idxs, gens): this process lets go of its leases (its last view of each) */
+PyObject *Idx_release(Idx *s, PyObject *args) {
+    PyObject *io, *go;
+    if (!PyArg_ParseTuple(args, "OO", &io, &go))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    Py_buffer ib, gb;
+    if (PyObject_GetBuffer(io, &ib, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    Py_ssize_t n = ib.len / 8;
+    if (u64_buffer(go, &gb, n, "gens") < 0) {
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    const uint64_t *idx = ib.buf, *gen = gb.buf;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        uint64_t bit = 1ULL << s->slot;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (idx[j] >= s->hdr->bump)
+                continue;
+            rec_t *rr = R(s, (uint32_t)idx[j]);
+            if (rr->gen != (uint32_t)gen[j] || !(rr->readers & bit))
+                continue;
+            rr->readers &= ~bit;
+            if (rr->state == S_ZOMBIE && !rr->readers) {
+                release_chunk(s, rr->slab, rr->chunk);
+                meta_free(s, rr);
+                rec_free(s, (uint32_t)idx[j]);
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&gb);
+    if (r < 0 || s->dmg)
+        return lock_error(s);
+    Py_RETURN_NONE;
+}
+
+/* drop_corrupt(idx, gen) -> bool: a leased block whose bytes failed their checksum */
+PyObject *Idx_drop_corrupt(Idx *s, PyObject *args) {
+    unsigned idx, gen;
+    if (!PyArg_ParseTuple(args, "II", &idx, &gen))
+        return NULL;
+    if (!usable(s))
+        return NULL;
+    int r, dropped = 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = lock(s);
+    if (r == 0) {
+        if (idx < s->hdr->bump) {
+            rec_t *rr = R(s, idx);
+            if (rr->gen == gen && rr->state == S_HOST) {
+                remove_host(s, idx);
+                s->hdr->count[C_CORRUPT]++;
+                dropped = 1;
+            }
+        }
+        unlock(s);
+    }
+    Py_END_ALLOW_THREADS
+    if (r < 0 || s->dmg)
+        return lock_error(s);
+    return PyBool_FromLong(dropped);
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* pins and deletes */
