@@ -581,21 +581,22 @@ class BlockStore:
         events, new_pos, lost, overrun = got
         return events, int(new_pos), int(lost), bool(overrun)
 
-    def events_wire(self, pos: int, max_events: int, seq: int, pieces: tuple[bytes, ...]
-                    ) -> tuple[bytes, int, int, int, bool, bool] | None:
-        """``events_read`` spliced natively into wire bytes: ``(events, count, pos, lost,
-        overrun, cleared)``, ``events`` a msgpack array of ``count`` events made of the
-        caller's ``pieces`` (stored head, removed head, host tail, disk tail, the rest
-        of a stored event without info) and each block's info (see
-        ``tensordb.client._kv_events``). ``cleared``: a cleared event came (claim again).
-        None once this process is no longer the publisher."""
+    def events_take(self, pos: int, max_events: int, seq: int
+                    ) -> tuple[bytes, int, int, int, bool] | None:
+        """``events_read`` in bulk: ``(records, count, pos, lost, overrun)``, the
+        ``count`` events since ring position ``pos`` (at most ``max_events``) as the ring
+        holds them, one bytes object of neutral records (``storage_engine/kv/layout.h``'s
+        ``evh_t``: its length, the metadata's, type, medium and key length, then the key
+        and the metadata, padded to 8 bytes), for a caller that encodes them in bulk
+        (``tensordb.client._kv_wire``). None once this process is no longer the
+        publisher."""
         with self._lock:
             self._check_pid()
-            got = self._ix.events_wire(pos, max_events, seq, *pieces)
+            got = self._ix.events_take(pos, max_events, seq)
         if got is None:
             return None
-        wire, count, new_pos, lost, overrun, cleared = got
-        return wire, int(count), int(new_pos), int(lost), bool(overrun), bool(cleared)
+        records, count, new_pos, lost, overrun = got
+        return records, int(count), int(new_pos), int(lost), bool(overrun)
 
     def events_release(self) -> None:
         """Stop publishing (events are no longer written until a process claims)."""

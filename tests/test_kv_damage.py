@@ -39,7 +39,6 @@ NBLOCKS = 500
 FILES = ("table", "index", "ring", "slab")
 DAMAGES = ("bytes", "truncate", "ff")
 PER_CASE = int(os.environ.get("TENSORDB_KV_DAMAGE_TRIALS", "5"))
-PIECES = (b"\x81", b"\x82", b"\x91", b"\x92", b"\x80")  # any bytes: spliced, not parsed
 
 
 def _keys() -> list[bytes]:
@@ -117,7 +116,7 @@ def _child(home: str, out: str) -> None:
         with typed_errors(NS, "local"):
             kv.store.events_claim()
             kv.store.events_read(0, 1 << 24, 0)
-            kv.store.events_wire(0, 1 << 20, 0, PIECES)
+            kv.store.events_take(0, 1 << 20, 0)
 
     run("events", events)
     new = [bytes([0xEE, i]) * 8 for i in range(64)]

@@ -330,3 +330,63 @@ def test_the_benchmark_measures_every_figure_beside_its_bound() -> None:
     assert (v["vllm"].state == _verdict.NOT_MEASURED) == (res["vllm"] is None)
     if res["vllm"] is None:
         assert "vLLM is not installed" in v["vllm"].detail
+
+
+def test_the_native_splice_is_the_python_encoding_and_damaged_records_are_refused(
+        store_home: Path) -> None:
+    """The publisher's wire bytes (the store's neutral records spliced by the client's
+    native ``_kv_wire``) decode to what the Python encoding of the same events makes;
+    records that break the layout (random bytes flipped, cut short) give None, which the
+    publisher takes for an overrun: never a crash, never bytes read past the records."""
+    from types import SimpleNamespace
+
+    from tensordb.client import _kv_events, _kv_wire
+
+    db = open_store(store_home)
+    kv = db.kv("ns", BT, capacity_bytes=256 << 10, slab_bytes=64 << 10,
+               disk_capacity=1 << 20)
+    got = kv.store.events_claim()
+    assert got is not None
+    pos = got[1]
+    for i in range(40):  # blocks with info and without; evictions to disk; deletes
+        kv.put([_key(i)], torch.full((1, 4096), i, dtype=torch.float32),
+               info=[_info(i) if i % 3 else None])
+    kv.delete([_key(i) for i in range(0, 40, 7)])
+    no_info = _kv_events._rest(None, [], BT, None, None)
+    pieces = (_kv_events._STORED_HEAD, _kv_events._REMOVED_HEAD,
+              _kv_events._MEDIUM_TAIL[0], _kv_events._MEDIUM_TAIL[1], no_info)
+    taken = kv.store.events_take(pos, 1 << 20, 0)
+    read = kv.store.events_read(pos, 1 << 24, 0)
+    assert taken is not None and read is not None
+    records, count, _, _, overrun = taken
+    assert not overrun and count == len(read[0]) > 40
+    spliced = _kv_wire.splice(records, *pieces)
+    assert spliced is not None
+    wire, n, cleared = spliced
+    assert (n, cleared) == (count, False)
+    python = [msgspec.msgpack.decode(_kv_events.KVEventPublisher._event(
+        SimpleNamespace(_no_info=no_info), e)) for e in read[0]]  # type: ignore[arg-type]
+    assert msgspec.msgpack.decode(wire) == python
+    kinds = {e["type"] for e in python}
+    assert kinds == {"BlockStored", "BlockRemoved"}
+    assert {e["medium"] for e in python} == {"CPU", "STORAGE"}
+    rng = random.Random(7)
+    refused = 0
+    for case in range(3000):
+        bad = bytearray(records)
+        if case % 3 == 0:
+            bad = bad[:rng.randrange(len(bad))]
+        else:
+            for _ in range(rng.randint(1, 8)):
+                bad[rng.randrange(len(bad))] = rng.randrange(256)
+        out = _kv_wire.splice(bytes(bad), *pieces)
+        if out is None:
+            refused += 1
+        else:
+            assert isinstance(out[0], bytes) and out[1] >= 0
+            head = out[0][0]  # an array of the events counted, whatever their bytes
+            assert 0x90 <= head <= 0x9F or head in (0xDC, 0xDD), head
+    assert refused > 1000  # cut records and damaged heads are refused
+    assert _kv_wire.splice(b"", *pieces) == (b"\x90", 0, False)
+    kv.close()
+    remove_store(db)

@@ -28,7 +28,6 @@ from tensordb.errors import CorruptData, InvalidInput, TensorDBError
 
 CASES = int(os.environ.get("TENSORDB_KV_FUZZ_CASES", "320"))
 NBLOCKS = 120
-PIECES = (b"\x81", b"\x82", b"\x91", b"\x92", b"\x80")
 EDGE = (0, 1, 2, 0x7F, 0x80, 0xFF, 0x100, 0xFFFF, 0x7FFF_FFFF, 0x8000_0000, 0xFFFF_FFFE,
         0xFFFF_FFFF)
 
@@ -136,7 +135,7 @@ def _use(root: Path, rng: random.Random, seen: list[str]) -> None:
         outs = [np.empty_like(blocks[i]) for i in pick]
         call("get_into", lambda: store.get_into([keys[i] for i in pick], outs))
         call("events", lambda: (store.events_claim(), store.events_read(0, 1 << 24, 0),
-                                store.events_wire(0, 1 << 20, 0, PIECES)))
+                                store.events_take(0, 1 << 20, 0)))
         new = [bytes([9, i]) * 4 for i in range(40)]
         call("put", lambda: store.put(new, [np.full(3000, i, np.uint8) for i in range(40)],
                                       b"n" * 60))

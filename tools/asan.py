@@ -1,4 +1,5 @@
-"""The sanitizer build: the C extension (storage_engine/_stream.c and the KV library, storage_engine/kv/) compiled
+"""The sanitizer build: the C extension (storage_engine/_stream.c and the KV library, storage_engine/kv/; and the client's
+tensordb/client/_kv_wire.c) compiled
 with AddressSanitizer and UndefinedBehaviorSanitizer (and -Wall -Wextra -Werror), then
 the tests that drive its code run against it (`make asan`, in CI after `make test`).
 
@@ -26,6 +27,8 @@ OUT = ROOT / "build" / "asan"
 SOURCES = ["storage_engine/_stream.c", *sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "storage_engine" / "kv").glob("*.c")),
     "storage_engine/xxhash/xxh_x86dispatch.c"]
+#: the client's splice of the KV events' wire bytes (tensordb.client._kv_wire)
+WIRE_SOURCES = ["tensordb/client/_kv_wire.c"]
 FLAGS = ["-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
          "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
          "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"]
@@ -49,11 +52,11 @@ def runtime(name: str) -> str:
     return got
 
 
-def build() -> Path:
+def build(name: str = "_stream", sources: list[str] = SOURCES) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
-    lib = OUT / f"_stream{sysconfig.get_config_var('EXT_SUFFIX')}"
+    lib = OUT / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     cmd = ["gcc", *FLAGS, f"-I{sysconfig.get_paths()['include']}",
-           *(str(ROOT / s) for s in SOURCES), "-o", str(lib)]
+           *(str(ROOT / s) for s in sources), "-o", str(lib)]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return lib
@@ -61,11 +64,13 @@ def build() -> Path:
 
 def main(argv: list[str]) -> int:
     lib = build()
+    wire = build("_kv_wire", WIRE_SOURCES)
     env = {**os.environ,
            "LD_PRELOAD": f"{runtime('libasan.so')}:{runtime('libubsan.so')}",
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1",
            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
-           "TENSORDB_ASAN_LIB": str(lib), "PYTHONPATH": str(ROOT / "tools"),
+           "TENSORDB_ASAN_LIB": str(lib), "TENSORDB_ASAN_WIRE_LIB": str(wire),
+           "PYTHONPATH": str(ROOT / "tools"),
            # the race and kill-point tests' children load this build too: longer here
            "TENSORDB_KV_RACE_S": os.environ.get("TENSORDB_KV_RACE_S", "60"),
            "TENSORDB_KV_TORTURE_RUNS": os.environ.get("TENSORDB_KV_TORTURE_RUNS", "5")}

@@ -316,106 +316,46 @@ PyObject *Idx_events_read(Idx *s, PyObject *args) {
     return out;
 }
 
-/* events_wire(pos, max_events, seq, stored_head, removed_head, tail_host, tail_disk,
- * no_info) -> None (this process no longer publishes), or (events, count, pos, lost,
- * overrun, cleared): events_read's events spliced into their wire bytes, a msgpack array
- * of count events (at most max_events), each the head of its kind, its hashes (the
- * msgpack array its info keeps, or [key]), for a stored event the rest of its fields
- * (from its info, or no_info), and the tail of its medium. The pieces are the caller's
- * (tensordb.client._kv_events): this code only splices them. cleared: a cleared event
- * was read (announce the store afresh: events_claim). */
-PyObject *Idx_events_wire(Idx *s, PyObject *args) {
+/* events_take(pos, max_events, seq) -> None (this process no longer publishes), or
+ * (records, count, pos, lost, overrun): the events written since ring position pos (at
+ * most max_events of them) as the ring holds them, neutral records (layout.h's evh_t,
+ * then the key, then the metadata, each entry padded to 8 bytes; padding entries left
+ * out) in one bytes object, for a caller that encodes them in bulk (the vLLM wire
+ * format is the client's: tensordb.client._kv_wire). Each entry was checked as
+ * events_read checks it. */
+PyObject *Idx_events_take(Idx *s, PyObject *args) {
     unsigned long long pos, max_events, seq;
-    Py_buffer heads[2], tails[2], noinfo;
-    if (!PyArg_ParseTuple(args, "KKKy*y*y*y*y*", &pos, &max_events, &seq, &heads[0],
-                          &heads[1], &tails[0], &tails[1], &noinfo))
+    if (!PyArg_ParseTuple(args, "KKK", &pos, &max_events, &seq))
         return NULL;
-    PyObject *out = NULL;
-    evbuf_t b = {NULL, 0, 0}, o = {NULL, 0, 0};
-    int r = -1, mine = 0, overrun = 0, err = 0, cleared = 0;
-    uint64_t at = pos, lost = 0, count = 0;
     if (!usable(s))
-        goto done;
+        return NULL;
+    evbuf_t b = {NULL, 0, 0};
+    int r, mine = 0, overrun = 0;
+    uint64_t at = pos, lost = 0, count = 0;
     Py_BEGIN_ALLOW_THREADS
     r = lock(s);
     if (r == 0) {
         mine = ev_take(s, &at, seq, SIZE_MAX, max_events, &b, &lost, &overrun);
         unlock(s);
     }
-    err = mine < 0;
-    /* the splice, outside the lock: the array's length first */
-    for (size_t k = 0; r == 0 && mine > 0 && k + sizeof(evh_t) <= b.len;) {
+    for (size_t k = 0; r == 0 && mine > 0 && k + sizeof(evh_t) <= b.len; count++) {
         evh_t e;
         memcpy(&e, b.p + k, sizeof e);
         k += e.len;
-        count += e.type == EVT_STORED || e.type == EVT_REMOVED;
-        cleared |= e.type == EVT_CLEARED;
-    }
-    uint8_t hdr[3] = {(uint8_t)(0x90 | count), 0, 0};
-    size_t hn = 1;
-    if (count >= 16) {
-        hdr[0] = 0xdc;
-        hdr[1] = (uint8_t)(count >> 8);
-        hdr[2] = (uint8_t)count;
-        hn = 3;
-    }
-    if (r == 0 && mine > 0 && evbuf_add(&o, hdr, hn) < 0)
-        err = 1;
-    for (size_t k = 0; r == 0 && mine > 0 && !err && k + sizeof(evh_t) <= b.len;) {
-        evh_t e;
-        memcpy(&e, b.p + k, sizeof e);
-        const uint8_t *key = (const uint8_t *)b.p + k + sizeof e, *meta = key + e.klen;
-        k += e.len;
-        if (e.type != EVT_STORED && e.type != EVT_REMOVED)
-            continue;
-        const uint8_t *hashes = NULL, *rest = (const uint8_t *)noinfo.buf;
-        size_t hl = 0, rl = (size_t)noinfo.len;
-        const uint8_t *sep = memchr(meta, 0, e.mlen);
-        if (sep != NULL) {
-            const uint8_t *info = sep + 1;
-            size_t il = e.mlen - (size_t)(info - meta);
-            if (il >= 5 && info[0] == 1) {
-                uint32_t n = (uint32_t)info[1] | (uint32_t)info[2] << 8 |
-                             (uint32_t)info[3] << 16 | (uint32_t)info[4] << 24;
-                if (5 + (size_t)n <= il) {
-                    hashes = n ? info + 5 : NULL;
-                    hl = n;
-                    rest = info + 5 + n;
-                    rl = il - 5 - n;
-                }
-            }
-        }
-        uint8_t keyarr[3 + KEYMAX] = {0x91, 0xc4, e.klen};
-        memcpy(keyarr + 3, key, e.klen);
-        int stored = e.type == EVT_STORED;
-        Py_buffer *tail = &tails[e.medium == MED_STORAGE];
-        if (evbuf_add(&o, heads[!stored].buf, (size_t)heads[!stored].len) < 0 ||
-                (hashes != NULL ? evbuf_add(&o, hashes, hl)
-                                : evbuf_add(&o, keyarr, 3 + (size_t)e.klen)) < 0 ||
-                (stored && evbuf_add(&o, rest, rl) < 0) ||
-                evbuf_add(&o, tail->buf, (size_t)tail->len) < 0)
-            err = 1;
     }
     Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
     if (r < 0 || s->dmg)
         out = lock_error(s);
-    else if (err)
+    else if (mine < 0)
         out = PyErr_NoMemory();
     else if (!mine)
         out = Py_NewRef(Py_None);
     else
-        out = Py_BuildValue("(y#KKKOO)", o.p ? o.p : "", (Py_ssize_t)o.len,
+        out = Py_BuildValue("(y#KKKO)", b.p ? b.p : "", (Py_ssize_t)b.len,
                             (unsigned long long)count, (unsigned long long)at,
-                            (unsigned long long)lost, overrun ? Py_True : Py_False,
-                            cleared ? Py_True : Py_False);
-done:
-    for (int i = 0; i < 2; i++) {
-        PyBuffer_Release(&heads[i]);
-        PyBuffer_Release(&tails[i]);
-    }
-    PyBuffer_Release(&noinfo);
+                            (unsigned long long)lost, overrun ? Py_True : Py_False);
     free(b.p);
-    free(o.p);
     return out;
 }
 

@@ -315,7 +315,7 @@ void ev_put(Idx *s, int type, int medium, const uint8_t *key, uint32_t klen,
 void ev_rec(Idx *s, int type, int medium, uint32_t i);
 PyObject *Idx_events_claim(Idx *s, PyObject *unused);
 PyObject *Idx_events_read(Idx *s, PyObject *args);
-PyObject *Idx_events_wire(Idx *s, PyObject *args);
+PyObject *Idx_events_take(Idx *s, PyObject *args);
 PyObject *Idx_events_release(Idx *s, PyObject *unused);
 
 

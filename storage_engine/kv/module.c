@@ -687,7 +687,7 @@ static PyMethodDef Idx_methods[] = {
     {"mark_gpu", (PyCFunction)Idx_mark_gpu, METH_NOARGS, NULL},
     {"events_claim", (PyCFunction)Idx_events_claim, METH_NOARGS, NULL},
     {"events_read", (PyCFunction)Idx_events_read, METH_VARARGS, NULL},
-    {"events_wire", (PyCFunction)Idx_events_wire, METH_VARARGS, NULL},
+    {"events_take", (PyCFunction)Idx_events_take, METH_VARARGS, NULL},
     {"events_release", (PyCFunction)Idx_events_release, METH_NOARGS, NULL},
     {"close", (PyCFunction)Idx_close, METH_NOARGS, NULL},
     {"abandon", (PyCFunction)Idx_abandon, METH_NOARGS, NULL},

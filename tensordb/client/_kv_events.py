@@ -13,8 +13,9 @@ medium says where: ``CPU`` (the shared-memory arena), ``STORAGE`` (spilled to di
 **Who publishes.** Blocks enter and leave the store in whichever process puts,
 evicts or deletes, so the processes do not publish themselves: each change is written,
 under the store's lock, to an event ring in the store's shared memory (the native
-index's ``events.kvx``), and one process per namespace (the *publisher*) reads the ring
-and holds the socket and the sequence numbers. Every process that opens the namespace
+index's ``events.kvx``, neutral records: type, medium, key, metadata), and one process
+per namespace (the *publisher*) reads the ring, encodes the wire format (spliced
+natively by ``_kv_wire``) and holds the socket and the sequence numbers. Every process that opens the namespace
 with ``events=`` runs a publisher thread; one of them claims the role in the store's
 header, the others stand by and claim it when the holder's process is gone (the
 sequence numbers go on from where it stopped). A publisher that starts, finds the ring
@@ -43,6 +44,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
+import tensordb.client._kv_wire as _kv_wire
 from storage_engine import (
     EVENT_REMOVED,
     EVENT_STORED,
@@ -367,16 +369,21 @@ class KVEventPublisher:
         self._send(events)
 
     def _step(self) -> bool:
-        """Publish what the ring holds since the last step, a batch at a time, spliced
-        into wire bytes natively from each block's info; False when it held nothing."""
+        """Publish what the ring holds since the last step, a batch at a time: the
+        store's neutral records spliced into wire bytes natively (``_kv_wire``) from
+        each block's info; False when it held nothing."""
         sent = False
         while True:
-            got = self.store.events_wire(self._pos, self.BATCH_EVENTS, self._seq,
-                                         self._pieces)
+            got = self.store.events_take(self._pos, self.BATCH_EVENTS, self._seq)
             if got is None:
                 self._lose_role()
                 return sent
-            wire, count, pos, lost, overrun, cleared = got
+            records, _, pos, lost, overrun = got
+            spliced = _kv_wire.splice(records, *self._pieces)
+            if spliced is None:  # records that break the layout: as an overrun
+                overrun = True
+                spliced = (b"", 0, False)
+            wire, count, cleared = spliced
             if overrun or lost != self._lost or cleared:
                 self._resync()
                 return True
