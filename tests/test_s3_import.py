@@ -81,8 +81,11 @@ def _moto_keys(endpoint: str, bucket: str) -> tuple[dict[str, str], dict[str, st
     iam = boto3.client("iam", endpoint_url=endpoint, region_name=REGION,
                        aws_access_key_id="setup", aws_secret_access_key="setup")
     keys = []
-    for user, actions in (("admin", ["s3:*"]), ("reader", ["s3:GetObject", "s3:ListBucket"]),
-                          ("nobody", None)):
+    # the reader's rights are IAM's (GetObject, ListBucket); moto >= 5.2.6 checks some
+    # calls by their API names instead, so those are named too: the same two rights
+    reader = ["s3:GetObject", "s3:ListBucket", "s3:HeadObject", "s3:ListObjectsV2",
+              "s3:ListObjects"]
+    for user, actions in (("admin", ["s3:*"]), ("reader", reader), ("nobody", None)):
         iam.create_user(UserName=user)
         if actions is not None:
             iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps({
