@@ -98,6 +98,12 @@ typedef struct {
     char *ev_map; /* the event ring, mapped once events are on */
     size_t ev_size;
     uint64_t nb, ncap; /* the table this process maps: its buckets and records */
+    /* this process's hold on that mapping: lookups without the mutex read it under a
+     * read hold, and whoever replaces or unmaps it (a remap after a growth, a growth,
+     * close) takes the write hold, so that no thread of the process reads a table
+     * unmapped under it */
+    pthread_rwlock_t maplock;
+    int maplock_ok;
     /* damage found in a shared file (see damaged()): the next return raises it */
     int dmg;
     char dmg_path[4200];
@@ -226,8 +232,21 @@ int map_table(Idx *s);
 int create_file(const char *path, size_t size);
 int create_table(const char *path, uint32_t gen, uint64_t nb, uint64_t cap);
 int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx);
+int h_insert(Idx *s, uint64_t hash, uint32_t idx);
 int grow(Idx *s);
 int64_t h_find(Idx *s, const uint8_t *key, size_t klen);
+int lf_present(Idx *s, const uint8_t *key, size_t klen);
+void map_hold(Idx *s, int write);
+void map_let_go(Idx *s);
+
+/* the buckets' seqlock (hdr_t.tseq), under the lock: a window in which they change */
+static inline void tseq_begin(hdr_t *h) {
+    __atomic_store_n(&h->tseq, h->tseq | 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+static inline void tseq_end(hdr_t *h) {
+    __atomic_store_n(&h->tseq, (h->tseq | 1) + 1, __ATOMIC_RELEASE);
+}
 void h_delete(Idx *s, uint32_t idx);
 
 /* arena.c */

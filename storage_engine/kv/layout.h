@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
-#define KV_VERSION 3 /* 3: the table file has its own header */
+#define KV_VERSION 4 /* 3: the table file has its own header; 4: hdr_t.tseq */
 #define KEYMAX 32
 #define INLINE_META 40
 #define MAX_SLABS 1024
@@ -105,7 +105,10 @@ typedef struct {
  * MAX_SLABS. bump <= the table's cap; free_rec: record index + 1 of the free chain.
  * The lock is a process-shared robust mutex: a holder's death leaves it EOWNERDEAD, and
  * the next locker rebuilds what can be derived from the records before it is marked
- * consistent. */
+ * consistent. tseq is the buckets' seqlock: odd while a holder changes any bucket (an
+ * insert, a delete's backward shift, a rebuild), so that lookups can read the table
+ * without the lock (read.c); a holder killed inside leaves it odd, and the rebuild
+ * after it makes it even again. */
 typedef struct {
     uint64_t magic;
     uint32_t version, ready;
@@ -116,6 +119,7 @@ typedef struct {
     uint32_t table_gen, nslabs; /* slab slots ever used (high-water mark) */
     uint64_t bump, free_rec, nrecs; /* records made, the free ones' chain, those in use */
     uint64_t spill_seq, write_epoch;
+    uint64_t tseq; /* the buckets' seqlock: odd while they change */
     uint64_t count[NCOUNTERS];
     queue_t q[NQ];
     proc_t procs[MAX_PROCS];

@@ -188,6 +188,9 @@ int lock(Idx *s) {
 /* everything derivable from the records, after a process died holding the lock */
 static void rebuild(Idx *s) {
     hdr_t *h = s->hdr;
+    /* one window of the buckets' seqlock for all of it (a dead holder may have left
+     * tseq odd: tseq_end makes it even) */
+    tseq_begin(h);
     memset(s->buckets, 0, s->nb * 8); /* the mapped table's: its own header's size */
     { /* a growth's holder killed before it removed the old file, or before it named
        * the new one */
@@ -209,6 +212,7 @@ static void rebuild(Idx *s) {
     uint8_t *used[MAX_SLABS] = {0};
     for (uint32_t k = 0; k < h->nslabs; k++)
         if (h->slabs[k].live && !slab_ok(h, &h->slabs[k])) {
+            tseq_end(h);
             slab_damaged(s, k);
             return;
         }
@@ -258,6 +262,7 @@ static void rebuild(Idx *s) {
             q_push(s, Q_GHOST, i);
         }
     }
+    tseq_end(h);
     for (uint32_t k = 0; k < h->nslabs; k++) {
         slab_t *sl = &h->slabs[k];
         if (!sl->live || used[k] == NULL)

@@ -97,6 +97,20 @@ static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
     for (int i = 0; i < MAX_SLABS; i++)
         s->maps[i].fd = -1;
     s->slot = -1;
+    if (!s->maplock_ok) {
+        pthread_rwlockattr_t ra;
+        pthread_rwlockattr_init(&ra);
+#ifdef __GLIBC__ /* a remap waits for the lookups under way, not behind every new one */
+        pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+        if (pthread_rwlock_init(&s->maplock, &ra) != 0) {
+            pthread_rwlockattr_destroy(&ra);
+            PyErr_NoMemory();
+            return -1;
+        }
+        pthread_rwlockattr_destroy(&ra);
+        s->maplock_ok = 1;
+    }
     s->root = strdup(root);
     char path[4096];
     snprintf(path, sizeof path, "%s/index.kvx", root);
@@ -254,11 +268,13 @@ static void close_handle(Idx *s) {
     s->ev_map = NULL;
     for (int i = 0; i < MAX_SLABS; i++)
         unmap_slab(s, (uint32_t)i);
+    map_hold(s, 1); /* no lookup of this process reads them meanwhile */
     if (s->table != NULL)
         munmap(s->table, s->table_size);
     munmap(s->hdr, sizeof(hdr_t));
     s->hdr = NULL;
     s->table = NULL;
+    map_let_go(s);
 }
 
 static PyObject *Idx_close(Idx *s, PyObject *unused) {
@@ -319,6 +335,8 @@ static void Idx_dealloc(Idx *s) {
     free(s->disk_root);
     free(s->pool_dir);
     free(s->left);
+    if (s->maplock_ok)
+        pthread_rwlock_destroy(&s->maplock);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 

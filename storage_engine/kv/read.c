@@ -1,7 +1,99 @@
-/* Reads: match and contains (the index only), read_into (copies checked by the records'
- * generations, a seqlock), lease / release of zero-copy views, promotion of spilled
- * blocks back into the arena. */
+/* Reads: match and contains (the index only, without the lock), read_into (copies
+ * checked by the records' generations, a seqlock), lease / release of zero-copy views,
+ * promotion of spilled blocks back into the arena. */
 #include "kv.h"
+
+/* ---------------------------------------------------------------------------------- */
+/* lookups without the lock
+ *
+ * match and contains read the table with no mutex, so that a lookup never waits for
+ * another process's hold (a batch's commit, an allocation, a rebuild), let alone for
+ * one that is descheduled while it holds it. The buckets change only under the lock
+ * and inside a window of the header's seqlock (hdr_t.tseq odd: an insert, a delete's
+ * backward shift, a rebuild). A lookup takes tseq before it probes and again after it
+ * read the record's key and state, and believes what it read only where both are the
+ * same even number and the table it probed is the one the header names. A record is
+ * freed only after its bucket is deleted (a window), so the key read in a quiet window
+ * is its record's own; its state is read once, a point in time. Every value is bounded
+ * before it is used (a bucket's record by this process's mapping, the probe by the
+ * table's size): a torn read is retried, never followed. A lookup that finds no quiet
+ * window in LF_TRIES, or a table that grew, or a namespace not ready, takes the lock
+ * (which remaps, and judges damage). Threads of this process hold the mapping
+ * (maplock, read) while they probe it. */
+
+#define LF_TRIES 64
+
+void map_hold(Idx *s, int write) {
+    if (s->maplock_ok)
+        (void)(write ? pthread_rwlock_wrlock(&s->maplock)
+                     : pthread_rwlock_rdlock(&s->maplock));
+}
+
+void map_let_go(Idx *s) {
+    if (s->maplock_ok)
+        pthread_rwlock_unlock(&s->maplock);
+}
+
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* (under map_hold) 1: the key's block is readable (host or disk), 0: it is not,
+ * -1: no answer without the lock */
+int lf_present(Idx *s, const uint8_t *key, size_t klen) {
+    hdr_t *h = s->hdr;
+    if (s->table == NULL || __atomic_load_n(&h->ready, __ATOMIC_ACQUIRE) != 1)
+        return -1;
+    uint64_t hash = khash(h, key, klen), tag = hash & 0xffffffffu, mask = s->nb - 1;
+    for (int t = 0; t < LF_TRIES; t++) {
+        uint64_t q = __atomic_load_n(&h->tseq, __ATOMIC_ACQUIRE);
+        if (q & 1) {
+            spin_pause();
+            continue;
+        }
+        if (__atomic_load_n(&h->table_gen, __ATOMIC_ACQUIRE) != s->table_gen)
+            return -1; /* it grew: the lock remaps */
+        /* records made: a bucket naming another is damage, the lock's to judge */
+        uint64_t made = __atomic_load_n(&h->bump, __ATOMIC_RELAXED);
+        int found = 0, sane = 1;
+        uint64_t b = hash & mask;
+        for (uint64_t probes = 0;; probes++) {
+            uint64_t v = __atomic_load_n(&s->buckets[b], __ATOMIC_RELAXED);
+            if (!v)
+                break;
+            if (probes >= s->nb) {
+                sane = 0;
+                break;
+            }
+            if ((v >> 32) == tag) {
+                uint64_t i = (v & 0xffffffffu) - 1;
+                if (i >= s->ncap || i >= made) {
+                    sane = 0;
+                    break;
+                }
+                rec_t *r = &s->recs[i];
+                uint8_t rk[KEYMAX];
+                size_t rl = __atomic_load_n(&r->klen, __ATOMIC_RELAXED);
+                memcpy(rk, r->key, KEYMAX);
+                if (rl == klen && memcmp(rk, key, klen) == 0) {
+                    uint8_t st = __atomic_load_n(&r->state, __ATOMIC_RELAXED);
+                    found = st == S_HOST || st == S_DISK;
+                    break;
+                }
+            }
+            b = (b + 1) & mask;
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&h->tseq, __ATOMIC_RELAXED) != q)
+            continue; /* the buckets changed while we read them */
+        if (!sane)
+            return -1; /* in a quiet window: the lock's checks judge it */
+        return found;
+    }
+    return -1;
+}
 
 PyObject *Idx_match(Idx *s, PyObject *keys_o) {
     if (!usable(s))
@@ -10,16 +102,27 @@ PyObject *Idx_match(Idx *s, PyObject *keys_o) {
     if (parse_keys(keys_o, &ks) < 0)
         return NULL;
     Py_ssize_t n = 0;
-    int r;
+    int r = 0, rest = 0;
     Py_BEGIN_ALLOW_THREADS
-    r = lock(s);
-    if (r == 0) {
-        for (; n < ks.n; n++) {
-            int64_t f = h_find(s, ks.keys[n] + 1, ks.keys[n][0]);
-            if (f < 0 || !readable(R(s, (uint32_t)f)))
-                break;
+    map_hold(s, 0);
+    for (; n < ks.n; n++) {
+        int p = lf_present(s, ks.keys[n] + 1, ks.keys[n][0]);
+        if (p <= 0) {
+            rest = p < 0; /* the rest with the lock */
+            break;
         }
-        unlock(s);
+    }
+    map_let_go(s);
+    if (rest) {
+        r = lock(s);
+        if (r == 0) {
+            for (; n < ks.n; n++) {
+                int64_t f = h_find(s, ks.keys[n] + 1, ks.keys[n][0]);
+                if (f < 0 || !readable(R(s, (uint32_t)f)))
+                    break;
+            }
+            unlock(s);
+        }
     }
     Py_END_ALLOW_THREADS
     free_keys(&ks);
@@ -40,15 +143,26 @@ PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
         return NULL;
     }
     uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
-    int r;
+    int r = 0;
+    Py_ssize_t i = 0;
     Py_BEGIN_ALLOW_THREADS
-    r = lock(s);
-    if (r == 0) {
-        for (Py_ssize_t i = 0; i < ks.n; i++) {
-            int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
-            o[i] = f >= 0 && readable(R(s, (uint32_t)f));
+    map_hold(s, 0);
+    for (; i < ks.n; i++) {
+        int p = lf_present(s, ks.keys[i] + 1, ks.keys[i][0]);
+        if (p < 0)
+            break; /* the rest with the lock */
+        o[i] = (uint8_t)p;
+    }
+    map_let_go(s);
+    if (i < ks.n) {
+        r = lock(s);
+        if (r == 0) {
+            for (; i < ks.n; i++) {
+                int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
+                o[i] = f >= 0 && readable(R(s, (uint32_t)f));
+            }
+            unlock(s);
         }
-        unlock(s);
     }
     Py_END_ALLOW_THREADS
     free_keys(&ks);

@@ -1,7 +1,9 @@
 /* The table file (table-<gen>.kvx) and its hash table: open addressing, linear probing,
  * backward-shift deletion; 8-byte buckets holding a 32-bit tag and the record's index,
  * grown by doubling into a new file whose generation every process notices at its next
- * lock (published with one store: layout.h's thdr_t). */
+ * lock (published with one store: layout.h's thdr_t). Every change of the mapped
+ * table's buckets is a window of the header's seqlock (tseq), which lookups without
+ * the lock read around their probes (read.c). */
 #include "kv.h"
 
 /* a keyed hash of a key: the seeds are random per store, so that chosen keys cannot
@@ -74,6 +76,7 @@ int map_table(Idx *s) {
     close(fd);
     if (m == MAP_FAILED)
         return -1;
+    map_hold(s, 1);
     if (s->table != NULL)
         munmap(s->table, s->table_size);
     s->table = (char *)m;
@@ -83,6 +86,7 @@ int map_table(Idx *s) {
     s->table_gen = gen;
     s->nb = nb;
     s->ncap = cap;
+    map_let_go(s);
     return 0;
 }
 
@@ -177,6 +181,7 @@ int grow(Idx *s) {
     table_path(s, h->table_gen, old, sizeof old);
     /* published: one store, after everything it names is written */
     __atomic_store_n(&h->table_gen, h->table_gen + 1, __ATOMIC_RELEASE);
+    map_hold(s, 1);
     munmap(s->table, s->table_size);
     s->table = m;
     s->table_size = size;
@@ -185,6 +190,7 @@ int grow(Idx *s) {
     s->table_gen = h->table_gen;
     s->nb = nb;
     s->ncap = cap;
+    map_let_go(s);
     FAULT("grow.published");
     unlink(old); /* the others' mappings keep its pages until they remap */
     return 0;
@@ -229,7 +235,9 @@ void h_delete(Idx *s, uint32_t idx) {
         }
         b = (b + 1) & mask;
     }
-    /* backward shift: pull later entries of the run into the hole */
+    /* backward shift: pull later entries of the run into the hole (a window of the
+     * seqlock: a lookup without the lock that probed meanwhile looks again) */
+    tseq_begin(h);
     uint64_t hole = b, j = b;
     for (probes = 0;; probes++) {
         j = (j + 1) & mask;
@@ -237,6 +245,7 @@ void h_delete(Idx *s, uint32_t idx) {
         if (!v)
             break;
         if (probes >= s->nb) {
+            tseq_end(h);
             table_damaged(s, "no bucket of %llu is empty", (unsigned long long)s->nb);
             return;
         }
@@ -251,6 +260,15 @@ void h_delete(Idx *s, uint32_t idx) {
         }
     }
     s->buckets[hole] = 0;
+    tseq_end(h);
+}
+
+/* an insert into the mapped table (under the lock), a window of the seqlock */
+int h_insert(Idx *s, uint64_t hash, uint32_t idx) {
+    tseq_begin(s->hdr);
+    int r = h_insert_raw(s->buckets, s->nb, hash, idx);
+    tseq_end(s->hdr);
+    return r;
 }
 
 /* ---------------------------------------------------------------------------------- */

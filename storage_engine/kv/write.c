@@ -218,8 +218,7 @@ PyObject *Idx_put(Idx *s, PyObject *args) {
             rec_t *r = R(s, (uint32_t)f);
             r->klen = k[0];
             memcpy(r->key, k + 1, KEYMAX);
-            if (h_insert_raw(s->buckets, s->nb, khash(h, r->key, r->klen),
-                             (uint32_t)f) < 0) {
+            if (h_insert(s, khash(h, r->key, r->klen), (uint32_t)f) < 0) {
                 table_damaged(s, "no bucket of %llu is free", (unsigned long long)s->nb);
                 rec_free(s, (uint32_t)f);
                 release_chunk(s, slot, chunk);

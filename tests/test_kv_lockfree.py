@@ -1,0 +1,158 @@
+"""Lookups without the lock: ``match`` and ``contains`` read the KV table through its
+seqlock (``hdr_t.tseq``) instead of the namespace's process-shared mutex, so that a
+lookup never waits for another process's hold of it.
+
+- A lookup answers while another process holds the lock (a put stopped at a fault point
+  inside its hold): on a build whose lookups take the lock, it waits for the whole hold.
+- Under churn (another process inserting and deleting keys around a set of keys that
+  stay, so that deletions shift the buckets of the keys that stay, and growing the
+  table), a lookup never misses a key that stays and never finds one that was never put.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage_engine import BlockStore
+
+CAPACITY, SLAB = 64 << 20, 1 << 20
+HOLD_S = 4.0
+
+
+def _key(i: int) -> bytes:
+    return b"lf" + i.to_bytes(4, "little")
+
+
+@pytest.fixture
+def root() -> Path:
+    r = Path("/dev/shm") / f"tensordb-kvlockfree-{os.getpid()}"
+    shutil.rmtree(r, ignore_errors=True)
+    yield r
+    shutil.rmtree(r, ignore_errors=True)
+
+
+def _run_child(code: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "tools"), *sys.path])}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _reap(child: subprocess.Popen[str]) -> None:
+    if child.poll() is None:
+        child.kill()
+    child.communicate()  # and its pipes closed
+
+
+_HOLDER = r"""
+import os, sys, numpy as np
+if os.environ.get("TENSORDB_ASAN_LIB"):
+    import asan_plugin  # noqa: F401
+from storage_engine import BlockStore, _stream
+root, flag, done, hold_us = sys.argv[1:5]
+store = BlockStore(root, capacity_bytes=64 << 20, slab_bytes=1 << 20)
+_stream.set_fault("put.reserved", "sleep", int(hold_us), 1)  # inside the lock's hold
+open(flag, "w").close()
+store.put([b"held" + bytes(4)], [np.ones(4096, np.uint8)])
+open(done, "w").close()
+store.close()
+"""
+
+
+def test_match_and_contains_answer_while_another_process_holds_the_lock(
+        root: Path, tmp_path: Path) -> None:
+    store = BlockStore(root, capacity_bytes=CAPACITY, slab_bytes=SLAB)
+    try:
+        keys = [_key(i) for i in range(32)]
+        store.put(keys, [np.full(4096, i, np.uint8) for i in range(32)])
+        flag, done = tmp_path / "holding", tmp_path / "done"
+        child = _run_child(_HOLDER, str(root), str(flag), str(done),
+                           str(int(HOLD_S * 1e6)))
+        try:
+            deadline = time.monotonic() + 60
+            while not flag.exists():
+                assert child.poll() is None, child.communicate()
+                assert time.monotonic() < deadline, "the holder never started its put"
+                time.sleep(0.01)
+            time.sleep(0.5)  # its put is inside the hold by now (it sleeps there)
+            assert store.match(keys) == 32
+            assert store.contains([*keys[:3], b"absent", b"held" + bytes(4)]) == [
+                True, True, True, False, False]  # the held block is still being written
+            assert store.match([b"held" + bytes(4)]) == 0
+            answered_while_held = not done.exists()
+            # the lock is still held: a call that takes it waits until the hold ends
+            waited = threading.Event()
+            t = threading.Thread(target=lambda: (store.delete([keys[0]]), waited.set()))
+            t.start()
+            still_held = not waited.wait(0.3) and not done.exists()
+            t.join(60)
+            assert answered_while_held and still_held, (
+                "the lookups did not answer inside another process's hold of the lock")
+            out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err[-3000:]
+        finally:
+            _reap(child)
+        assert store.match([b"held" + bytes(4)]) == 1  # published when the hold ended
+        assert store.match(keys) == 0 and store.match(keys[1:]) == 31
+    finally:
+        store.close()
+
+
+_CHURNER = r"""
+import os, sys, numpy as np
+if os.environ.get("TENSORDB_ASAN_LIB"):
+    import asan_plugin  # noqa: F401
+from storage_engine import BlockStore
+root, seconds = sys.argv[1], float(sys.argv[2])
+import time
+store = BlockStore(root, capacity_bytes=64 << 20, slab_bytes=1 << 20)
+buf = np.ones(600, np.uint8)
+end, n, rounds = time.monotonic() + seconds, 0, 0
+while time.monotonic() < end:
+    # churn keys beside the ones that stay: inserts grow the table, deletes shift buckets
+    batch = [b"churn" + (n + j).to_bytes(4, "little") for j in range(64)]
+    store.put(batch, [buf] * 64)
+    store.delete(batch[::2])
+    if n > 20000:
+        store.delete([b"churn" + j.to_bytes(4, "little") for j in range(n - 20000, n - 19936)])
+    n += 64
+    rounds += 1
+print(rounds, flush=True)
+store.close()
+"""
+
+
+def test_lookups_under_churn_and_growth_never_miss_a_key_that_stays(root: Path) -> None:
+    store = BlockStore(root, capacity_bytes=CAPACITY, slab_bytes=SLAB)
+    try:
+        stay = [_key(i) for i in range(200)]
+        never = [b"never" + i.to_bytes(4, "little") for i in range(200)]
+        store.put(stay, [np.full(600, i % 251, np.uint8) for i in range(200)])
+        cap0 = store.index_stats()["record_capacity"]
+        child = _run_child(_CHURNER, str(root), "4")
+        try:
+            lookups = 0
+            while child.poll() is None:
+                assert store.match(stay) == 200, "a key that stays was missed"
+                got = store.contains([*stay[::7], *never[::7]])
+                assert all(got[:len(stay[::7])]) and not any(got[len(stay[::7]):])
+                lookups += 1
+            out, err = child.communicate()
+            assert child.returncode == 0, err[-3000:]
+            assert int(out) > 10, "the churner did too little to test anything"
+            assert lookups > 10
+        finally:
+            _reap(child)
+        # the table grew under the lookups (they remapped to each new one)
+        assert store.index_stats()["record_capacity"] >= 8 * cap0
+    finally:
+        store.close()
