@@ -1,12 +1,14 @@
-"""Lookups without the lock: ``match`` and ``contains`` read the KV table through its
-seqlock (``hdr_t.tseq``) instead of the namespace's process-shared mutex, so that a
-lookup never waits for another process's hold of it.
+"""Nothing waits on another process's I/O: ``match`` and ``contains`` read the KV table
+through its seqlock (``hdr_t.tseq``) instead of the namespace's process-shared mutex,
+and a put makes its new slabs' files (allocating their pages) with the lock let go.
 
 - A lookup answers while another process holds the lock (a put stopped at a fault point
   inside its hold): on a build whose lookups take the lock, it waits for the whole hold.
 - Under churn (another process inserting and deleting keys around a set of keys that
   stay, so that deletions shift the buckets of the keys that stay, and growing the
   table), a lookup never misses a key that stays and never finds one that was never put.
+- While another process makes a new slab (stopped at a fault point between making its
+  file and taking the lock again), reads, puts and deletes of the namespace go on.
 """
 
 from __future__ import annotations
@@ -154,5 +156,54 @@ def test_lookups_under_churn_and_growth_never_miss_a_key_that_stays(root: Path) 
             _reap(child)
         # the table grew under the lookups (they remapped to each new one)
         assert store.index_stats()["record_capacity"] >= 8 * cap0
+    finally:
+        store.close()
+
+
+_MAKER = r"""
+import os, sys, numpy as np
+if os.environ.get("TENSORDB_ASAN_LIB"):
+    import asan_plugin  # noqa: F401
+from storage_engine import BlockStore, _stream
+root, flag, done, hold_us = sys.argv[1:5]
+store = BlockStore(root, capacity_bytes=64 << 20, slab_bytes=1 << 20)
+_stream.set_fault("slab.made", "sleep", int(hold_us), 1)  # its file made, not yet live
+open(flag, "w").close()
+store.put([b"made" + bytes(4)], [np.ones(100_000, np.uint8)])  # a size class of its own
+open(done, "w").close()
+store.close()
+"""
+
+
+def test_a_slab_being_made_holds_no_lock(root: Path, tmp_path: Path) -> None:
+    store = BlockStore(root, capacity_bytes=CAPACITY, slab_bytes=SLAB)
+    try:
+        keys = [_key(i) for i in range(32)]
+        store.put(keys, [np.full(4096, i, np.uint8) for i in range(32)])
+        slabs = store.index_stats()["arena_bytes"]
+        flag, done = tmp_path / "making", tmp_path / "done"
+        child = _run_child(_MAKER, str(root), str(flag), str(done), str(int(HOLD_S * 1e6)))
+        try:
+            deadline = time.monotonic() + 60
+            while not flag.exists():
+                assert child.poll() is None, child.communicate()
+                assert time.monotonic() < deadline, "the maker never started its put"
+                time.sleep(0.01)
+            time.sleep(0.5)  # inside the fault point by now
+            # its slab is counted already: the arena's bytes went up by one slab
+            assert store.index_stats()["arena_bytes"] > slabs
+            outs = [np.empty(4096, np.uint8) for _ in keys]
+            assert all(store.get_into(keys, outs))  # each of these takes the lock
+            assert all(int(o[0]) == i for i, o in enumerate(outs))
+            store.put([_key(100)], [np.full(4096, 7, np.uint8)])
+            assert store.delete([keys[0]]) == 1
+            assert store.match([b"made" + bytes(4)]) == 0
+            assert not done.exists(), "the maker's put ended before the reads did"
+            out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err[-3000:]
+        finally:
+            _reap(child)
+        assert store.match([b"made" + bytes(4)]) == 1
+        assert store._ix.check() == []
     finally:
         store.close()

@@ -197,7 +197,8 @@ int take_free(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk,
     for (uint32_t k = 0; k < h->nslabs; k++) {
         uint32_t i = k == 0 ? hint : (k <= hint ? k - 1 : k);
         slab_t *sl = &h->slabs[i];
-        if (!sl->live || sl->csize != csize || sl->used == sl->nchunks || sl->meta != meta)
+        if (sl->live != SLAB_LIVE || sl->csize != csize || sl->used == sl->nchunks ||
+                sl->meta != meta)
             continue;
         if (sl->free_head > sl->nchunks) /* a chain damaged outside the store */
             sl->free_head = 0;
@@ -458,7 +459,8 @@ static void init_slab(hdr_t *h, uint32_t slot, uint64_t csize, uint64_t n, int f
     sl->nchunks = (uint32_t)n;
     sl->used = sl->bump = sl->free_head = 0;
     sl->gen++;
-    sl->live = 1;
+    sl->live = SLAB_LIVE;
+    sl->maker = 0;
     sl->fresh = (uint32_t)fresh;
     sl->meta = (uint32_t)meta;
     if (slot == h->nslabs)
@@ -504,7 +506,9 @@ int allocate_meta(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk) {
     return E_IO;
 }
 
-int new_slab(Idx *s, uint64_t csize) {
+/* a new slab's size in chunks of csize, where the capacity allows (0: no room), and
+ * the table slot it takes (under the lock) */
+static uint64_t slab_plan(Idx *s, uint64_t csize, uint32_t *slot) {
     hdr_t *h = s->hdr;
     uint64_t used = h->count[C_ARENA_BYTES];
     if (used >= h->capacity)
@@ -518,50 +522,156 @@ int new_slab(Idx *s, uint64_t csize) {
         n = (h->capacity - used) / csize;
     if (n < 1)
         return 0;
-    uint32_t slot = free_slab_slot(h);
-    if (slot == MAX_SLABS)
-        return 0;
-    uint32_t gen = h->slabs[slot].gen + 1;
+    *slot = free_slab_slot(h);
+    return *slot == MAX_SLABS ? 0 : n;
+}
+
+/* a new slab's file, of at least *n and at most `most` chunks of csize: a pooled file
+ * first (its pages are there; *n becomes the chunks it holds, *kept_map this process's
+ * kept mapping of it, if any), else a new file, allocated whole (*fresh). Touches no
+ * shared state: it runs in the lock or outside it. 0, or -1 (errno) */
+static int slab_file(Idx *s, uint32_t slot, uint32_t gen, uint64_t csize, uint64_t *n,
+                     uint64_t most, int *fresh, char **kept_map, int *kept_fd) {
     char path[4096];
     slab_path(s, slot, gen, path, sizeof path);
-    /* a pooled file first: as many chunks as it holds, within what the capacity allows */
-    uint64_t most = (h->capacity - used) / csize;
-    char *kept_map = NULL;
-    int kept_fd = -1;
-    size_t got = claim_pooled(s, path, (size_t)(csize * n), (size_t)(csize * most), csize,
-                              &kept_map, &kept_fd);
-    int fresh = got == 0;
+    *kept_map = NULL;
+    *kept_fd = -1;
+    size_t got = claim_pooled(s, path, (size_t)(csize * *n), (size_t)(csize * most), csize,
+                              kept_map, kept_fd);
+    *fresh = got == 0;
     if (got) {
-        n = got / csize;
-        if (kept_map != NULL) { /* this process's mapping of the file: nothing to map */
-            unmap_slab(s, slot);
-            s->maps[slot].base = kept_map;
-            s->maps[slot].size = (size_t)(csize * n);
-            s->maps[slot].gen = gen;
-            s->maps[slot].fd = kept_fd;
-        }
-    } else {
-        int fd = create_file(path, (size_t)(csize * n));
-        if (fd < 0)
-            return -1;
-        close(fd);
+        *n = got / csize;
+        return 0;
     }
+    int fd = create_file(path, (size_t)(csize * *n));
+    if (fd < 0)
+        return -1;
+    close(fd);
+    return 0;
+}
+
+/* this process's mapping of a slab that took a pooled file it kept mapped (under the
+ * lock: the slab's slot is this process's to map) */
+static void slab_take_map(Idx *s, uint32_t slot, uint32_t gen, size_t size, char *map,
+                          int fd) {
+    unmap_slab(s, slot);
+    s->maps[slot].base = map;
+    s->maps[slot].size = size;
+    s->maps[slot].gen = gen;
+    s->maps[slot].fd = fd;
+}
+
+/* a new slab of chunks of csize where the capacity allows, its file made in the lock:
+ * 1, 0 (no room), -1 (errno). A batch makes the slabs it needs outside the lock first
+ * (make_slab); this is for what that did not foresee. */
+int new_slab(Idx *s, uint64_t csize) {
+    hdr_t *h = s->hdr;
+    uint32_t slot;
+    uint64_t n = slab_plan(s, csize, &slot);
+    if (n == 0)
+        return 0;
+    uint32_t gen = h->slabs[slot].gen + 1;
+    uint64_t most = (h->capacity - h->count[C_ARENA_BYTES]) / csize;
+    int fresh, kept_fd;
+    char *kept_map;
+    if (slab_file(s, slot, gen, csize, &n, most, &fresh, &kept_map, &kept_fd) < 0)
+        return -1;
+    if (kept_map != NULL)
+        slab_take_map(s, slot, gen, (size_t)(csize * n), kept_map, kept_fd);
     init_slab(h, slot, csize, n, fresh, 0);
     return 1;
+}
+
+/* (under the lock) a new slab of chunks of csize made with the lock let go: its slot
+ * is taken as SLAB_MAKING and its bytes counted in the arena, then the file is made
+ * outside the lock (allocating a fresh slab's pages is the I/O of a filling arena:
+ * 40-50 ms for 64 MiB of tmpfs, which no lookup, read or other writer should wait for),
+ * and the slab goes live under the lock again. Returns with the lock held: 1 (a slab
+ * made), 0 (no room, or its file could not be made: the caller's allocation tries in
+ * the lock and reports why), or -1 (the lock could not be taken again: damage,
+ * unlocked). */
+int make_slab(Idx *s, uint64_t csize) {
+    hdr_t *h = s->hdr;
+    uint32_t slot;
+    uint64_t n = slab_plan(s, csize, &slot);
+    if (n == 0)
+        return 0;
+    slab_t *sl = &h->slabs[slot];
+    uint32_t gen = sl->gen + 1;
+    sl->csize = csize;
+    sl->nchunks = (uint32_t)n;
+    sl->used = sl->bump = sl->free_head = 0;
+    sl->gen = gen;
+    sl->fresh = 1;
+    sl->meta = 0;
+    sl->maker = (uint32_t)s->slot + 1;
+    sl->live = SLAB_MAKING;
+    if (slot == h->nslabs)
+        h->nslabs++;
+    h->count[C_ARENA_BYTES] += csize * n;
+    unlock(s);
+    int fresh, kept_fd;
+    char *kept_map;
+    uint64_t got = n;
+    int made = slab_file(s, slot, gen, csize, &got, n, &fresh, &kept_map, &kept_fd) == 0;
+    FAULT("slab.made");
+    if (lock(s) < 0) {
+        if (made && kept_map != NULL) {
+            munmap(kept_map, (size_t)(csize * n));
+            close(kept_fd);
+        }
+        return -1;
+    }
+    sl = &h->slabs[slot];
+    if (sl->live != SLAB_MAKING || sl->maker != (uint32_t)s->slot + 1 || sl->gen != gen) {
+        /* not ours any more: only damage repaired meanwhile does that */
+        if (made && kept_map != NULL) {
+            munmap(kept_map, (size_t)(csize * n));
+            close(kept_fd);
+        }
+        return 0;
+    }
+    if (!made) {
+        sl->live = SLAB_FREE;
+        sl->maker = 0;
+        h->count[C_ARENA_BYTES] -= csize * n;
+        return 0;
+    }
+    if (kept_map != NULL)
+        slab_take_map(s, slot, gen, (size_t)(csize * n), kept_map, kept_fd);
+    sl->fresh = (uint32_t)fresh;
+    sl->maker = 0;
+    sl->live = SLAB_LIVE;
+    return 1;
+}
+
+/* (under the lock) a slab a dead process was making: its file removed, its bytes given
+ * back to the arena */
+void drop_making(Idx *s, uint32_t slot) {
+    hdr_t *h = s->hdr;
+    slab_t *sl = &h->slabs[slot];
+    char path[4096];
+    slab_path(s, slot, sl->gen, path, sizeof path);
+    unlink(path);
+    uint64_t bytes = slab_ok(h, sl) ? sl->csize * sl->nchunks : 0;
+    h->count[C_ARENA_BYTES] -= bytes < h->count[C_ARENA_BYTES] ? bytes
+                                                               : h->count[C_ARENA_BYTES];
+    sl->live = SLAB_FREE;
+    sl->maker = 0;
 }
 
 int drop_empty_slab(Idx *s, uint64_t keep) {
     hdr_t *h = s->hdr;
     for (uint32_t i = 0; i < h->nslabs; i++) {
         slab_t *sl = &h->slabs[i];
-        if (sl->live && sl->used == 0 && sl->csize != keep && !sl->meta) {
+        if (sl->live == SLAB_LIVE && sl->used == 0 && sl->csize != keep && !sl->meta) {
             char path[4096];
             slab_path(s, i, sl->gen, path, sizeof path);
             unmap_slab(s, i);
             unlink(path); /* readers' mappings keep their pages */
             h->count[C_ARENA_BYTES] -= sl->csize * sl->nchunks;
             h->count[C_SLAB_DROPS]++;
-            sl->live = 0;
+            sl->live = SLAB_FREE;
             return 1;
         }
     }

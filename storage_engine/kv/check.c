@@ -43,7 +43,7 @@ PyObject *Idx_check(Idx *s, PyObject *unused) {
         /* records: those in use are in the buckets, counted once */
         uint8_t *chunks[MAX_SLABS] = {0};
         for (uint32_t k = 0; k < h->nslabs; k++)
-            if (h->slabs[k].live && slab_ok(h, &h->slabs[k]))
+            if (h->slabs[k].live == SLAB_LIVE && slab_ok(h, &h->slabs[k]))
                 chunks[k] = calloc(h->slabs[k].nchunks, 1);
         uint64_t qlen[NQ] = {0};
         for (uint64_t j = 0; j < bump; j++) {
@@ -127,6 +127,15 @@ PyObject *Idx_check(Idx *s, PyObject *unused) {
                 CHECK_SAY("queue %d: %llu long, %llu walked, %llu records name it", q,
                           (unsigned long long)h->q[q].len, (unsigned long long)n,
                           (unsigned long long)qlen[q]);
+        }
+        for (uint32_t k = 0; k < h->nslabs; k++) {
+            const slab_t *sl = &h->slabs[k];
+            if (sl->live == SLAB_MAKING &&
+                    (sl->maker == 0 || sl->maker > MAX_PROCS || !h->procs[sl->maker - 1].used))
+                CHECK_SAY("slab %u is being made by process slot %u, which is gone (its "
+                          "bytes leak)", k, sl->maker);
+            else if (sl->live > SLAB_MAKING)
+                CHECK_SAY("slab %u is in state %u", k, sl->live);
         }
         /* chunks: in use as the records hold them; the rest made are chained free */
         for (uint32_t k = 0; k < h->nslabs; k++) {

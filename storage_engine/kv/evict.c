@@ -222,6 +222,14 @@ uint64_t reclaim_dead(Idx *s) {
     }
     h->count[C_RECLAIM_SCANS]++;
     uint64_t freed = 0;
+    for (uint32_t k = 0; k < h->nslabs; k++) {
+        slab_t *sl = &h->slabs[k];
+        if (sl->live == SLAB_MAKING &&
+                (sl->maker == 0 || sl->maker > MAX_PROCS || (dead >> (sl->maker - 1) & 1))) {
+            drop_making(s, k); /* its maker died outside the lock, the file half made */
+            freed++;
+        }
+    }
     for (uint64_t j = 0; j < h->bump; j++) {
         uint32_t i = (uint32_t)j;
         rec_t *r = R(s, i);

@@ -25,6 +25,7 @@ static fpoint_t fpoints[] = {
     {"spill.written", 0, 0, 0}, /* a victim's spill file written, its record not moved */
     {"promote.read", 0, 0, 0},  /* a spilled block read back into a chunk, not published */
     {"reclaim", 0, 0, 0},       /* a dead process's first chunk given back */
+    {"slab.made", 0, 0, 0},     /* a new slab's file made outside the lock, not live */
 };
 #define NFPOINTS (sizeof fpoints / sizeof fpoints[0])
 int faults_armed;

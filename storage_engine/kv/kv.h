@@ -157,7 +157,8 @@ static inline int link_ok(Idx *s, uint32_t l) { return l <= s->hdr->bump; }
 
 /* a chunk a record names is one of a live slab's (of metadata, or of blocks) */
 static inline int chunk_ok(const hdr_t *h, uint32_t slot, uint32_t chunk, int meta) {
-    return slot < h->nslabs && h->slabs[slot].live && chunk < h->slabs[slot].nchunks &&
+    return slot < h->nslabs && h->slabs[slot].live == SLAB_LIVE &&
+           chunk < h->slabs[slot].nchunks &&
            h->slabs[slot].meta == (uint32_t)meta;
 }
 
@@ -267,6 +268,8 @@ void kv_atfork_child(void);
 void kept_add(char *base, size_t size, int fd);
 int allocate_meta(Idx *s, uint64_t csize, uint32_t *slot, uint32_t *chunk);
 int new_slab(Idx *s, uint64_t csize);
+int make_slab(Idx *s, uint64_t csize);
+void drop_making(Idx *s, uint32_t slot);
 int drop_empty_slab(Idx *s, uint64_t keep);
 PyObject *py_kept_maps(PyObject *self, PyObject *args);
 

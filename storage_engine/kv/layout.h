@@ -22,7 +22,8 @@
 #include <stdint.h>
 
 #define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
-#define KV_VERSION 4 /* 3: the table file has its own header; 4: hdr_t.tseq */
+#define KV_VERSION 4 /* 3: the table file has its own header; 4: hdr_t.tseq, slabs
+                      * made outside the lock (slab_t.maker) */
 #define KEYMAX 32
 #define INLINE_META 40
 #define MAX_SLABS 1024
@@ -73,16 +74,22 @@ typedef struct {
     uint8_t meta[INLINE_META];
 } rec_t;
 
-/* A slab slot of the header. live: its file slabs/<slot>-<gen>.slab exists, of
- * nchunks * csize bytes (checked by fstat before it is mapped); csize is a size class
- * (size_class()); used <= bump <= nchunks; free_head is a chunk + 1 (<= bump) whose
- * first 4 bytes chain the next free one; meta: a slab of metadata, not of blocks. */
+/* A slab slot of the header. live is SLAB_LIVE: its file slabs/<slot>-<gen>.slab
+ * exists, of nchunks * csize bytes (checked by fstat before it is mapped); csize is a
+ * size class (size_class()); used <= bump <= nchunks; free_head is a chunk + 1 (<= bump)
+ * whose first 4 bytes chain the next free one; meta: a slab of metadata, not of blocks.
+ * SLAB_MAKING: process slot maker - 1 makes its file outside the lock (its bytes are
+ * counted in the arena already; nothing allocates from it and no record names it); a
+ * maker that died leaves it to reclaim_dead. SLAB_FREE: the slot is unused. */
+enum { SLAB_FREE = 0, SLAB_LIVE = 1, SLAB_MAKING = 2 };
 typedef struct {
     uint64_t csize;
     uint32_t nchunks, used, bump, free_head; /* free_head: chunk + 1, chained in chunks */
     uint32_t gen, live;
     uint32_t fresh; /* its pages were never touched (not a recycled file) */
     uint32_t meta;  /* a slab of blocks' metadata past their records: beside the arena */
+    uint32_t maker; /* SLAB_MAKING: the maker's process slot + 1 */
+    uint32_t spare;
 } slab_t;
 
 /* A process slot: used while a process holds it; pid and start (its start time in
@@ -163,7 +170,7 @@ typedef struct {
 
 _Static_assert(sizeof(thdr_t) == THDR_BYTES, "a table header is 64 bytes");
 _Static_assert(sizeof(rec_t) == 144, "a record is 144 bytes (KV_VERSION)");
-_Static_assert(sizeof(slab_t) == 40, "a slab slot is 40 bytes (KV_VERSION)");
+_Static_assert(sizeof(slab_t) == 48, "a slab slot is 48 bytes (KV_VERSION)");
 _Static_assert(sizeof(evh_t) == 16, "an event entry's head is 16 bytes");
 _Static_assert(KEYMAX <= 255 && INLINE_META % 8 == 0, "klen is a byte");
 

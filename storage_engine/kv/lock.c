@@ -211,13 +211,13 @@ static void rebuild(Idx *s) {
     /* chunks in use, per slab, as a bitmap */
     uint8_t *used[MAX_SLABS] = {0};
     for (uint32_t k = 0; k < h->nslabs; k++)
-        if (h->slabs[k].live && !slab_ok(h, &h->slabs[k])) {
+        if (h->slabs[k].live == SLAB_LIVE && !slab_ok(h, &h->slabs[k])) {
             tseq_end(h);
             slab_damaged(s, k);
             return;
         }
     for (uint32_t k = 0; k < h->nslabs; k++)
-        if (h->slabs[k].live)
+        if (h->slabs[k].live == SLAB_LIVE)
             used[k] = calloc((h->slabs[k].nchunks + 7) / 8, 1);
     h->free_rec = 0;
     h->nrecs = 0;
@@ -228,7 +228,7 @@ static void rebuild(Idx *s) {
         r->prev = r->next = 0;
         int holds = r->state == S_WRITING || r->state == S_HOST || r->state == S_ZOMBIE;
         if (r->state == S_FREE || r->state > S_GHOST || r->klen == 0 || r->klen > KEYMAX ||
-                (holds && (r->slab >= h->nslabs || !h->slabs[r->slab].live ||
+                (holds && (r->slab >= h->nslabs || h->slabs[r->slab].live != SLAB_LIVE ||
                            r->chunk >= h->slabs[r->slab].nchunks))) {
             r->state = S_FREE;
             r->next = (uint32_t)h->free_rec;
@@ -265,7 +265,7 @@ static void rebuild(Idx *s) {
     tseq_end(h);
     for (uint32_t k = 0; k < h->nslabs; k++) {
         slab_t *sl = &h->slabs[k];
-        if (!sl->live || used[k] == NULL)
+        if (sl->live != SLAB_LIVE || used[k] == NULL)
             continue;
         char *base = slab_base(s, k);
         sl->used = 0;

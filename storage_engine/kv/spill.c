@@ -231,7 +231,7 @@ uint64_t room_for(Idx *s, const uint64_t *cls, int ncls) {
                                                           : 0;
     for (uint32_t k = 0; k < h->nslabs; k++) {
         slab_t *sl = &h->slabs[k];
-        if (!sl->live || sl->meta || sl->used > sl->nchunks)
+        if (sl->live != SLAB_LIVE || sl->meta || sl->used > sl->nchunks)
             continue;
         for (int c = 0; c < ncls; c++)
             if (sl->csize == cls[c]) {

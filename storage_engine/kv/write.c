@@ -72,6 +72,54 @@ static int prespill(Idx *s, const keyset_t *ks, const uint64_t *sizes) {
     return 0;
 }
 
+/* under the lock, before a batch's reservations (and its spills): the new slabs the
+ * batch will need, their files made with the lock let go (make_slab), at most
+ * PREMAKE_MAX a batch. 0, or -1 (the lock could not be taken again: damage, unlocked) */
+#define PREMAKE_MAX 64
+static int premake(Idx *s, const keyset_t *ks, const uint64_t *sizes) {
+    hdr_t *h = s->hdr;
+    uint64_t cls[8], need[8];
+    int ncls = 0;
+    for (Py_ssize_t i = 0; i < ks->n; i++) {
+        int64_t f = h_find(s, ks->keys[i] + 1, ks->keys[i][0]);
+        if (f >= 0 && R(s, (uint32_t)f)->state != S_GHOST)
+            continue; /* present, or being written: no chunk taken */
+        uint64_t c = size_class(sizes[i]);
+        if (c > h->capacity)
+            continue; /* refused by its reservation */
+        int k = 0;
+        while (k < ncls && cls[k] != c)
+            k++;
+        if (k == ncls) {
+            if (ncls == 8)
+                continue; /* the rest as before, in the lock */
+            cls[ncls] = c;
+            need[ncls++] = 0;
+        }
+        need[k]++;
+    }
+    for (int k = 0, made = 0; k < ncls && made < PREMAKE_MAX; k++) {
+        for (;;) {
+            uint64_t free_chunks = 0;
+            for (uint32_t j = 0; j < h->nslabs; j++) {
+                const slab_t *sl = &h->slabs[j];
+                if (sl->live == SLAB_LIVE && !sl->meta && sl->csize == cls[k] &&
+                        sl->used <= sl->nchunks)
+                    free_chunks += sl->nchunks - sl->used;
+            }
+            if (free_chunks >= need[k] || made >= PREMAKE_MAX)
+                break;
+            int r = make_slab(s, cls[k]);
+            if (r < 0)
+                return -1;
+            if (r == 0)
+                break; /* no room for a slab: the reservations evict */
+            made++;
+        }
+    }
+    return 0;
+}
+
 PyObject *Idx_put(Idx *s, PyObject *args) {
     PyObject *keys_o, *addrs_o, *sizes_o, *metas_o, *after = Py_None;
     if (!PyArg_ParseTuple(args, "OOOO|O", &keys_o, &addrs_o, &sizes_o, &metas_o, &after))
@@ -146,6 +194,10 @@ PyObject *Idx_put(Idx *s, PyObject *args) {
         goto unlocked;
     }
     int reclaimed = 0;
+    if (n > 0 && premake(s, &ks, sizes) < 0) {
+        err = E_IO;
+        goto unlocked;
+    }
     if (s->disk_root != NULL && n > 0 && prespill(s, &ks, sizes) < 0) {
         err = E_IO;
         goto unlocked;
