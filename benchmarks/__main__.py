@@ -150,6 +150,9 @@ PLAN: tuple[Bench, ...] = (
           timeout=600, host_lacks=_engine_goals),
     Bench("kv_events", "kv_events", ("--blocks", "8192"), host_lacks=_engine_goals),
     Bench("kv_spill", "kv_spill", ("--spill-mib", "512")),
+    # the host index: LMDB called from C against the own table (its source from the
+    # registry, built once)
+    Bench("kv_table", "kv_table", ("--quick",)),
     # the last commit's native KV library against the one before it, alternated
     Bench("kv_ab", "kv_ab", ("--base", "HEAD~1", "--rounds", "4", "--reps", "3",
                              "--sizes-kib", "8", "2048")),

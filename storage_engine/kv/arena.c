@@ -3,21 +3,6 @@
  * of pooled slab files (a new slab takes a freed file's pages instead of faulting new ones). */
 #include "kv.h"
 
-uint64_t size_class(uint64_t n) {
-    if (n < PAGE) {
-        uint64_t c = MIN_CHUNK;
-        while (c < n)
-            c <<= 1;
-        return c;
-    }
-    uint64_t p = (n + PAGE - 1) / PAGE * PAGE;
-    if (p <= 16 * PAGE)
-        return p;
-    int bits = 64 - __builtin_clzll(p);
-    uint64_t step = 1ULL << (bits - 3);
-    return (p + step - 1) / step * step;
-}
-
 int64_t rec_new(Idx *s) {
     hdr_t *h = s->hdr;
     uint32_t i;

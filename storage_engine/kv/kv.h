@@ -251,7 +251,6 @@ static inline void tseq_end(hdr_t *h) {
 void h_delete(Idx *s, uint32_t idx);
 
 /* arena.c */
-uint64_t size_class(uint64_t n);
 int64_t rec_new(Idx *s);
 void rec_free(Idx *s, uint32_t i);
 int slab_ok(const hdr_t *h, const slab_t *sl);

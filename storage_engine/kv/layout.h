@@ -35,6 +35,23 @@
 #define META_SPILLED 0xFFFFFFFFu /* mslab of a spilled block: its metadata is in its file */
 #define READY_DAMAGED 0xdead     /* hdr_t.ready of a namespace found damaged */
 
+/* The chunk sizes (a slab's csize is one of them): powers of two from MIN_CHUNK below a
+ * page, whole pages up to 16, then 8 steps per doubling */
+static inline uint64_t size_class(uint64_t n) {
+    if (n < PAGE) {
+        uint64_t c = MIN_CHUNK;
+        while (c < n)
+            c <<= 1;
+        return c;
+    }
+    uint64_t p = (n + PAGE - 1) / PAGE * PAGE;
+    if (p <= 16 * PAGE)
+        return p;
+    int bits = 64 - __builtin_clzll(p);
+    uint64_t step = 1ULL << (bits - 3);
+    return (p + step - 1) / step * step;
+}
+
 /* a record's state; a record is written state-last (the other fields first) */
 enum { S_FREE = 0, S_WRITING = 1, S_HOST = 2, S_DISK = 3, S_ZOMBIE = 4, S_GHOST = 5 };
 /* queues: LRU (or S3-FIFO's small), S3-FIFO's main and ghost, spilled blocks */
