@@ -207,3 +207,73 @@ def test_a_slab_being_made_holds_no_lock(root: Path, tmp_path: Path) -> None:
         assert store._ix.check() == []
     finally:
         store.close()
+
+
+_PROMOTER = r"""
+import os, sys, numpy as np
+if os.environ.get("TENSORDB_ASAN_LIB"):
+    import asan_plugin  # noqa: F401
+from storage_engine import BlockStore, _stream
+root, disk, flag, done, hold_us, key = sys.argv[1:7]
+store = BlockStore(root, capacity_bytes=2 << 20, slab_bytes=256 << 10, disk_root=disk,
+                   disk_capacity=64 << 20)
+_stream.set_fault("promote.read", "sleep", int(hold_us), 1)  # its file read, not yet HOST
+open(flag, "w").close()
+views = store.get([bytes.fromhex(key)])
+print("none" if views[0] is None else int(views[0].data[0]), flush=True)
+del views
+open(done, "w").close()
+store.close()
+"""
+
+
+@pytest.mark.parametrize("meanwhile", ["read", "delete"])
+def test_a_promotion_reads_its_spill_file_with_the_lock_let_go(root: Path, tmp_path: Path,
+                                                              meanwhile: str) -> None:
+    disk = tmp_path / "disk"
+    store = BlockStore(root, capacity_bytes=2 << 20, slab_bytes=256 << 10, disk_root=disk,
+                       disk_capacity=64 << 20)
+    try:
+        keys = [_key(i) for i in range(64)]
+        for i, k in enumerate(keys):  # 4 MiB into a 2 MiB arena: the first ones spill
+            store.put([k], [np.full(64 << 10, i, np.uint8)])
+        spilled = [k for k in keys if store.locate(k)[0] == "disk"]
+        assert len(spilled) >= 8
+        target, other = spilled[0], spilled[1]
+        flag, done = tmp_path / "promoting", tmp_path / "done"
+        child = _run_child(_PROMOTER, str(root), str(disk), str(flag), str(done),
+                           str(int(HOLD_S * 1e6)), target.hex())
+        try:
+            deadline = time.monotonic() + 60
+            while not flag.exists():
+                assert child.poll() is None, child.communicate()
+                assert time.monotonic() < deadline, "the promoter never started its get"
+                time.sleep(0.01)
+            time.sleep(0.5)  # inside the fault point by now: the chunk filled, not HOST
+            assert store.locate(target)[0] == "disk"  # still spilled, and readable
+            assert store.match([target, other]) == 2
+            # calls that take the lock go on: reads (a copy of the one being promoted,
+            # the other promoted here), puts
+            out = np.empty(64 << 10, np.uint8)
+            assert store.get_into([target], [out]) == [True]
+            assert int(out[0]) == keys.index(target)
+            views = store.get([other])
+            assert int(views[0].data[0]) == keys.index(other)
+            del views
+            store.put([_key(200)], [np.full(64 << 10, 9, np.uint8)])
+            if meanwhile == "delete":
+                assert store.delete([target]) == 1
+            assert not done.exists(), "the promoter's get ended before the reads did"
+            got, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err[-3000:]
+        finally:
+            _reap(child)
+        if meanwhile == "delete":  # deleted while promoted: gone, its chunk given back
+            assert got.split() == ["none"]
+            assert store.match([target]) == 0
+        else:
+            assert got.split() == [str(keys.index(target))]
+            assert store.locate(target)[0] == "host"  # promoted by the other process
+        assert store._ix.check() == []
+    finally:
+        store.close()

@@ -38,7 +38,7 @@ FLAGS = ["-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
 #: calls: the sanitizers' shadow memory takes both)
 TESTS = ["tests/test_first_write.py", "tests/test_kv.py", "tests/test_kv_batch.py",
          "tests/test_kv_events.py", "tests/test_kv_fuzz.py", "tests/test_kv_race.py",
-         "tests/test_kv_torture.py", "tests/test_scale.py",
+         "tests/test_kv_torture.py", "tests/test_kv_lockfree.py", "tests/test_scale.py",
          "tests/test_pool.py", "tests/test_costs.py", "-k",
          "not postgres and not fault and not filling"]
 

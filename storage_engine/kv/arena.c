@@ -34,6 +34,7 @@ void rec_free(Idx *s, uint32_t i) {
     r->state = S_FREE;
     r->gen++;
     r->readers = 0;
+    r->writer = 0;
     r->queue = 0;
     r->prev = 0;
     r->next = (uint32_t)h->free_rec;
@@ -82,6 +83,8 @@ int rec_check(Idx *s, uint32_t i) {
         bad = "queue links";
     else if (holds && !chunk_ok(h, r->slab, r->chunk, 0))
         bad = "chunk";
+    else if (r->state == S_DISK && r->writer && !chunk_ok(h, r->pslab, r->pchunk, 0))
+        bad = "promotion's chunk";
     else if (r->state == S_HOST &&
              (r->nbytes == 0 || size_class(r->nbytes) != h->slabs[r->slab].csize))
         bad = "size";

@@ -61,6 +61,20 @@ PyObject *Idx_check(Idx *s, PyObject *unused) {
                      !h->procs[rec->writer - 1].used))
                 CHECK_SAY("record %llu is being written by process slot %u, which is gone "
                           "(its chunk leaks)", (unsigned long long)j, rec->writer);
+            if (rec->state == S_DISK && rec->writer) {
+                if (rec->writer > MAX_PROCS || !h->procs[rec->writer - 1].used)
+                    CHECK_SAY("record %llu is being promoted by process slot %u, which is "
+                              "gone (its chunk leaks)", (unsigned long long)j, rec->writer);
+                if (!chunk_ok(h, rec->pslab, rec->pchunk, 0) || chunks[rec->pslab] == NULL)
+                    CHECK_SAY("record %llu is promoted into chunk %u of slab %u, not a live "
+                              "one", (unsigned long long)j, rec->pchunk, rec->pslab);
+                else if (chunks[rec->pslab][rec->pchunk]++)
+                    CHECK_SAY("chunk %u of slab %u is held by two records", rec->pchunk,
+                              rec->pslab);
+            } else if (rec->writer && rec->state != S_WRITING) {
+                CHECK_SAY("record %llu in state %u names writer %u", (unsigned long long)j,
+                          rec->state, rec->writer);
+            }
             for (int p = 0; p < MAX_PROCS; p++)
                 if ((rec->readers >> p & 1) && !h->procs[p].used)
                     CHECK_SAY("record %llu is leased by process slot %d, which is gone",

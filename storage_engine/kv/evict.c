@@ -244,6 +244,11 @@ uint64_t reclaim_dead(Idx *s) {
                 freed++;
             }
         }
+        if (r->state == S_DISK && r->writer && r->writer <= MAX_PROCS &&
+                (dead >> (r->writer - 1) & 1)) {
+            promote_abandon(s, i); /* its promoter died outside the lock */
+            freed++;
+        }
         if (r->state == S_WRITING && r->writer && r->writer <= MAX_PROCS &&
                 (dead >> (r->writer - 1) & 1)) {
             release_chunk(s, r->slab, r->chunk);

@@ -321,6 +321,7 @@ PyObject *Idx_delete(Idx *s, PyObject *keys_o);
 PyObject *Idx_match(Idx *s, PyObject *keys_o);
 PyObject *Idx_contains(Idx *s, PyObject *keys_o);
 int promote(Idx *s, uint32_t i, void *state, int *reclaimed);
+void promote_abandon(Idx *s, uint32_t i);
 PyObject *Idx_read_into(Idx *s, PyObject *args);
 PyObject *Idx_lease(Idx *s, PyObject *keys_o);
 PyObject *Idx_release(Idx *s, PyObject *args);

@@ -23,7 +23,8 @@
 
 #define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
 #define KV_VERSION 4 /* 3: the table file has its own header; 4: hdr_t.tseq, slabs
-                      * made outside the lock (slab_t.maker) */
+                      * made and blocks promoted outside the lock (slab_t.maker,
+                      * rec_t.pslab) */
 #define KEYMAX 32
 #define INLINE_META 40
 #define MAX_SLABS 1024
@@ -71,7 +72,10 @@ enum { C_HOST_BLOCKS, C_HOST_BYTES, C_DISK_BLOCKS, C_DISK_BYTES, C_ARENA_BYTES, 
  * - queue is Q_x + 1 of the one queue it is linked in (0: none); prev / next are
  *   record index + 1 (0: the end), each <= hdr.bump; a FREE record's next chains the
  *   free records.
- * - writer: WRITING only, the writing process's slot + 1 (<= MAX_PROCS).
+ * - writer: WRITING: the writing process's slot + 1 (<= MAX_PROCS). DISK: 0, or the
+ *   slot + 1 of a process promoting the block back into the arena outside the lock;
+ *   its chunk for it is pslab:pchunk (a live block slab's, this record's alone), and
+ *   the record is out of the disk queue meanwhile. Any other state: 0.
  * - readers: a bit per process slot (< MAX_PROCS) holding a zero-copy view.
  * - gen changes whenever the bytes move or the record is freed (readers' seqlock).
  * - meta_len <= INLINE_META: the metadata is meta[]; above it the metadata is the chunk
@@ -88,6 +92,7 @@ typedef struct {
     uint32_t writer;  /* WRITING: process slot + 1 */
     uint32_t prev, next; /* queue links, index + 1 (free records: next) */
     uint32_t meta_len, mslab, mchunk, spare; /* metadata past INLINE_META: its chunk */
+    uint32_t pslab, pchunk; /* DISK, writer set: the chunk its promotion fills */
     uint8_t meta[INLINE_META];
 } rec_t;
 
@@ -186,7 +191,7 @@ typedef struct {
 } evh_t;
 
 _Static_assert(sizeof(thdr_t) == THDR_BYTES, "a table header is 64 bytes");
-_Static_assert(sizeof(rec_t) == 144, "a record is 144 bytes (KV_VERSION)");
+_Static_assert(sizeof(rec_t) == 152, "a record is 152 bytes (KV_VERSION)");
 _Static_assert(sizeof(slab_t) == 48, "a slab slot is 48 bytes (KV_VERSION)");
 _Static_assert(sizeof(evh_t) == 16, "an event entry's head is 16 bytes");
 _Static_assert(KEYMAX <= 255 && INLINE_META % 8 == 0, "klen is a byte");

@@ -231,6 +231,7 @@ static void rebuild(Idx *s) {
                 (holds && (r->slab >= h->nslabs || h->slabs[r->slab].live != SLAB_LIVE ||
                            r->chunk >= h->slabs[r->slab].nchunks))) {
             r->state = S_FREE;
+            r->writer = 0;
             r->next = (uint32_t)h->free_rec;
             h->free_rec = i + 1;
             r->gen++;
@@ -239,6 +240,15 @@ static void rebuild(Idx *s) {
         h->nrecs++;
         if (holds && used[r->slab])
             used[r->slab][r->chunk / 8] |= (uint8_t)(1 << (r->chunk % 8));
+        /* a spilled block being promoted (its promoter, outside the lock, may live on):
+         * its chunk stays held, the block out of the disk queue */
+        int promoting = r->state == S_DISK && r->writer && r->writer <= MAX_PROCS &&
+                        r->pslab < h->nslabs && h->slabs[r->pslab].live == SLAB_LIVE &&
+                        !h->slabs[r->pslab].meta && r->pchunk < h->slabs[r->pslab].nchunks;
+        if (r->state == S_DISK && !promoting)
+            r->writer = 0;
+        if (promoting && used[r->pslab])
+            used[r->pslab][r->pchunk / 8] |= (uint8_t)(1 << (r->pchunk % 8));
         if (holds && r->meta_len > INLINE_META && r->mslab < h->nslabs && used[r->mslab] &&
                 r->mchunk < h->slabs[r->mslab].nchunks)
             used[r->mslab][r->mchunk / 8] |= (uint8_t)(1 << (r->mchunk % 8));
@@ -257,7 +267,8 @@ static void rebuild(Idx *s) {
             h->count[C_DISK_BYTES] += r->nbytes;
             if (r->pins)
                 h->count[C_PINNED]++;
-            q_push(s, Q_DISK, i);
+            if (!promoting)
+                q_push(s, Q_DISK, i);
         } else if (r->state == S_GHOST) {
             q_push(s, Q_GHOST, i);
         }

@@ -247,6 +247,8 @@ static void close_handle(Idx *s) {
         uint64_t bit = 1ULL << s->slot;
         for (uint64_t j = 0; j < h->bump; j++) {
             rec_t *r = R(s, (uint32_t)j);
+            if (r->state == S_DISK && r->writer == (uint32_t)s->slot + 1)
+                promote_abandon(s, (uint32_t)j);
             if (r->readers & bit) {
                 r->readers &= ~bit;
                 if (r->state == S_ZOMBIE && !r->readers) {

@@ -173,74 +173,165 @@ PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
     return out;
 }
 
-/* a spilled block back into the arena (under the lock): 1 now HOST, 0 no spill here,
- * -2 no room in the arena (it stays on disk), -1 corrupt or missing (dropped) */
-int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
+/* ---------------------------------------------------------------------------------- */
+/* promotion: a spilled block back into the arena, its file read outside the lock
+ *
+ * Under the lock a promotion takes a chunk for the block (an allocation, which may
+ * evict others, never this block: it is not HOST) and names itself in the record
+ * (writer: its process slot + 1, pslab:pchunk its chunk), which leaves the disk queue so
+ * that no trim drops it; the record stays DISK, readable as before (read_into reads
+ * its file). The file is read into the chunk and checked with the lock let go. Under
+ * the lock again the record becomes HOST in that chunk. A delete or a drop meanwhile
+ * makes the record a ZOMBIE holding the chunk for the promoter's reader bit, which the
+ * promoter (or the reclaim of a dead one) ends; a promoter that died leaves its chunk
+ * to the dead-process reclaim, which puts the record back on the disk queue. */
+
+typedef struct {
+    uint32_t idx, gen, slot, chunk;
+    uint64_t nbytes, csum, seq;
+    uint32_t meta_len; /* its metadata past the record (in its file): 0 for none */
+    uint8_t klen, key[KEYMAX];
+    char *dst;         /* the chunk, in this process's mapping of its slab */
+    uint8_t *meta;     /* the metadata read (malloc), for its chunk at the end */
+    int ok;            /* read whole and checked */
+} promo_t;
+
+/* (under the lock) a promotion of DISK record i given up, by whoever finds its promoter
+ * gone: its chunk freed, the record back on the disk queue */
+void promote_abandon(Idx *s, uint32_t i) {
+    rec_t *r = R(s, i);
+    if (chunk_ok(s->hdr, r->pslab, r->pchunk, 0))
+        release_chunk(s, r->pslab, r->pchunk);
+    r->writer = 0;
+    if (!r->queue)
+        q_push(s, Q_DISK, i);
+}
+
+/* (under the lock) begin promoting DISK record i: 1 begun, 0 no spill directory or
+ * another process promotes it, -2 no room in the arena (it stays on disk) */
+static int promote_begin(Idx *s, uint32_t i, promo_t *p, int *reclaimed) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, i);
-    if (s->disk_root == NULL)
+    if (s->disk_root == NULL || r->state != S_DISK || r->writer != 0)
         return 0;
-    uint32_t slot, chunk, mslab = 0, mchunk = 0;
-    /* allocation may evict (and spill) others, never this record: it is not HOST, and
-     * out of the disk queue meanwhile, so a trim of the disk cannot drop it */
+    uint32_t slot, chunk;
     q_remove(s, i);
     if (allocate(s, size_class(r->nbytes), &slot, &chunk, reclaimed, NULL) != E_OK) {
         q_push(s, Q_DISK, i);
         return -2;
     }
-    r = R(s, i);
-    char path[4096];
-    spill_path(s, r, path, sizeof path);
     char *base = slab_base(s, slot);
-    int ok = 0;
-    if (base != NULL) {
-        char *dst = base + (size_t)chunk * h->slabs[slot].csize;
-        ok = read_spill(path, dst, r->nbytes) == 0 &&
-             hash_only(state, dst, r->nbytes) == r->csum;
-    }
-    if (!ok) {
+    if (base == NULL) {
         release_chunk(s, slot, chunk);
+        q_push(s, Q_DISK, i);
+        return -2;
+    }
+    r = R(s, i);
+    r->writer = (uint32_t)s->slot + 1;
+    r->pslab = slot;
+    r->pchunk = chunk;
+    p->idx = i;
+    p->gen = r->gen;
+    p->slot = slot;
+    p->chunk = chunk;
+    p->dst = base + (size_t)chunk * h->slabs[slot].csize;
+    p->nbytes = r->nbytes;
+    p->csum = r->csum;
+    p->seq = ((uint64_t)r->slab << 32) | r->chunk;
+    p->meta_len = r->meta_len > INLINE_META ? r->meta_len : 0;
+    p->klen = r->klen;
+    memcpy(p->key, r->key, KEYMAX);
+    p->meta = NULL;
+    p->ok = 0;
+    return 1;
+}
+
+/* (outside the lock) the promotion's reads: the file, of the length its record gives,
+ * into the chunk, checked against the block's checksum; its metadata into memory */
+static void promote_io(Idx *s, promo_t *p, void *state) {
+    char path[4096];
+    spill_file(s, p->key, p->klen, p->seq, path, sizeof path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != p->nbytes + p->meta_len) {
+        close(fd);
+        return;
+    }
+    uint64_t got = 0;
+    while (got < p->nbytes) {
+        ssize_t m = pread(fd, p->dst + got, p->nbytes - got, (off_t)got);
+        if (m <= 0)
+            break;
+        got += (uint64_t)m;
+    }
+    int ok = got == p->nbytes;
+    if (ok && p->meta_len) {
+        p->meta = malloc(p->meta_len);
+        ok = p->meta != NULL &&
+             pread(fd, p->meta, p->meta_len, (off_t)p->nbytes) == (ssize_t)p->meta_len;
+    }
+    close(fd);
+    p->ok = ok && hash_only(state, p->dst, p->nbytes) == p->csum;
+    FAULT("promote.read");
+}
+
+/* (under the lock) the promotion's end: 1 the block is HOST in its chunk, -2 back on
+ * disk (no room for its metadata), -1 corrupt or missing (dropped), 0 gone meanwhile
+ * (deleted or dropped: the ZOMBIE that held our chunk ended here) */
+static int promote_finish(Idx *s, promo_t *p) {
+    hdr_t *h = s->hdr;
+    uint32_t i = p->idx;
+    rec_t *r = R(s, i);
+    uint64_t bit = 1ULL << s->slot;
+    if (r->state == S_ZOMBIE && (r->readers & bit) && r->slab == p->slot &&
+            r->chunk == p->chunk) {
+        r->readers &= ~bit;
+        if (!r->readers) {
+            release_chunk(s, r->slab, r->chunk);
+            meta_free(s, r);
+            rec_free(s, i);
+        }
+        return 0;
+    }
+    if (r->state != S_DISK || r->writer != (uint32_t)s->slot + 1 || r->pslab != p->slot ||
+            r->pchunk != p->chunk || r->gen != p->gen)
+        return 0; /* not ours any more: only a repair of damage does that */
+    r->writer = 0;
+    if (!p->ok) {
+        release_chunk(s, p->slot, p->chunk);
         drop_disk(s, i, 1);
         h->count[C_CORRUPT]++;
         return -1;
     }
-    if (r->meta_len > INLINE_META) { /* its metadata back into the arena */
-        uint32_t ms, mc;
-        if (allocate_meta(s, size_class(r->meta_len), &ms, &mc) != E_OK) {
-            release_chunk(s, slot, chunk);
+    uint32_t ms = 0, mc = 0;
+    if (p->meta_len) { /* its metadata back into the arena */
+        char *mb = NULL;
+        if (allocate_meta(s, size_class(p->meta_len), &ms, &mc) == E_OK &&
+                (mb = slab_base(s, ms)) == NULL)
+            release_chunk(s, ms, mc);
+        if (mb == NULL) {
+            release_chunk(s, p->slot, p->chunk);
             q_push(s, Q_DISK, i);
             return -2;
         }
+        memcpy(mb + (size_t)mc * h->slabs[ms].csize, p->meta, p->meta_len);
         r = R(s, i);
-        char *mb = slab_base(s, ms);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        ssize_t got = fd >= 0 && mb != NULL
-            ? pread(fd, mb + (size_t)mc * h->slabs[ms].csize, r->meta_len, (off_t)r->nbytes)
-            : -1;
-        if (fd >= 0)
-            close(fd);
-        if (got != (ssize_t)r->meta_len) {
-            release_chunk(s, ms, mc);
-            release_chunk(s, slot, chunk);
-            drop_disk(s, i, 1);
-            h->count[C_CORRUPT]++;
-            return -1;
-        }
-        mslab = ms;
-        mchunk = mc;
     }
-    FAULT("promote.read");
-    ev_rec(s, EVT_REMOVED, MED_STORAGE, i);
+    ev_rec(s, EVT_REMOVED, MED_STORAGE, i); /* first: its metadata is in its file */
+    char path[4096];
+    spill_path(s, r, path, sizeof path);
     unlink(path);
     h->count[C_DISK_BLOCKS]--;
     h->count[C_DISK_BYTES] -= r->nbytes;
     /* the record names its chunks with the state that says so (see spill) */
-    if (r->meta_len > INLINE_META) {
-        r->mslab = mslab;
-        r->mchunk = mchunk;
+    if (p->meta_len) {
+        r->mslab = ms;
+        r->mchunk = mc;
     }
-    r->slab = slot;
-    r->chunk = chunk;
+    r->slab = p->slot;
+    r->chunk = p->chunk;
     r->state = S_HOST;
     r->gen++;
     ev_rec(s, EVT_STORED, MED_CPU, i);
@@ -248,6 +339,20 @@ int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
     h->count[C_HOST_BLOCKS]++;
     h->count[C_HOST_BYTES] += r->nbytes;
     return 1;
+}
+
+/* a spilled block back into the arena, all of it in the lock (a pin's promotion): 1 now
+ * HOST, 0 no spill here (or another process promotes it), -2 no room in the arena (it
+ * stays on disk), -1 corrupt or missing (dropped) */
+int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
+    promo_t p;
+    int b = promote_begin(s, i, &p, reclaimed);
+    if (b <= 0)
+        return b;
+    promote_io(s, &p, state);
+    int r = promote_finish(s, &p);
+    free(p.meta);
+    return r;
 }
 
 /* whether a readable record's size is not that of its bytes (under the lock, on the
@@ -453,15 +558,65 @@ out:
 }
 
 /* lease(keys) -> list of None (absent), -1 (corrupt: dropped), -2 (spilled, and the arena
- * has no room to bring it back: every block in it is pinned or being read) or
+ * has no room to bring it back now: every block in it is pinned or being read, or
+ * another process is bringing it back; the caller reads a copy from disk) or
  * (idx, gen, slab, slab_gen, offset, nbytes, csum, meta): a read lease on each present
- * block (this process's bit in its record) for a zero-copy view, given back by release */
+ * block (this process's bit in its record) for a zero-copy view, given back by release.
+ * Spilled blocks come back into the arena with their files read outside the lock. */
 typedef struct {
     uint32_t idx, gen, slab, slab_gen;
     uint64_t offset, nbytes, csum;
     size_t meta_at, meta_len;
-    int status; /* 1 leased, 0 absent, -1 corrupt */
+    int status; /* 1 leased, 0 absent, -1 corrupt, -2 spilled (a copy), 2 promoting */
 } leased_t;
+
+typedef struct {
+    char *metas; /* every leased block's metadata, one after another */
+    size_t used, cap;
+    int oom;
+} metabuf_t;
+
+/* (under the lock) a read lease on HOST record f for this process: 1, or 0 (its slab's
+ * file cannot be checked) */
+static int lease_host(Idx *s, uint32_t f, leased_t *l, metabuf_t *mb, uint32_t *checked) {
+    hdr_t *h = s->hdr;
+    rec_t *rr = R(s, f);
+    if (rr->state != S_HOST || (rr->slab != *checked && slab_check(s, rr->slab) < 0))
+        return 0;
+    *checked = rr->slab;
+    const char *mp = (const char *)rr->meta;
+    if (rr->meta_len > INLINE_META)
+        mp = s->maps[rr->mslab].base != NULL || slab_base(s, rr->mslab) != NULL
+                 ? s->maps[rr->mslab].base + (size_t)rr->mchunk * h->slabs[rr->mslab].csize
+                 : NULL;
+    if (mb->used + rr->meta_len > mb->cap) {
+        size_t cap = (mb->cap + rr->meta_len) * 2 + 256;
+        char *m = realloc(mb->metas, cap);
+        if (m == NULL) {
+            mb->oom = 1;
+            return 0;
+        }
+        mb->metas = m;
+        mb->cap = cap;
+    }
+    l->meta_at = mb->used;
+    l->meta_len = mp != NULL ? rr->meta_len : 0;
+    if (mp != NULL && rr->meta_len) /* metas is NULL until the first meta */
+        memcpy(mb->metas + mb->used, mp, rr->meta_len);
+    mb->used += l->meta_len;
+    slab_t *sl = &h->slabs[rr->slab];
+    l->idx = f;
+    l->gen = rr->gen;
+    l->slab = rr->slab;
+    l->slab_gen = sl->gen;
+    l->offset = (uint64_t)rr->chunk * sl->csize;
+    l->nbytes = rr->nbytes;
+    l->csum = rr->csum;
+    l->status = 1;
+    rr->readers |= 1ULL << s->slot;
+    on_access(s, f);
+    return 1;
+}
 
 PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
     if (!usable(s))
@@ -471,11 +626,12 @@ PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
         return NULL;
     Py_ssize_t n = ks.n;
     leased_t *ls = PyMem_Calloc((size_t)(n ? n : 1), sizeof(leased_t));
+    promo_t *ps = NULL;
+    Py_ssize_t *pat = NULL; /* the key of each promotion */
     void *state = xxh_state_new();
     PyObject *out = NULL;
-    char *metas = NULL;
-    size_t mused = 0, mcap = 0;
-    int r = 0, oom = 0;
+    metabuf_t mb = {NULL, 0, 0, 0};
+    int r = 0;
     if (ls == NULL || state == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -485,73 +641,72 @@ PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
     if (r == 0) {
         hdr_t *h = s->hdr;
         int reclaimed = 0;
-        Py_ssize_t hits = 0;
+        Py_ssize_t hits = 0, np = 0;
         uint64_t bit = 1ULL << s->slot;
         uint32_t checked = UINT32_MAX;
-        for (Py_ssize_t i = 0; i < n && !oom && !s->dmg; i++) {
+        for (Py_ssize_t i = 0; i < n && !mb.oom && !s->dmg; i++) {
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
             if (f < 0 || !readable(R(s, (uint32_t)f)) || rec_check(s, (uint32_t)f) < 0)
                 continue;
-            rec_t *rr = R(s, (uint32_t)f);
-            if (rr->state == S_DISK) {
-                int p = promote(s, (uint32_t)f, state, &reclaimed);
-                if (p < 0)
-                    ls[i].status = p == -2 ? -2 : -1;
-                if (p <= 0)
+            if (R(s, (uint32_t)f)->state == S_DISK) {
+                if (s->disk_root == NULL)
                     continue;
-                rr = R(s, (uint32_t)f);
-            }
-            if (rr->state != S_HOST || (rr->slab != checked && slab_check(s, rr->slab) < 0))
-                continue;
-            checked = rr->slab;
-            const char *mp = (const char *)rr->meta;
-            if (rr->meta_len > INLINE_META)
-                mp = s->maps[rr->mslab].base != NULL || slab_base(s, rr->mslab) != NULL
-                         ? s->maps[rr->mslab].base + (size_t)rr->mchunk * h->slabs[rr->mslab].csize
-                         : NULL;
-            if (mused + rr->meta_len > mcap) {
-                size_t cap = (mcap + rr->meta_len) * 2 + 256;
-                char *m = realloc(metas, cap);
-                if (m == NULL) {
-                    oom = 1;
+                if (ps == NULL && ((ps = malloc(sizeof *ps * (size_t)n)) == NULL ||
+                                   (pat = malloc(sizeof *pat * (size_t)n)) == NULL)) {
+                    mb.oom = 1;
                     break;
                 }
-                metas = m;
-                mcap = cap;
+                int p = promote_begin(s, (uint32_t)f, &ps[np], &reclaimed);
+                if (p == 1) {
+                    pat[np++] = i;
+                    ls[i].status = 2;
+                } else {
+                    ls[i].status = -2; /* no room, or another process brings it back */
+                }
+                continue;
             }
-            leased_t *l = &ls[i];
-            l->meta_at = mused;
-            l->meta_len = mp != NULL ? rr->meta_len : 0;
-            if (mp != NULL && rr->meta_len) /* metas is NULL until the first meta */
-                memcpy(metas + mused, mp, rr->meta_len);
-            mused += l->meta_len;
-            slab_t *sl = &h->slabs[rr->slab];
-            l->idx = (uint32_t)f;
-            l->gen = rr->gen;
-            l->slab = rr->slab;
-            l->slab_gen = sl->gen;
-            l->offset = (uint64_t)rr->chunk * sl->csize;
-            l->nbytes = rr->nbytes;
-            l->csum = rr->csum;
-            l->status = 1;
-            rr->readers |= bit;
-            on_access(s, (uint32_t)f);
-            hits++;
+            hits += lease_host(s, (uint32_t)f, &ls[i], &mb, &checked);
         }
-        if (oom || s->dmg) /* give the leases back */
-            for (Py_ssize_t i = 0; i < n; i++)
-                if (ls[i].status == 1)
-                    R(s, ls[i].idx)->readers &= ~bit;
-        h->count[C_HITS] += (uint64_t)hits;
-        h->count[C_MISSES] += (uint64_t)(n - hits);
-        unlock(s);
+        if (np > 0 && !mb.oom && !s->dmg) {
+            unlock(s); /* the spill files' reads, with the lock let go */
+            for (Py_ssize_t k = 0; k < np; k++)
+                promote_io(s, &ps[k], state);
+            r = lock(s);
+        }
+        if (r == 0) {
+            for (Py_ssize_t k = 0; k < np; k++) {
+                leased_t *l = &ls[pat[k]];
+                int p = 0;
+                if (mb.oom || s->dmg) { /* given back: it stays on disk */
+                    rec_t *rr = R(s, ps[k].idx);
+                    if (rr->state == S_DISK && rr->writer == (uint32_t)s->slot + 1)
+                        promote_abandon(s, ps[k].idx);
+                } else {
+                    p = promote_finish(s, &ps[k]);
+                }
+                free(ps[k].meta);
+                l->status = p < 0 ? p : 0;
+                if (p == 1)
+                    hits += lease_host(s, ps[k].idx, l, &mb, &checked);
+            }
+            if (mb.oom || s->dmg) /* give the leases back */
+                for (Py_ssize_t i = 0; i < n; i++)
+                    if (ls[i].status == 1)
+                        R(s, ls[i].idx)->readers &= ~bit;
+            h->count[C_HITS] += (uint64_t)hits;
+            h->count[C_MISSES] += (uint64_t)(n - hits);
+            unlock(s);
+        } else {
+            for (Py_ssize_t k = 0; k < np; k++)
+                free(ps[k].meta); /* their chunks: the dead-process reclaim's, or damage */
+        }
     }
     Py_END_ALLOW_THREADS
     if (r < 0 || s->dmg) {
         lock_error(s);
         goto done;
     }
-    if (oom) {
+    if (mb.oom) {
         PyErr_NoMemory();
         goto done;
     }
@@ -569,7 +724,7 @@ PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
                                  (unsigned long long)l->offset,
                                  (unsigned long long)l->nbytes,
                                  (unsigned long long)l->csum,
-                                 metas != NULL ? metas + l->meta_at : "",
+                                 mb.metas != NULL ? mb.metas + l->meta_at : "",
                                  (Py_ssize_t)l->meta_len);
         }
         if (item == NULL) {
@@ -581,7 +736,9 @@ PyObject *Idx_lease(Idx *s, PyObject *keys_o) {
     /* on an error here the leases stay until this handle closes: no view was made */
 done:
     PyMem_Free(ls);
-    free(metas);
+    free(ps);
+    free(pat);
+    free(mb.metas);
     if (state != NULL)
         xxh_state_free(state);
     free_keys(&ks);

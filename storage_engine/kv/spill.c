@@ -118,6 +118,18 @@ void drop_disk(Idx *s, uint32_t i, int forget) {
     if (forget)
         note_left(s, r);
     h_delete(s, i);
+    if (r->writer && r->writer <= MAX_PROCS && chunk_ok(h, r->pslab, r->pchunk, 0)) {
+        /* being promoted: its promoter is filling pslab:pchunk outside the lock. The
+         * record holds that chunk as a ZOMBIE for the promoter's reader bit, which it
+         * (or the reclaim of a dead one) ends */
+        r->readers = 1ULL << (r->writer - 1);
+        r->slab = r->pslab;
+        r->chunk = r->pchunk;
+        r->writer = 0;
+        r->state = S_ZOMBIE;
+        r->gen++;
+        return;
+    }
     rec_free(s, i);
 }
 
