@@ -4,8 +4,8 @@ One store per directory under /dev/shm, shared by every process on the host that
 it. Blocks are many and small, so each is a chunk of a *slab* (a file of fixed-size
 chunks of one size class), not a file of its own, and the index is a hash table in
 shared memory, not the catalog (``storage_engine/kv/``, the ``BlockIndex`` of the compiled
-``_stream`` extension): ``match`` over 1,000 keys is one lock and 1,000 probes, flat
-however many blocks the store holds.
+``_stream`` extension): ``match`` over 1,000 keys is 1,000 probes and no lock (the
+table's seqlock), flat however many blocks the store holds.
 
 Layout under ``root``::
 
