@@ -277,3 +277,29 @@ def test_a_promotion_reads_its_spill_file_with_the_lock_let_go(root: Path, tmp_p
         assert store._ix.check() == []
     finally:
         store.close()
+
+
+def test_the_next_table_is_made_ahead_and_taken_by_its_growth(root: Path) -> None:
+    """A put that leaves the table three quarters full makes the next table's file
+    outside the lock; the growth takes that file (the same inode) instead of making one
+    in the lock, and every block is found after it."""
+    store = BlockStore(root, capacity_bytes=CAPACITY, slab_bytes=SLAB)
+    try:
+        cap = store.index_stats()["record_capacity"]
+        buf = np.ones(600, np.uint8)
+        n, ahead = 0, None
+        while store.index_stats()["record_capacity"] == cap:
+            store.put([_key(n)], [buf])
+            n += 1
+            tables = sorted(root.glob("table-*.kvx"))
+            if len(tables) == 2 and ahead is None:
+                ahead = tables[-1]
+                inode = ahead.stat().st_ino
+                assert n * 4 >= cap * 3  # made at three quarters, not before
+        assert ahead is not None, "no table was made ahead of the growth"
+        assert [p.name for p in root.glob("table-*.kvx")] == [ahead.name]
+        assert ahead.stat().st_ino == inode  # the growth took it
+        assert store.match([_key(i) for i in range(n)]) == n
+        assert store._ix.check() == []
+    finally:
+        store.close()

@@ -104,6 +104,7 @@ typedef struct {
      * unmapped under it */
     pthread_rwlock_t maplock;
     int maplock_ok;
+    uint32_t premade; /* the table generation this process last made a file for */
     /* damage found in a shared file (see damaged()): the next return raises it */
     int dmg;
     char dmg_path[4200];
@@ -235,6 +236,7 @@ int create_table(const char *path, uint32_t gen, uint64_t nb, uint64_t cap);
 int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx);
 int h_insert(Idx *s, uint64_t hash, uint32_t idx);
 int grow(Idx *s);
+void table_premake(Idx *s);
 int64_t h_find(Idx *s, const uint8_t *key, size_t klen);
 int lf_present(Idx *s, const uint8_t *key, size_t klen);
 void map_hold(Idx *s, int write);

@@ -168,7 +168,8 @@ typedef struct {
  * made and not named is removed by the next growth). gen equals the file's name;
  * nbuckets == 2 * cap, a power of two <= 2^32; cap >= INITIAL_RECS; the file is at
  * least table_bytes(nbuckets, cap) long. A bucket is 0 (empty) or a 32-bit tag of the
- * key's hash above the record index + 1 (<= cap). */
+ * key's hash above the record index + 1 (<= cap). spare[0] is PREMADE (table.c) in a
+ * file made ahead of its growth and not yet taken by it, 0 otherwise. */
 #define TABLE_MAGIC 0x3162617462647374ULL /* "tsdbtab1" */
 typedef struct {
     uint64_t magic;

@@ -378,6 +378,7 @@ PyObject *Idx_put(Idx *s, PyObject *args) {
             FAULT("put.publish");
         }
         unlock(s);
+        table_premake(s); /* the next table's file, where this one fills up */
     }
     (void)locked;
 unlocked:
