@@ -49,6 +49,17 @@ def _run_child(code: str, *args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _await(flag: Path, child: subprocess.Popen[str], why: str) -> None:
+    """Until the child made ``flag`` (a failure naming ``why`` after 60 s)."""
+    deadline = time.monotonic() + 60
+    while not flag.exists():
+        if child.poll() is not None:
+            pytest.fail(f"the child ended: {child.communicate()}")
+        if time.monotonic() > deadline:
+            pytest.fail(why)
+        time.sleep(0.01)
+
+
 def _reap(child: subprocess.Popen[str]) -> None:
     if child.poll() is None:
         child.kill()
@@ -80,11 +91,7 @@ def test_match_and_contains_answer_while_another_process_holds_the_lock(
         child = _run_child(_HOLDER, str(root), str(flag), str(done),
                            str(int(HOLD_S * 1e6)))
         try:
-            deadline = time.monotonic() + 60
-            while not flag.exists():
-                assert child.poll() is None, child.communicate()
-                assert time.monotonic() < deadline, "the holder never started its put"
-                time.sleep(0.01)
+            _await(flag, child, "the holder never started its put")
             time.sleep(0.5)  # its put is inside the hold by now (it sleeps there)
             assert store.match(keys) == 32
             assert store.contains([*keys[:3], b"absent", b"held" + bytes(4)]) == [
@@ -184,11 +191,7 @@ def test_a_slab_being_made_holds_no_lock(root: Path, tmp_path: Path) -> None:
         flag, done = tmp_path / "making", tmp_path / "done"
         child = _run_child(_MAKER, str(root), str(flag), str(done), str(int(HOLD_S * 1e6)))
         try:
-            deadline = time.monotonic() + 60
-            while not flag.exists():
-                assert child.poll() is None, child.communicate()
-                assert time.monotonic() < deadline, "the maker never started its put"
-                time.sleep(0.01)
+            _await(flag, child, "the maker never started its put")
             time.sleep(0.5)  # inside the fault point by now
             # its slab is counted already: the arena's bytes went up by one slab
             assert store.index_stats()["arena_bytes"] > slabs
@@ -244,11 +247,7 @@ def test_a_promotion_reads_its_spill_file_with_the_lock_let_go(root: Path, tmp_p
         child = _run_child(_PROMOTER, str(root), str(disk), str(flag), str(done),
                            str(int(HOLD_S * 1e6)), target.hex())
         try:
-            deadline = time.monotonic() + 60
-            while not flag.exists():
-                assert child.poll() is None, child.communicate()
-                assert time.monotonic() < deadline, "the promoter never started its get"
-                time.sleep(0.01)
+            _await(flag, child, "the promoter never started its get")
             time.sleep(0.5)  # inside the fault point by now: the chunk filled, not HOST
             assert store.locate(target)[0] == "disk"  # still spilled, and readable
             assert store.match([target, other]) == 2
