@@ -75,6 +75,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -207,31 +208,39 @@ def load_own(scratch: Path, tries: int = 60) -> tuple[Any, str]:
 
 
 # -- the sides -------------------------------------------------------------------------
-class Side:
+class Side(ABC):
     """A store under test: the batch operations, timed by the caller."""
 
     name = ""
 
-    def put(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def put(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray) -> int: ...
+
+    @abstractmethod
+    def read_into(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray
+                  ) -> tuple[bytes, int]:
+        """The native read_into's (status per key, the index of a block of another size)."""
 
     def get(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray) -> int:
-        raise NotImplementedError
+        status, bad = self.read_into(keys, addrs, sizes)
+        if bad >= 0 or status.count(1) != len(keys):
+            raise AssertionError(f"{self.name} read_into: {bad} / {set(status)}")
+        return len(keys)
 
-    def match(self, keys: list[bytes]) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def match(self, keys: list[bytes]) -> int: ...
 
-    def delete(self, keys: list[bytes]) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def delete(self, keys: list[bytes]) -> int: ...
 
-    def reset_stats(self) -> None:
-        pass
+    def reset_stats(self) -> None:  # noqa: B027 (a hook: only the LMDB side counts)
+        """Zero the side's own counters, where it keeps any."""
 
     def commit_share(self) -> float | None:
         return None
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None: ...
 
 
 class LmdbSide(Side):
@@ -245,11 +254,9 @@ class LmdbSide(Side):
     def put(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray) -> int:
         return sum(self.s.put_batch(keys, addrs, sizes))
 
-    def get(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray) -> int:
-        status, bad = self.s.read_into(keys, addrs, sizes, True)
-        if bad >= 0 or status.count(1) != len(keys):
-            raise AssertionError(f"LMDB read_into: {bad} / {set(status)}")
-        return len(keys)
+    def read_into(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray
+                  ) -> tuple[bytes, int]:
+        return self.s.read_into(keys, addrs, sizes, True)
 
     def match(self, keys: list[bytes]) -> int:
         return int(self.s.match(keys))
@@ -286,11 +293,9 @@ class OwnSide(Side):
             raise AssertionError(f"own put: error {err}")
         return sum(stored)
 
-    def get(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray) -> int:
-        status, bad = self.ix.read_into(keys, addrs, sizes, True)
-        if bad >= 0 or status.count(1) != len(keys):
-            raise AssertionError(f"own read_into: {bad} / {set(status)}")
-        return len(keys)
+    def read_into(self, keys: list[bytes], addrs: np.ndarray, sizes: np.ndarray
+                  ) -> tuple[bytes, int]:
+        return self.ix.read_into(keys, addrs, sizes, True)
 
     def match(self, keys: list[bytes]) -> int:
         return int(self.ix.match(keys))

@@ -584,45 +584,32 @@ int make_slab(Idx *s, uint64_t csize) {
     uint64_t n = slab_plan(s, csize, &slot);
     if (n == 0)
         return 0;
+    uint32_t me = (uint32_t)s->slot + 1;
+    init_slab(h, slot, csize, n, 1, 0); /* counted now: two makers never pass the capacity */
     slab_t *sl = &h->slabs[slot];
-    uint32_t gen = sl->gen + 1;
-    sl->csize = csize;
-    sl->nchunks = (uint32_t)n;
-    sl->used = sl->bump = sl->free_head = 0;
-    sl->gen = gen;
-    sl->fresh = 1;
-    sl->meta = 0;
-    sl->maker = (uint32_t)s->slot + 1;
     sl->live = SLAB_MAKING;
-    if (slot == h->nslabs)
-        h->nslabs++;
-    h->count[C_ARENA_BYTES] += csize * n;
+    sl->maker = me;
+    uint32_t gen = sl->gen;
     unlock(s);
     int fresh, kept_fd;
     char *kept_map;
     uint64_t got = n;
     int made = slab_file(s, slot, gen, csize, &got, n, &fresh, &kept_map, &kept_fd) == 0;
     FAULT("slab.made");
-    if (lock(s) < 0) {
-        if (made && kept_map != NULL) {
-            munmap(kept_map, (size_t)(csize * n));
-            close(kept_fd);
-        }
-        return -1;
-    }
+    int locked = lock(s) == 0;
     sl = &h->slabs[slot];
-    if (sl->live != SLAB_MAKING || sl->maker != (uint32_t)s->slot + 1 || sl->gen != gen) {
-        /* not ours any more: only damage repaired meanwhile does that */
-        if (made && kept_map != NULL) {
-            munmap(kept_map, (size_t)(csize * n));
-            close(kept_fd);
-        }
-        return 0;
+    /* not ours any more where it is not as we left it: only damage repaired meanwhile */
+    int ours = locked && sl->live == SLAB_MAKING && sl->maker == me && sl->gen == gen;
+    if (made && kept_map != NULL && !ours) {
+        munmap(kept_map, (size_t)(csize * n));
+        close(kept_fd);
     }
+    if (!locked)
+        return -1;
+    if (!ours)
+        return 0;
     if (!made) {
-        sl->live = SLAB_FREE;
-        sl->maker = 0;
-        h->count[C_ARENA_BYTES] -= csize * n;
+        drop_making(s, slot);
         return 0;
     }
     if (kept_map != NULL)

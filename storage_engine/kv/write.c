@@ -20,25 +20,44 @@ static void set_meta(Idx *s, rec_t *r, const char *meta, size_t len, uint32_t ms
  * are sizes[i] bytes at the raw addresses addrs[i]; the caller keeps them alive. On an
  * error nothing of the batch is stored. after_reserve, when given, is called between
  * the reservation and the copies (a test's way to stop a writer there). */
-/* under the lock, before a batch's reservations: the spills the batch will cause,
- * written outside the lock (see pspill_t), in rounds of PRESPILL_ROUND victims. 0, or
- * -1 (the lock could not be taken again: damage, unlocked) */
-#define PRESPILL_ROUND 64
-static int prespill(Idx *s, const keyset_t *ks, const uint64_t *sizes) {
-    uint64_t cls[8], want = 0;
-    int ncls = 0;
+/* what a batch's new keys will take of the arena (under the lock, before its
+ * reservations): the chunks of each of its first NEED_CLASSES size classes (the rest
+ * are left to the reservations), and the bytes of all of them */
+#define NEED_CLASSES 8
+typedef struct {
+    uint64_t cls[NEED_CLASSES], chunks[NEED_CLASSES], bytes;
+    int ncls;
+} needs_t;
+
+static void batch_needs(Idx *s, const keyset_t *ks, const uint64_t *sizes, needs_t *nd) {
+    nd->ncls = 0;
+    nd->bytes = 0;
     for (Py_ssize_t i = 0; i < ks->n; i++) {
         int64_t f = h_find(s, ks->keys[i] + 1, ks->keys[i][0]);
         if (f >= 0 && R(s, (uint32_t)f)->state != S_GHOST)
             continue; /* present, or being written: no room taken */
         uint64_t c = size_class(sizes[i]);
-        want += c;
+        nd->bytes += c;
         int k = 0;
-        while (k < ncls && cls[k] != c)
+        while (k < nd->ncls && nd->cls[k] != c)
             k++;
-        if (k == ncls && ncls < 8)
-            cls[ncls++] = c;
+        if (k == nd->ncls) {
+            if (nd->ncls == NEED_CLASSES)
+                continue;
+            nd->cls[nd->ncls] = c;
+            nd->chunks[nd->ncls++] = 0;
+        }
+        nd->chunks[k]++;
     }
+}
+
+/* under the lock, before a batch's reservations: the spills the batch will cause,
+ * written outside the lock (see pspill_t), in rounds of PRESPILL_ROUND victims. 0, or
+ * -1 (the lock could not be taken again: damage, unlocked) */
+#define PRESPILL_ROUND 64
+static int prespill(Idx *s, const needs_t *nd) {
+    const uint64_t *cls = nd->cls, want = nd->bytes;
+    int ncls = nd->ncls;
     pspill_t *ps = NULL;
     uint8_t ok[PRESPILL_ROUND];
     uint64_t last = 0;
@@ -76,40 +95,22 @@ static int prespill(Idx *s, const keyset_t *ks, const uint64_t *sizes) {
  * batch will need, their files made with the lock let go (make_slab), at most
  * PREMAKE_MAX a batch. 0, or -1 (the lock could not be taken again: damage, unlocked) */
 #define PREMAKE_MAX 64
-static int premake(Idx *s, const keyset_t *ks, const uint64_t *sizes) {
+static int premake(Idx *s, const needs_t *nd) {
     hdr_t *h = s->hdr;
-    uint64_t cls[8], need[8];
-    int ncls = 0;
-    for (Py_ssize_t i = 0; i < ks->n; i++) {
-        int64_t f = h_find(s, ks->keys[i] + 1, ks->keys[i][0]);
-        if (f >= 0 && R(s, (uint32_t)f)->state != S_GHOST)
-            continue; /* present, or being written: no chunk taken */
-        uint64_t c = size_class(sizes[i]);
-        if (c > h->capacity)
-            continue; /* refused by its reservation */
-        int k = 0;
-        while (k < ncls && cls[k] != c)
-            k++;
-        if (k == ncls) {
-            if (ncls == 8)
-                continue; /* the rest as before, in the lock */
-            cls[ncls] = c;
-            need[ncls++] = 0;
-        }
-        need[k]++;
-    }
-    for (int k = 0, made = 0; k < ncls && made < PREMAKE_MAX; k++) {
+    for (int k = 0, made = 0; k < nd->ncls && made < PREMAKE_MAX; k++) {
         for (;;) {
             uint64_t free_chunks = 0;
             for (uint32_t j = 0; j < h->nslabs; j++) {
                 const slab_t *sl = &h->slabs[j];
-                if (sl->live == SLAB_LIVE && !sl->meta && sl->csize == cls[k] &&
+                if (sl->live == SLAB_LIVE && !sl->meta && sl->csize == nd->cls[k] &&
                         sl->used <= sl->nchunks)
                     free_chunks += sl->nchunks - sl->used;
             }
-            if (free_chunks >= need[k] || made >= PREMAKE_MAX)
+            if (free_chunks >= nd->chunks[k] || made >= PREMAKE_MAX)
                 break;
-            int r = make_slab(s, cls[k]);
+            if (nd->cls[k] > h->capacity)
+                break; /* refused by its reservation */
+            int r = make_slab(s, nd->cls[k]);
             if (r < 0)
                 return -1;
             if (r == 0)
@@ -194,11 +195,14 @@ PyObject *Idx_put(Idx *s, PyObject *args) {
         goto unlocked;
     }
     int reclaimed = 0;
-    if (n > 0 && premake(s, &ks, sizes) < 0) {
+    needs_t nd;
+    if (n > 0)
+        batch_needs(s, &ks, sizes, &nd);
+    if (n > 0 && premake(s, &nd) < 0) {
         err = E_IO;
         goto unlocked;
     }
-    if (s->disk_root != NULL && n > 0 && prespill(s, &ks, sizes) < 0) {
+    if (s->disk_root != NULL && n > 0 && prespill(s, &nd) < 0) {
         err = E_IO;
         goto unlocked;
     }
