@@ -290,7 +290,7 @@ def test_the_next_table_is_made_ahead_and_taken_by_its_growth(root: Path) -> Non
         while store.index_stats()["record_capacity"] == cap:
             store.put([_key(n)], [buf])
             n += 1
-            tables = sorted(root.glob("table-*.kvx"))
+            tables = sorted(root.glob("table-*.kvx"), key=lambda p: int(p.stem[6:]))
             if len(tables) == 2 and ahead is None:
                 ahead = tables[-1]
                 inode = ahead.stat().st_ino

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,22 +117,28 @@ def test_readers_racing_churning_writers_are_served_only_whole_blocks(tmp_path: 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[1] / "tools"), *sys.path])}
     roles = ["writer", "writer", "reader", "reader"]
+    procs: list[subprocess.Popen[str]] = []
     try:
         procs = [subprocess.Popen([sys.executable, str(script), role, str(root),
                                    str(SECONDS), str(seed), str(WINDOW_US)],
                                   stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env)
                  for seed, role in enumerate(roles)]
-        results = []
-        for p, role in zip(procs, roles, strict=True):
-            out, err = p.communicate(timeout=SECONDS * 4 + 120)
-            assert p.returncode == 0, f"a {role} ended with {p.returncode}:\n{err[-4000:]}"
-            results.append((role, json.loads(out.strip().splitlines()[-1])))
+        # every process's outcome before any verdict: the first failure's cause may be
+        # another process's (one that found damage marks the namespace for all)
+        ended = [(role, *p.communicate(timeout=SECONDS * 4 + 120), p.returncode)
+                 for p, role in zip(procs, roles, strict=True)]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.communicate()
         shutil.rmtree(root, ignore_errors=True)
+    failed = [f"a {role} ended with {rc}:\n{err[-3000:]}"
+              for role, _out, err, rc in ended if rc != 0]
+    assert not failed, "\n".join(failed)
+    results = [(role, json.loads(out.strip().splitlines()[-1]))
+               for role, out, _err, _rc in ended]
     readers = [r for role, r in results if role == "reader"]
     writers = [r for role, r in results if role == "writer"]
     assert all(r["bad"] == 0 for r in readers), results
@@ -139,6 +146,56 @@ def test_readers_racing_churning_writers_are_served_only_whole_blocks(tmp_path: 
     assert all(w["ops"] > 0 for w in writers), results
     # the churn did what it is for: slabs emptied and came back with other sizes
     assert max(r["slab_drops"] for _, r in results) > 0, results
+
+
+_CREATE = r"""
+import os, sys, time
+if os.environ.get("TENSORDB_ASAN_LIB"):
+    import asan_plugin  # noqa: F401
+from storage_engine import BlockStore
+root, at = sys.argv[1], float(sys.argv[2])
+while time.time() < at:  # every creator starts at the same instant
+    pass
+store = BlockStore(root, capacity_bytes=8 << 20, slab_bytes=1 << 20)
+store.put([b"k" + str(os.getpid()).encode()], [bytes(4096)])
+store.close()
+"""
+
+
+def test_creators_racing_on_a_new_namespace_share_one_table(tmp_path: Path) -> None:
+    """Processes that open one new namespace at the same instant all find it whole: a
+    creator that loses the race to publish its index removes only the files it made,
+    never the winner's table (a later opener once found the table missing, and marked
+    the namespace damaged for every process)."""
+    script = tmp_path / "create.py"
+    script.write_text(_CREATE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "tools"), *sys.path])}
+    from storage_engine import BlockStore
+    for round_ in range(8):
+        root = Path("/dev/shm") / f"tensordb-kvcreate-{os.getpid()}-{round_}"
+        shutil.rmtree(root, ignore_errors=True)
+        at = time.time() + 1.5
+        procs = [subprocess.Popen([sys.executable, str(script), str(root), str(at)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(4)]
+        try:
+            ended = [(*p.communicate(timeout=120), p.returncode) for p in procs]
+            failed = [err[-2000:] for _out, err, rc in ended if rc != 0]
+            assert not failed, "\n".join(failed)
+            assert len(list(root.glob("table-*.kvx"))) == 1
+            store = BlockStore(root, capacity_bytes=8 << 20, slab_bytes=1 << 20)
+            try:
+                assert store.match([b"k" + str(p.pid).encode() for p in procs]) == 4
+                assert store._ix.check() == []
+            finally:
+                store.close()
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate()
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -130,7 +130,8 @@ typedef struct {
 
 /* index.kvx. magic and version are checked at every open, ready at every lock (1: made;
  * READY_DAMAGED: serves nothing). table_gen names the table file, stored last when a
- * growth publishes (release; the table's sizes are in its own header). nslabs <=
+ * growth publishes (release; the table's sizes are in its own header); the first is
+ * random in [1, 2^30], so that creators racing on a new namespace never share a name. nslabs <=
  * MAX_SLABS. bump <= the table's cap; free_rec: record index + 1 of the free chain.
  * The lock is a process-shared robust mutex: a holder's death leaves it EOWNERDEAD, and
  * the next locker rebuilds what can be derived from the records before it is marked

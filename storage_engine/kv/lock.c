@@ -195,7 +195,7 @@ static void rebuild(Idx *s) {
     { /* a growth's holder killed before it removed the old file, or before it named
        * the new one */
         char other[4096];
-        if (h->table_gen > 1) {
+        if (h->table_gen - 1 != 0) {
             table_path(s, h->table_gen - 1, other, sizeof other);
             unlink(other);
         }

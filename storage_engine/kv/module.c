@@ -152,10 +152,15 @@ static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
         h->capacity = capacity;
         h->slab_bytes = slab_bytes;
         h->eviction = (uint32_t)eviction;
-        h->table_gen = 1;
+        /* the first table's generation is the creator's own (random, in [1, 2^30]):
+         * creators racing on one namespace each make a file of their own name, and the
+         * losers' unlink removes only theirs, never the winner's live table */
+        uint32_t gen0 = 1 + (uint32_t)((seeds[0] ^ (seeds[1] >> 7) ^ (uint64_t)getpid()) &
+                                       ((1u << 30) - 1));
+        h->table_gen = gen0;
         char tpath[4096];
-        table_path(s, 1, tpath, sizeof tpath);
-        int t = create_table(tpath, 1, INITIAL_RECS * 2, INITIAL_RECS);
+        table_path(s, gen0, tpath, sizeof tpath);
+        int t = create_table(tpath, gen0, INITIAL_RECS * 2, INITIAL_RECS);
         if (t < 0) {
             munmap(h, sizeof *h);
             close(tfd);
