@@ -108,6 +108,16 @@ store.close()
 """
 
 
+def _reap(procs: list[subprocess.Popen[str]], root: Path) -> None:
+    """Kill what still runs, wait for every child (no pipe or process left to the
+    collector), and remove the namespace."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def test_readers_racing_churning_writers_are_served_only_whole_blocks(tmp_path: Path
                                                                        ) -> None:
     root = Path("/dev/shm") / f"tensordb-kvrace-{os.getpid()}"
@@ -129,11 +139,7 @@ def test_readers_racing_churning_writers_are_served_only_whole_blocks(tmp_path: 
         ended = [(role, *p.communicate(timeout=SECONDS * 4 + 120), p.returncode)
                  for p, role in zip(procs, roles, strict=True)]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-        shutil.rmtree(root, ignore_errors=True)
+        _reap(procs, root)
     failed = [f"a {role} ended with {rc}:\n{err[-3000:]}"
               for role, _out, err, rc in ended if rc != 0]
     assert not failed, "\n".join(failed)
@@ -191,11 +197,7 @@ def test_creators_racing_on_a_new_namespace_share_one_table(tmp_path: Path) -> N
             finally:
                 store.close()
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.communicate()
-            shutil.rmtree(root, ignore_errors=True)
+            _reap(procs, root)
 
 
 if __name__ == "__main__":  # pragma: no cover
