@@ -60,6 +60,7 @@ from ._kv_types import (
     RawEvent,
     bloom_may_hold,
 )
+from ._latency import BUCKETS, OPS, LatencyLog, LatencySums, latency_log, read_latencies
 from ._pool import try_lock_file
 from ._procs import boot_id, current_holder, gc_paused, holder_alive
 from ._sources import SourceFile
@@ -67,6 +68,12 @@ from ._tier import Pooling, Prefaulting, SegmentView, SegmentWriter, Tier, arrow
 from ._work import WorkCounts, add_work, counting, work_counts
 
 __all__ = [
+    "BUCKETS",
+    "OPS",
+    "LatencyLog",
+    "LatencySums",
+    "latency_log",
+    "read_latencies",
     "ALGORITHM",
     "EVENT_CLEARED",
     "EVENT_REMOVED",

@@ -8,8 +8,11 @@ exits 1 when it finds a problem.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -32,7 +35,7 @@ from ._display import TABLE_STYLE, history_table, human_bytes, result_table, sha
 from .catalog import current_revision, ensure_schema, make_engine
 from .client import find_areas, remove_area
 from .config import Config
-from .errors import NodeUnavailable, TensorDBError
+from .errors import InvalidInput, NodeUnavailable, TensorDBError
 
 __all__ = ["app", "main"]
 
@@ -533,6 +536,74 @@ def serve_command(
     finally:
         db.close()
     _console(stderr=True).print(f"node {escape(repr(db.config.node))} stopped")
+
+
+@app.command("metrics")
+def metrics_command(
+    ctx: typer.Context,
+    home: Annotated[Path | None, typer.Option(
+        "--home", help="The embedded store's directory (default: the one before the "
+        "command, else $TENSORDB_HOME, else ./.tensordb).", show_default=False)] = None,
+    port: Annotated[int, typer.Option(
+        min=0, max=65535, help="HTTP port of /metrics (0: any free port).")] = 9464,
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback "
+                                      "needs a token.")] = "127.0.0.1",
+    token: Annotated[str | None, typer.Option(
+        help="Token a scrape must carry off loopback (authorization: Bearer; default: "
+        "$TENSORDB_TOKEN).", show_default=False)] = None,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", metavar="PATH", help="Read the token from this file.",
+        show_default=False)] = None,
+    once: Annotated[bool, typer.Option(
+        "--once", help="Print the metrics once (Prometheus' text format) and exit.")
+    ] = False,
+) -> None:
+    """Export this host's metrics for Prometheus: the KV namespaces' shared counters,
+    the tiers' bytes, the latency of the commits, reads and pulls of every process of
+    the host, the catalog's collections and policy runs, and the scrubber's progress.
+
+    For a host with no node server (an embedded store); a node server serves the same
+    beside its own on --metrics-port. Prints one JSON line (metrics_port) once it
+    answers, then serves until SIGTERM or Ctrl-C.
+    """
+    w = _where(ctx)
+    db = connect(w.catalog, home=home or w.home, node=w.node, data_dir=w.data_dir)
+    try:
+        if once:
+            from prometheus_client import CollectorRegistry, generate_latest
+
+            registry = CollectorRegistry()
+            registry.register(db.metrics_collector())
+            sys.stdout.write(generate_latest(registry).decode())
+            return
+        secret = transport.resolve_token(token, token_file)
+        if not transport.is_loopback(host) and secret is None:
+            raise InvalidInput(f"metrics on {host} (off loopback) need a token: give "
+                               f"--token-file or $TENSORDB_TOKEN")
+        if secret is not None:
+            transport.check_token(secret)
+        metrics = transport.NodeMetrics(db.config.node, collectors=[db.metrics_collector()])
+        bound = metrics.serve(port, host, secret)
+        try:
+            print(json.dumps({"node": db.config.node, "metrics_port": bound}), flush=True)
+            _wait_for_signal()
+        finally:
+            metrics.close()
+    finally:
+        db.close()
+
+
+def _wait_for_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
+    done = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: done.set())
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @app.command("demo")

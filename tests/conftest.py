@@ -113,6 +113,16 @@ def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
 
 
 @pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """An empty embedded store's home; its shared-memory directory is removed after."""
+    h = tmp_path / "store"
+    try:
+        yield h
+    finally:
+        shutil.rmtree(tensordb.Config.resolve(None, home=h).shm_dir, ignore_errors=True)
+
+
+@pytest.fixture
 def store_home(tmp_path: Path) -> Path:
     return tmp_path / "store"
 

@@ -8,7 +8,6 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ def invoke(home: Path, *args: str) -> Result:
 
 def shm_of(home: Path, url: str | None = None, data_dir: Path | None = None) -> Path:
     return Config.resolve(url, home=home, data_dir=data_dir).shm_dir
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Iterator[Path]:
-    """An empty store's home; its shared-memory directory is removed afterwards."""
-    h = tmp_path / "store"
-    try:
-        yield h
-    finally:
-        shutil.rmtree(shm_of(h), ignore_errors=True)
 
 
 @pytest.fixture

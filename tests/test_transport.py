@@ -212,6 +212,15 @@ def test_commit_on_one_node_read_on_another(cluster: Cluster) -> None:
     assert _metric(body, "tensordb_bytes_out_total", node="a", tier="host") >= w.nbytes
     assert _metric(body, "tensordb_extents", node="a", tier="host") >= 1
     assert "tensordb_transfer_seconds_bucket" in body and "tensordb_leases" in body
+    # the host's view beside the node's own: b's client pulled (its latency file is
+    # read by b's server), b holds the head and c does not (replication lag)
+    body_b, body_c = _metrics(cluster.nodes["b"]), _metrics(cluster.nodes["c"])
+    assert _metric(body_b, "tensordb_pull_seconds_count", node="b") >= 1
+    assert 'tensordb_replication_lag_bytes{collection="remote",node="b"} 0.0' in body_b \
+        or 'tensordb_replication_lag_bytes{node="b",collection="remote"} 0.0' in body_b
+    assert _metric(body_c, "tensordb_replication_lag_bytes", node="c",
+                   collection="remote") >= w.nbytes
+    assert _metric(body_b, "tensordb_head_version", collection="remote") == 1
     # served locally from then on: the bytes come from b's own tier
     assert b.tier("host").open(seg) is not None
 

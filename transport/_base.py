@@ -35,6 +35,7 @@ from tensordb.errors import CorruptData, TensorDBError
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client.registry import Collector
 
 __all__ = ["DEFAULT_TIMEOUT", "ERROR_KINDS", "KVBlock", "KVBlocks", "NodeStore", "Transport",
            "error_from_payload", "error_from_text", "error_payload", "error_text"]
@@ -86,6 +87,10 @@ class NodeStore(Protocol):
 
     def stats(self) -> dict[str, int]:
         """Counts of the store (``leases`` among them), for the metrics endpoint."""
+
+    def metrics_collector(self) -> Collector:
+        """The host's metrics (KV namespaces, tiers, client latencies, catalog, scrub),
+        read at scrape time: the node's metrics endpoint serves them beside its own."""
 
 
 # -- the client side ---------------------------------------------------------------------

@@ -70,7 +70,8 @@ class NodeMetrics:
     so two servers in one process, as in tests, do not collide)."""
 
     def __init__(self, node: str, tiers: Mapping[str, se.Tier] | None = None,
-                 leases: Callable[[], int] | None = None) -> None:
+                 leases: Callable[[], int] | None = None,
+                 collectors: Iterable[Collector] = ()) -> None:
         self.node = node
         self.registry = CollectorRegistry()
         self.bytes_out = Counter("tensordb_bytes_out", "Bytes sent to other nodes, per tier",
@@ -84,6 +85,8 @@ class NodeMetrics:
             ["node", "direction"], buckets=_BUCKETS, registry=self.registry)
         if tiers is not None:
             self.registry.register(_StoreCollector(node, tiers, leases or (lambda: 0)))
+        for collector in collectors:  # the host's view (tensordb.client's HostCollector)
+            self.registry.register(collector)
         self._http: Any = None
 
     def sent(self, tier: str, nbytes: int, seconds: float) -> None:

@@ -165,7 +165,8 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
     ``scrub_cpu``). Returns once all of it is up."""
     token = resolve_token(token, token_file)
     tiers = {n: db.tier(n) for n in ("host", "disk")}
-    metrics = NodeMetrics(db.config.node, tiers, lambda: db.stats()["leases"])
+    metrics = NodeMetrics(db.config.node, tiers, lambda: db.stats()["leases"],
+                          collectors=[db.metrics_collector()])
     server = NodeServer(db, host, port, token=token, metrics=metrics,
                         timeout=timeout or db.config.node_timeout or DEFAULT_TIMEOUT,
                         data_port=data_port)

@@ -70,8 +70,14 @@ class Cluster:
         registered as replicas); segment id -> local tier."""
         tiers = {n: self._tiers[n] for n in ("host", "disk")}
         return {s: transport.pull_segment(self.directory(), self.transport(),
-                                          self._config.node, tiers, s, prefer=prefer)
+                                          self._config.node, tiers, s, prefer=prefer,
+                                          on_pulled=self._pulled)
                 for s in segment_ids}
+
+    def _pulled(self, tier: str, nbytes: int, seconds: float) -> None:
+        """One segment copied here: a pull in the host's latency histograms."""
+        del tier, nbytes
+        self._tiers.latency.observe("pull", seconds)
 
     def map_replica(self, segment_id: str, collection: str, tensor: str) -> se.SegmentView:
         """A mapping of another node's segment, held here as a replica or pulled now."""

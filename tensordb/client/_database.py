@@ -36,6 +36,7 @@ from ._cluster import Cluster
 from ._inputs import check_name
 from ._kv_cache import KVCache
 from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
+from ._metrics import HostCollector
 from ._model_files import CHECKOUT_MARKER, write_files
 from ._notify import notifier_for, watch
 from ._object_store import is_object_url
@@ -384,6 +385,11 @@ class Database:
         (one process per host, ``Config.scrub_cpu`` of a core) runs it by default."""
         self._check_open()
         return self._maintenance.scrub(max_bytes, rate=rate, stop=stop)
+
+    def metrics_collector(self) -> HostCollector:
+        """The host's metrics as a ``prometheus_client`` collector (docs/operations.md):
+        what ``tensordb metrics`` and the node server's metrics endpoint serve."""
+        return HostCollector(self)
 
     def stats(self) -> dict[str, int]:
         """The catalog's counts, the bytes of each tier of this node, and the host's

@@ -97,6 +97,8 @@ class Tiers(Mapping[str, se.Tier]):
         self._config = config
         #: the integrity marks of the store (docs/storage.md, "Integrity model")
         self.marks = se.Marks(config.shm_dir / "integrity")
+        #: this process's latency histograms of the host store (read by the exporter)
+        self.latency = se.latency_log(config.shm_dir / "metrics")
         self._disk = se.DiskTier(config.data_dir, sources=sources, marks=self.marks,
                                  extents=extents)
         self._tiers: dict[str, se.Tier] = {

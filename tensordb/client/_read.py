@@ -8,6 +8,7 @@ tier meanwhile is followed there; one this node never wrote comes from ``Cluster
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
@@ -199,6 +200,16 @@ class Reader:
                     maps: dict[str, se.SegmentView] | None = None,
                     shards: Mapping[str, list[ShardRow]] | None = None
                     ) -> dict[str, torch.Tensor]:
+        """``_materialize``, timed: one read in the host's latency histograms."""
+        t0 = time.perf_counter()
+        out = self._materialize(collection, rows, verify=verify, maps=maps, shards=shards)
+        self._tiers.latency.observe("read", time.perf_counter() - t0)
+        return out
+
+    def _materialize(self, collection: str, rows: Iterable[TensorRow], *, verify: bool,
+                     maps: dict[str, se.SegmentView] | None = None,
+                     shards: Mapping[str, list[ShardRow]] | None = None
+                     ) -> dict[str, torch.Tensor]:
         """Zero-copy tensors over the segments' copy-on-write mappings (``maps``: the
         mappings already made for this snapshot). A sharded row is assembled into a new
         tensor from its shards (``shards``: those known already, by name)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
@@ -151,6 +152,7 @@ class Transaction:
 
     def __enter__(self) -> Transaction:
         self._check_open()
+        self._started = time.perf_counter()
         g = self._group
         self._base = (self._writer.head(self.collection) if g is None else
                       self._writer.join_group(self.collection, g))
@@ -342,4 +344,5 @@ class Transaction:
                                                self._meta, self._shards)
         self._puts = {}
         self._shards = {}
+        self._writer.tiers.latency.observe("commit", time.perf_counter() - self._started)
         return None
