@@ -538,6 +538,26 @@ def serve_command(
     _console(stderr=True).print(f"node {escape(repr(db.config.node))} stopped")
 
 
+@app.command("ping")
+def ping_command(
+    address: Annotated[str, typer.Argument(help="HOST:PORT of a node server's Flight port.")],
+    token: Annotated[str | None, typer.Option(
+        help="The node's token (default: $TENSORDB_TOKEN).", show_default=False)] = None,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", metavar="PATH", help="Read the token from this file (default: "
+        "$TENSORDB_TOKEN_FILE).", show_default=False)] = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait.")] = 5.0,
+) -> None:
+    """Ask a node server whether it answers (a container's health check): prints its
+    reply as one JSON line; NodeUnavailable (a non-zero exit) when it does not answer in
+    time."""
+    flight = transport.FlightTransport(transport.resolve_token(token, token_file), timeout)
+    try:
+        print(json.dumps(flight.ping(address, address), sort_keys=True), flush=True)
+    finally:
+        flight.close()
+
+
 @app.command("metrics")
 def metrics_command(
     ctx: typer.Context,

@@ -182,6 +182,17 @@ def test_damaged_latency_files_are_skipped_never_trusted(tmp_path: Path) -> None
     assert (root / "retired.f64.damaged").read_bytes() == b"junk"
 
 
+def test_a_released_log_goes_on_counting(tmp_path: Path) -> None:
+    """A store closing unmaps the process's file; its next observation maps the same
+    file again and adds to it."""
+    log = se.LatencyLog(tmp_path)
+    log.observe("read", 0.01)
+    log.release()
+    log.observe("read", 0.01)
+    got = se.read_latencies(tmp_path)
+    assert got.counts["read"] == 2 and got.processes == 1
+
+
 def test_every_dashboard_panel_queries_a_metric_the_exporter_emits(home: Path) -> None:
     with tensordb.connect(home=home) as db:
         db.commit("llama", {"a": torch.ones(4)})

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 import storage_engine as se
+from tensordb.catalog import NodeDirectory
 from tensordb.catalog.schema import kv_namespaces, policy_runs
 
 from ._kv_namespace import kv_counters
@@ -148,7 +149,7 @@ class HostCollector(Collector):
         lag = GaugeMetricFamily("tensordb_replication_lag_bytes",
                                 "Bytes of the head version's segments this node holds no "
                                 "copy of", labels=["node", "collection"])
-        directory = db._cluster.directory()
+        directory = NodeDirectory(db.catalog.engine)
         for name in db.collections():
             info, version = db.catalog.resolve(name)
             head.add_metric([name], version)

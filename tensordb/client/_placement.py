@@ -176,6 +176,7 @@ class Tiers(Mapping[str, se.Tier]):
         for tier in self._tiers.values():
             tier.close()
         self.marks.close()
+        self.latency.release()  # mapped again, counts kept, at its next observation
 
 
 class Placement:
