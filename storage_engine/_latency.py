@@ -235,10 +235,10 @@ def read_latencies(root: Path) -> LatencySums:
                       sums=dict.fromkeys(OPS, 0.0), counts=dict.fromkeys(OPS, 0.0))
     if not root.is_dir():
         return out
+    total = _blank()
     with _folding(root):
         out.skipped += _fold_dead(root)
-        paths = [root / _RETIRED, *root.glob("lat-*.f64")]
-        for path in paths:
+        for path in [root / _RETIRED, *root.glob("lat-*.f64")]:
             try:
                 got = _read_live(path)
             except FileNotFoundError:
@@ -247,10 +247,10 @@ def read_latencies(root: Path) -> LatencySums:
                 out.skipped += 1
                 continue
             out.processes += path.name != _RETIRED
-            for k, op in enumerate(OPS):
-                row = _row(got, k)
-                for b in range(len(BUCKETS) + 1):
-                    out.buckets[op][b] += float(row[b])
-                out.sums[op] += float(row[-2])
-                out.counts[op] += float(row[-1])
+            total[_HEAD:] += got[_HEAD:]
+    for k, op in enumerate(OPS):
+        row = _row(total, k)
+        out.buckets[op] = [float(x) for x in row[: len(BUCKETS) + 1]]
+        out.sums[op] = float(row[-2])
+        out.counts[op] = float(row[-1])
     return out

@@ -68,7 +68,7 @@ class HostCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         node = self._db.config.node
         parts: tuple[Callable[[str], list[Metric]], ...] = (
-            self._kv, self._store, self._latency, self._catalog, self._scrub)
+            self._kv, self._store, self._latency, self._catalog)
         for part in parts:
             try:
                 yield from part(node)
@@ -114,6 +114,7 @@ class HostCollector(Collector):
         return [*counters.values(), nbytes, blocks, cap, arena, occ]
 
     def _store(self, node: str) -> list[Metric]:
+        """The tiers' bytes and the scrubber's report: one ``stats()`` for both."""
         st = self._db.stats()
         out = GaugeMetricFamily("tensordb_store_bytes",
                                 "Bytes of the collections' segments per tier (pool: "
@@ -121,7 +122,7 @@ class HostCollector(Collector):
         for tier in ("host", "disk"):
             out.add_metric([node, tier], st[f"{tier}_bytes"])
             out.add_metric([node, f"{tier}_pool"], st[f"{tier}_pool_bytes"])
-        return [out]
+        return [out, *self._scrub(node, st)]
 
     def _latency(self, node: str) -> list[Metric]:
         sums = se.read_latencies(Path(self._db.config.shm_dir) / "metrics")
@@ -173,8 +174,7 @@ class HostCollector(Collector):
                 last.add_metric([policy], _unix(started))
         return [head, lag, runs, last]
 
-    def _scrub(self, node: str) -> list[Metric]:
-        st = self._db.stats()
+    def _scrub(self, node: str, st: dict[str, int]) -> list[Metric]:
         fams: list[tuple[Any, str, str, str]] = [
             (CounterMetricFamily, "tensordb_scrub_rounds", "scrub_rounds",
              "Scrub rounds completed on this host"),
