@@ -516,22 +516,41 @@ def serve_command(
         "for incoming replicas: a pulled segment that fits lands at copy speed instead "
         "of faulting every page in (default: $TENSORDB_SPARE_BYTES, else none).",
         show_default=False)] = None,
+    tls_cert: Annotated[Path | None, typer.Option(
+        "--tls-cert", metavar="PATH", help="Serve TLS only, with this certificate chain "
+        "(PEM; it must name the advertised host): Flight, the data plane and metrics.",
+        show_default=False)] = None,
+    tls_key: Annotated[Path | None, typer.Option(
+        "--tls-key", metavar="PATH", help="The certificate's private key (PEM).",
+        show_default=False)] = None,
+    tls_ca: Annotated[Path | None, typer.Option(
+        "--tls-ca", metavar="PATH", help="The CA bundle this node trusts when it pulls "
+        "from other nodes over TLS (default: $TENSORDB_TLS_CA).", show_default=False)
+    ] = None,
 ) -> None:
     """Run this host's node server: serve its store to other nodes over Arrow Flight
     (segment bytes over a TCP data plane beside it, on --data-port).
 
     Registers the node in the catalog with a heartbeat, and deregisters it on SIGTERM
-    or Ctrl-C. Prints one JSON line (node, address, metrics_port) once it answers.
+    or Ctrl-C. Prints one JSON line (node, address, metrics_port, tls) once it answers.
+    With a token, scoped tokens of the catalog ('tensordb token create') open it too.
     """
+    if (tls_cert is None) != (tls_key is None):
+        raise InvalidInput("TLS needs both --tls-cert and --tls-key")
+    tls = transport.ServerTLS.load(tls_cert, tls_key) \
+        if tls_cert is not None and tls_key is not None else None
     w = _where(ctx)
-    extra = {} if spare_bytes is None else {"spare_bytes": spare_bytes}
+    extra: dict[str, Any] = {} if spare_bytes is None else {"spare_bytes": spare_bytes}
+    if tls_ca is not None:
+        transport.read_ca(tls_ca)  # a bad bundle fails now, not at the first pull
+        extra["tls_ca"] = tls_ca.resolve()
     db = connect(catalog or w.catalog, home=w.home, node=node or w.node,
                  data_dir=data_dir or w.data_dir, **extra)
     try:
         running = transport.start_node(db, host=host, port=port, token=token,
                                        token_file=token_file, metrics_port=metrics_port,
                                        advertise=advertise, heartbeat=heartbeat,
-                                       data_port=data_port)
+                                       data_port=data_port, tls=tls)
         running.wait(on_ready=lambda n: print(transport.ready_line(n), flush=True))
     finally:
         db.close()
@@ -547,11 +566,16 @@ def ping_command(
         "--token-file", metavar="PATH", help="Read the token from this file (default: "
         "$TENSORDB_TOKEN_FILE).", show_default=False)] = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait.")] = 5.0,
+    tls_ca: Annotated[Path | None, typer.Option(
+        "--tls-ca", metavar="PATH", help="Speak TLS, trusting this CA bundle (default: "
+        "$TENSORDB_TLS_CA).", show_default=False)] = None,
 ) -> None:
     """Ask a node server whether it answers (a container's health check): prints its
     reply as one JSON line; NodeUnavailable (a non-zero exit) when it does not answer in
     time."""
-    flight = transport.FlightTransport(transport.resolve_token(token, token_file), timeout)
+    ca_path = tls_ca or os.environ.get("TENSORDB_TLS_CA") or None
+    flight = transport.FlightTransport(transport.resolve_token(token, token_file), timeout,
+                                       tls_ca=transport.read_ca(ca_path) if ca_path else None)
     try:
         print(json.dumps(flight.ping(address, address), sort_keys=True), flush=True)
     finally:
@@ -646,6 +670,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _report(exc)
         sys.exit(2)
 
+
+from . import _cli_tokens  # noqa: E402,F401 - registers 'tensordb token'
 
 if __name__ == "__main__":
     main()

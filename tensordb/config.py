@@ -71,6 +71,9 @@ class Config:
     gpu_capacity  bytes the GPU tier may hold on this host (None: what the device has)
     token         the cluster's token, sent to other nodes ($TENSORDB_TOKEN, else the
                   file $TENSORDB_TOKEN_FILE names)
+    tls_ca        the CA bundle (PEM file) this process trusts for nodes that serve TLS;
+                  given, every node is reached over TLS ($TENSORDB_TLS_CA, else none:
+                  clear text)
     node_timeout  seconds a dead or silent node may take to fail a request
                   ($TENSORDB_NODE_TIMEOUT, else 5)
     scrub_interval  the least seconds between the starts of two rounds of the store's
@@ -95,6 +98,7 @@ class Config:
     gpu_device: int | None = None
     gpu_capacity: int | None = None
     token: str | None = None
+    tls_ca: Path | None = None
     node_timeout: float = 5.0
     scrub_interval: float = 60.0
     scrub_rate: int = 256_000_000
@@ -123,6 +127,8 @@ class Config:
             "gpu_capacity": _env_int("TENSORDB_GPU_CAPACITY", None),
             # a token given wins: a broken $TENSORDB_TOKEN_FILE must not fail it
             "token": overrides["token"] if "token" in overrides else env_token(),
+            "tls_ca": Path(os.environ["TENSORDB_TLS_CA"]).resolve()
+            if os.environ.get("TENSORDB_TLS_CA") else None,
             "node_timeout": float(os.environ.get("TENSORDB_NODE_TIMEOUT") or 5.0),
             "scrub_interval": float(os.environ.get("TENSORDB_SCRUB_INTERVAL") or 60.0),
             "scrub_rate": _env_int("TENSORDB_SCRUB_RATE", 256_000_000),

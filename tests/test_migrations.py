@@ -88,7 +88,7 @@ def test_a_0006_store_gains_segment_sources(store_home: Path, catalog_url: str |
     db = open_store(store_home, catalog_url)
     try:
         with db.catalog.engine.connect() as conn:
-            assert current_revision(conn) == HEAD_REVISION == "0009"
+            assert current_revision(conn) == HEAD_REVISION == "0010"
         assert "segment_sources" in inspect(db.catalog.engine).get_table_names()
         db.import_safetensors("m", src, in_place=True)
         assert torch.equal(db.get("m", "w", verify=True), torch.arange(4.0))
@@ -264,16 +264,20 @@ def test_a_database_with_other_tables_is_migrated(store_home: Path,
         engine.dispose()
 
 
+#: the revision a later tensordb would add
+FUTURE = f"{int(HEAD_REVISION) + 1:04d}"
+
+
 def _future_scripts(tmp_path: Path) -> Path:
     """A copy of migrations/ with one more revision, as a later tensordb would ship."""
     folder = tmp_path / "migrations"
     shutil.copytree(Path(migrations.__file__).parent, folder,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    (folder / "versions" / "0010_future.py").write_text(textwrap.dedent(f'''
+    (folder / "versions" / f"{FUTURE}_future.py").write_text(textwrap.dedent(f'''
         import sqlalchemy as sa
         from alembic import op
 
-        revision = "0010"
+        revision = {FUTURE!r}
         down_revision = {HEAD_REVISION!r}
         branch_labels = None
         depends_on = None
@@ -320,7 +324,7 @@ def test_a_new_catalog_takes_later_migrations(store_home: Path, catalog_url: str
 
         assert run(Path(migrations.__file__).parent) == HEAD_REVISION
         assert _schema(engine) == before  # a no-op
-        assert run(_future_scripts(tmp_path)) == "0010"
+        assert run(_future_scripts(tmp_path)) == FUTURE
         after = _schema(engine)["tables"]
         assert "future" in after
         assert "future_note" in [c[0] for c in after["collections"]["columns"]]
@@ -328,7 +332,7 @@ def test_a_new_catalog_takes_later_migrations(store_home: Path, catalog_url: str
             assert conn.execute(text("SELECT name FROM collections")).scalars().all() == ["c"]
     finally:
         engine.dispose()
-    with pytest.raises(IncompatibleStore, match="0010"):
+    with pytest.raises(IncompatibleStore, match=FUTURE):
         open_store(store_home, catalog_url)
 
 

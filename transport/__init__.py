@@ -5,7 +5,8 @@ and serves its segments and KV blocks to other nodes: segment bytes over the TCP
 plane of ``_dataplane``, set up through Flight. ``pull_segment`` brings a segment held
 elsewhere into a local tier (streamed, checksummed, then registered as a replica), in
 whichever process needs it; ``cascade`` fans a version out to many nodes in O(log N)
-rounds. Every request carries the node's token when it has one, and every error of
+rounds. Every request carries a token when the node has one (the cluster's, or a scoped
+token of the catalog: ``_auth``), over TLS when the node serves it (``_tls``), and every error of
 ``tensordb.errors`` a node raises reaches the caller as itself.
 
 This package never sees a ``Database``: the node side uses a ``NodeStore`` (the few
@@ -25,9 +26,11 @@ from tensordb.lazy import lazy_face
 
 if TYPE_CHECKING:
     from ._auth import (
+        GRANT_TTL,
         MIN_TOKEN_LENGTH,
         TOKEN_ENV,
         TOKEN_FILE_ENV,
+        Authenticator,
         check_token,
         is_loopback,
         require_token_for,
@@ -62,11 +65,14 @@ if TYPE_CHECKING:
         pull_segment,
         split_ranges,
     )
+    from ._tls import ServerTLS, read_ca
     from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
 
 #: each name of the face and the module that defines it, loaded on first use
 _LAZY = {
+    "GRANT_TTL": "._auth",
     "MIN_TOKEN_LENGTH": "._auth",
+    "Authenticator": "._auth",
     "TOKEN_ENV": "._auth",
     "TOKEN_FILE_ENV": "._auth",
     "check_token": "._auth",
@@ -98,12 +104,18 @@ _LAZY = {
     "cascade": "._pull",
     "pull_segment": "._pull",
     "split_ranges": "._pull",
+    "ServerTLS": "._tls",
+    "read_ca": "._tls",
     "MAX_BATCH_BYTES": "._version_reads",
     "VersionReads": "._version_reads",
     "version_ticket": "._version_reads",
 }
 
 __all__ = [
+    "GRANT_TTL",
+    "Authenticator",
+    "ServerTLS",
+    "read_ca",
     "DEFAULT_HEARTBEAT",
     "DEFAULT_STREAMS",
     "DEFAULT_TIMEOUT",

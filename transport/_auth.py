@@ -1,5 +1,12 @@
-"""Token authentication for the node server: a bearer token in the ``authorization``
-header of every call, compared in constant time.
+"""Token authentication and scoped access for the node server: a bearer token in the
+``authorization`` header of every call, compared in constant time.
+
+Two kinds of token open a node that has one. The cluster's own (``--token``): nodes
+carry it to each other, and it has the ``node`` role (read anything, pull, metrics;
+commit nothing). And the scoped tokens of the catalog (``tensordb token create``,
+``tensordb.catalog.TokenStore``): a role (read, write, admin) on the collection and KV
+namespace names a glob matches. ``Authenticator`` tells which a request carries, and
+every handler checks what it is asked against it (``check_access``).
 
 Servers bind 127.0.0.1 unless told otherwise, and a non-loopback bind needs a token
 (``require_token_for``): on a shared network, anyone who can reach the port could
@@ -12,17 +19,23 @@ $TENSORDB_TOKEN_FILE), so that it does not show in the command line of the proce
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import socket
+import threading
+import time
+from collections.abc import Iterable
 
 import pyarrow.flight as fl
 
+from tensordb.catalog import NODE_ROLE, Grant, TokenStore
 from tensordb.config import TOKEN_FILE_ENV, env_token, read_token_file
 from tensordb.errors import InvalidInput, Unauthorized
 
-__all__ = ["TokenMiddlewareFactory", "auth_headers", "resolve_token", "is_loopback", "unauthorized",
+__all__ = ["Authenticated", "Authenticator", "GRANT_TTL", "check_access", "TokenMiddlewareFactory", "auth_headers", "resolve_token", "is_loopback", "unauthorized",
            "require_token_for", "check_token", "bearer_ok", "TOKEN_ENV", "TOKEN_FILE_ENV",
            "MIN_TOKEN_LENGTH"]
 
@@ -31,6 +44,7 @@ TOKEN_ENV = "TENSORDB_TOKEN"
 #: the shortest token a server accepts: a guessable token protects nothing
 MIN_TOKEN_LENGTH = 16
 _HEADER = "authorization"
+_log = logging.getLogger("tensordb.transport")
 
 
 def resolve_token(token: str | None, token_file: str | os.PathLike[str] | None = None
@@ -92,23 +106,113 @@ def require_token_for(host: str, token: str | None) -> None:
                            f"loopback addresses may go without one)")
 
 
-class _Accepted(fl.ServerMiddleware):
-    """The call carried the token; nothing to add to it."""
+#: seconds a token's grant (or its refusal) is kept before the catalog is asked again:
+#: a revoked token stops working within this long
+GRANT_TTL = 5.0
+_CACHE_MAX = 4096
+
+
+class Authenticator:
+    """Who a request's bearer token is: the cluster's own token (``node``: the node
+    role, every name) or a live token of the catalog's ``TokenStore`` (its role and
+    scope). Shared by the Flight middleware, the data plane and the metrics endpoint of
+    one node server, on any of their threads.
+
+    Catalog lookups are cached for ``ttl`` seconds (refusals too, so a client retrying
+    a wrong token does not hammer the catalog), at most _CACHE_MAX entries; a catalog
+    that does not answer refuses the token rather than letting it through."""
+
+    def __init__(self, node_token: str, tokens: TokenStore | None = None, *,
+                 ttl: float = GRANT_TTL) -> None:
+        self._node = f"Bearer {node_token}".encode()
+        self._node_token = node_token.encode()
+        self._tokens = tokens
+        self._ttl = ttl
+        self._cache: dict[bytes, tuple[float, Grant | None]] = {}
+        self._lock = threading.Lock()
+
+    def grant(self, token: str | bytes | None) -> Grant | None:
+        """What a bare token (no ``Bearer``) allows; None when it is nobody's."""
+        if token is None:
+            return None
+        raw = token if isinstance(token, bytes) else token.encode("utf-8", "replace")
+        if hmac.compare_digest(raw, self._node_token):
+            return _NODE_GRANT
+        if self._tokens is None or not raw.startswith(b"tdb_"):
+            return None
+        key = hashlib.sha256(raw).digest()  # the cache never holds a secret
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            got = self._tokens.grant(raw.decode("ascii", "replace"))
+        except Exception as exc:  # noqa: BLE001 - refused, never let through
+            _log.warning("could not look a token up in the catalog: %s", exc)
+            return None
+        with self._lock:
+            if len(self._cache) >= _CACHE_MAX:
+                self._cache.clear()
+            self._cache[key] = (now + self._ttl, got)
+        return got
+
+    def header_grant(self, values: list[str | bytes]) -> Grant | None:
+        """What the ``authorization`` values of one request allow: exactly one
+        ``Bearer <token>`` header, else nobody."""
+        if len(values) != 1:
+            return None
+        got = values[0] if isinstance(values[0], bytes) else values[0].encode()
+        if hmac.compare_digest(got, self._node):
+            return _NODE_GRANT
+        if not got.startswith(b"Bearer "):
+            return None
+        return self.grant(got[len(b"Bearer "):])
+
+
+_NODE_GRANT = Grant(NODE_ROLE, "*")
+
+
+class Authenticated(fl.ServerMiddleware):
+    """The call carried a token; ``grant`` is what it allows."""
+
+    def __init__(self, grant: Grant) -> None:
+        super().__init__()
+        self.grant = grant
 
 
 class TokenMiddlewareFactory(fl.ServerMiddlewareFactory):
-    """Refuses (Unauthenticated) every call whose bearer token is not the server's."""
+    """Refuses (Unauthenticated) every call whose bearer token is nobody's; the
+    handlers read the call's grant from its ``Authenticated`` middleware."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, auth: Authenticator) -> None:
         super().__init__()
-        self._expected = f"Bearer {token}".encode()
+        self.auth = auth
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, list[str | bytes]]
                    ) -> fl.ServerMiddleware:
-        if bearer_ok(headers.get(_HEADER, []), self._expected):
-            return _Accepted()
-        raise fl.FlightUnauthenticatedError("this node requires its token "
-                                            "(one authorization: Bearer ... header)")
+        grant = self.auth.header_grant(headers.get(_HEADER, []))
+        if grant is not None:
+            return Authenticated(grant)
+        raise fl.FlightUnauthenticatedError("this node requires a token (one "
+                                            "authorization: Bearer ... header)")
+
+
+def check_access(grant: Grant | None, action: str, names: Iterable[str], node: str,
+                 what: str) -> None:
+    """Raise Unauthorized unless ``grant`` may ``action`` on every one of ``names``
+    (None: the node runs without tokens, and everything is allowed). ``what`` says
+    what was asked, for the message; the first name refused is named."""
+    if grant is None:
+        return
+    if not grant.may(action):
+        raise Unauthorized(f"a {grant.role} token may not {action} ({what}) on node "
+                           f"{node!r}", node=node)
+    for name in names:
+        if not grant.covers(name):
+            raise Unauthorized(f"this token's scope {grant.scope!r} does not cover "
+                               f"{name!r} ({what}) on node {node!r}", collection=name,
+                               node=node)
 
 
 def unauthorized(node: str, address: str) -> Unauthorized:

@@ -88,6 +88,10 @@ class NodeStore(Protocol):
     def stats(self) -> dict[str, int]:
         """Counts of the store (``leases`` among them), for the metrics endpoint."""
 
+    def transaction(self, collection: str, *, message: str | None = ...) -> Any:
+        """A transaction on one collection (``tensordb.Transaction``: ``put_raw``,
+        ``hasher``, ``result``); a Flight client's put commits through it."""
+
     def metrics_collector(self) -> Collector:
         """The host's metrics (KV namespaces, tiers, client latencies, catalog, scrub),
         read at scrape time: the node's metrics endpoint serves them beside its own."""

@@ -24,9 +24,13 @@ headers of every connection, a bounded pool of threads streams the answers
 half (``fetch_into``) runs in the process that pulls. Each transfer of n bytes must end
 within ``timeout + n / min_rate`` seconds on both ends (``min_transfer_rate``).
 
-The token is compared in constant time, as the Flight middleware does; a wrong one is
-answered with ``Unauthorized`` and the connection closed. It is dropped from the request
-before anything handles it, so no error can quote it. Checksums are the caller's
+The token is checked as the Flight middleware checks it (``_auth.Authenticator``: the
+cluster's token, or a scoped token of the catalog whose scope covers a collection of the
+segment); a wrong one is answered with ``Unauthorized`` and the connection closed. The
+token is dropped from the request before anything handles it, so no error can quote it.
+With TLS (``tensordb serve --tls-cert``) every connection is a TLS stream: its handshake
+runs in the header loop, non-blocking, so a connection that stalls in it pins no
+thread. Checksums are the caller's
 (``_pull`` hashes each extent as its bytes land), so a stream cut anywhere leaves a
 prefix the next holder resumes from.
 """
@@ -34,12 +38,12 @@ prefix the next holder resumes from.
 from __future__ import annotations
 
 import errno
-import hmac
 import json
 import logging
 import os
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -50,12 +54,11 @@ from typing import Any
 
 import numpy as np
 
-from tensordb.errors import InvalidInput, NodeUnavailable, TensorDBError, Unauthorized
+from tensordb.errors import InvalidInput, NodeUnavailable, TensorDBError
 
-from ._auth import TOKEN_ENV
 from ._base import error_payload
 
-__all__ = ["DataPlaneServer", "fetch_into", "MAX_HEADER", "MAX_CONNECTIONS", "MAX_TRANSFERS",
+__all__ = ["Authorize", "DataPlaneServer", "fetch_into", "MAX_HEADER", "MAX_CONNECTIONS", "MAX_TRANSFERS",
            "MIN_RATE", "MIN_RATE_ENV", "min_transfer_rate"]
 
 _LEN = struct.Struct(">I")
@@ -90,6 +93,10 @@ def min_transfer_rate() -> float:
     return rate
 
 _log = logging.getLogger("tensordb.transport")
+
+#: checks a request's token against what it asks (``token``, request): raises
+#: Unauthorized when it may not; the node server's is ``NodeServer._authorize_segment``
+Authorize = Callable[[str | None, dict[str, Any]], None]
 
 
 def _send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
@@ -141,6 +148,7 @@ class _Pending:
 
     deadline: float
     buf: bytearray = field(default_factory=bytearray)
+    handshaken: bool = False  # TLS: the handshake is done
 
 
 class DataPlaneServer:
@@ -159,13 +167,14 @@ class DataPlaneServer:
     connections and pauses accepting for a moment, then goes on: the plane serves again
     as soon as descriptors are free."""
 
-    def __init__(self, host: str, port: int, token: str | None, timeout: float,
+    def __init__(self, host: str, port: int, authorize: Authorize | None, timeout: float,
                  serve: Callable[[dict[str, Any]], tuple[memoryview, Callable[[float], None]]],
                  on_request: Callable[[str], None], *, chunk: int,
                  throttle: float | None, node: str = "",
                  max_connections: int = MAX_CONNECTIONS, max_transfers: int = MAX_TRANSFERS,
-                 min_rate: float | None = None) -> None:
-        self._expected = token.encode() if token else None
+                 min_rate: float | None = None, tls: ssl.SSLContext | None = None) -> None:
+        self._authorize = authorize
+        self._tls = tls
         self._timeout = timeout
         self._serve = serve
         self._on_request = on_request
@@ -253,6 +262,9 @@ class DataPlaneServer:
                 self._shed(1)
             try:
                 conn.setblocking(False)
+                if self._tls is not None:  # the handshake runs in _read_header
+                    conn = self._tls.wrap_socket(conn, server_side=True,
+                                                 do_handshake_on_connect=False)
                 self._sel.register(conn, selectors.EVENT_READ, "conn")
             except (OSError, ValueError):
                 conn.close()
@@ -295,36 +307,59 @@ class DataPlaneServer:
             self._drop(conn)
 
     def _read_header(self, conn: socket.socket) -> None:
+        if isinstance(conn, ssl.SSLSocket):
+            p = self._pending.get(conn)
+            if p is None:
+                return
+            if not p.handshaken:
+                try:
+                    conn.do_handshake()
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    return
+                except (OSError, ValueError):  # not TLS, or a certificate refused
+                    self._drop(conn)
+                    return
+                p.handshaken = True
+            # a TLS record may hold more than one recv takes: read on while the
+            # connection holds decrypted bytes, which no selector sees
+            while self._read_some(conn) and conn in self._pending and conn.pending():
+                pass
+            return
+        self._read_some(conn)
+
+    def _read_some(self, conn: socket.socket) -> bool:
+        """One recv of a header; True when it took bytes and the header is not whole."""
         p = self._pending.get(conn)
         if p is None:
-            return
+            return False
         have = len(p.buf)
         need = _LEN.size if have < _LEN.size else _LEN.size + _LEN.unpack(p.buf[:_LEN.size])[0]
         try:
             got = conn.recv(need - have)
-        except (BlockingIOError, InterruptedError):
-            return
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                ssl.SSLWantWriteError):
+            return False
         except OSError:
             self._drop(conn)
-            return
+            return False
         if not got:
             self._drop(conn)
-            return
+            return False
         p.buf += got
         if len(p.buf) < _LEN.size:
-            return
+            return True
         (n,) = _LEN.unpack(p.buf[:_LEN.size])
         if n > MAX_HEADER:
             self._answer_now(conn, InvalidInput(
                 f"a data-plane header of {n} bytes (at most {MAX_HEADER})"))
-            return
+            return False
         if len(p.buf) < _LEN.size + n:
-            return
+            return True
         try:
             req = _parse_frame(bytes(p.buf[_LEN.size:]))
         except InvalidInput as exc:
             self._answer_now(conn, exc)
-            return
+            return False
         self._pending.pop(conn)
         self._sel.unregister(conn)
         with self._busy_lock:
@@ -337,12 +372,13 @@ class DataPlaneServer:
                 f"node {self._node!r} is busy: {2 * self._max_transfers} data-plane requests "
                 f"are running or queued; read from another holder or later",
                 node=self._node or None))
-            return
+            return False
         try:
             self._pool.submit(self._handle, conn, req)
         except RuntimeError:  # closing: the pool takes no more
             self._release()
             conn.close()
+        return False
 
     def _answer_now(self, conn: socket.socket, exc: TensorDBError) -> None:
         self._pending.pop(conn, None)
@@ -379,11 +415,8 @@ class DataPlaneServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             got = req.pop("token", None)  # never echoed, not even in an error's text
             try:
-                if self._expected is not None and not (
-                        isinstance(got, str)
-                        and hmac.compare_digest(got.encode(), self._expected)):
-                    raise Unauthorized(f"this node refused the request: missing or wrong "
-                                       f"token (give token= to connect, or set ${TOKEN_ENV})")
+                if self._authorize is not None:
+                    self._authorize(got if isinstance(got, str) else None, req)
                 data, done = self._serve(req)
             except TensorDBError as exc:
                 self._on_request(type(exc).__name__)
@@ -446,10 +479,30 @@ def _send_by(conn: socket.socket, data: memoryview, deadline: float, stall: floa
         pos += conn.send(data[pos:])
 
 
+def _connect(node: str, host: str, port: int, timeout: float,
+             tls: ssl.SSLContext | None) -> socket.socket:
+    """A connection to a node's data port, TLS when ``tls`` (NodeUnavailable when it
+    cannot be made or the handshake fails: a certificate this process does not trust)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise NodeUnavailable(f"node {node!r}: its data port {host}:{port} refused or did "
+                              f"not answer ({exc})", node=node) from exc
+    if tls is None:
+        return sock
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        return tls.wrap_socket(sock, server_hostname=host)
+    except (OSError, ValueError) as exc:
+        sock.close()
+        raise NodeUnavailable(f"node {node!r}: the TLS handshake with its data port "
+                              f"{host}:{port} failed ({exc})", node=node) from exc
+
+
 def fetch_into(node: str, host: str, port: int, token: str | None, segment_id: str,
                offset: int, dst: np.ndarray, on_bytes: Callable[[int], None],
                timeout: float, raise_error: Callable[[object], None], *,
-               min_rate: float | None = None) -> None:
+               min_rate: float | None = None, tls: ssl.SSLContext | None = None) -> None:
     """Receive bytes ``[offset, offset + len(dst))`` of a segment straight into ``dst``
     (uint8, contiguous). ``on_bytes(n)``: the next ``n`` bytes of ``dst`` are in (called
     every MiB, and for what arrived before a failure). ``raise_error(payload)`` raises
@@ -460,11 +513,7 @@ def fetch_into(node: str, host: str, port: int, token: str | None, segment_id: s
     length = len(dst)
     rate = min_rate or min_transfer_rate()
     allowed = timeout + length / rate
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        raise NodeUnavailable(f"node {node!r}: its data port {host}:{port} refused or did "
-                              f"not answer ({exc})", node=node) from exc
+    sock = _connect(node, host, port, timeout, tls)
     got = reported = 0
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

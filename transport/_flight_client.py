@@ -32,6 +32,7 @@ from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, TensorDB
 from ._auth import auth_headers, unauthorized
 from ._base import DEFAULT_TIMEOUT, KVBlock, Transport, error_from_payload, error_from_text
 from ._dataplane import MIN_RATE_ENV, fetch_into, min_transfer_rate
+from ._tls import client_context
 
 __all__ = ["FlightTransport", "SEGMENT_SCHEMA", "KV_SCHEMA", "CHANNEL_OPTIONS", "chunk_batch",
            "kv_blocks", "raise_remote"]
@@ -135,10 +136,13 @@ class _Watchdog:
 
 class FlightTransport(Transport):
     """Arrow Flight (gRPC) transport with bearer-token auth and bounded waits. One per
-    process is enough: it keeps a client per address, shared by its threads."""
+    process is enough: it keeps a client per address, shared by its threads. With
+    ``tls_ca`` (a PEM bundle) every node is reached over TLS, Flight and data plane,
+    and its certificate must chain to that CA and name the host dialled."""
 
     def __init__(self, token: str | None = None, timeout: float = DEFAULT_TIMEOUT, *,
-                 data_plane: bool = True, min_rate: float | None = None) -> None:
+                 data_plane: bool = True, min_rate: float | None = None,
+                 tls_ca: bytes | None = None) -> None:
         if not timeout or timeout <= 0:
             raise InvalidInput(f"the node timeout must be a positive number of seconds, "
                                f"not {timeout!r}")
@@ -153,6 +157,9 @@ class FlightTransport(Transport):
         self._token = token
         self.data_plane = data_plane  # False: segment bytes through Flight only
         self._headers = auth_headers(token)
+        #: the CA this process trusts: given, every node is reached over TLS
+        self._ca = tls_ca
+        self._tls = client_context(tls_ca) if tls_ca else None
         self._clients: dict[str, fl.FlightClient] = {}
         self._lock = threading.Lock()
 
@@ -161,6 +168,8 @@ class FlightTransport(Transport):
             client = self._clients.get(address)
             if client is None:
                 client = self._clients[address] = fl.FlightClient(
+                    f"grpc+tls://{address}", tls_root_certs=self._ca,
+                    generic_options=CHANNEL_OPTIONS) if self._ca else fl.FlightClient(
                     f"grpc+tcp://{address}", generic_options=CHANNEL_OPTIONS)
             return client
 
@@ -251,7 +260,7 @@ class FlightTransport(Transport):
             raise typed
 
         fetch_into(node, host, port, self._token, segment_id, offset, dst, on_bytes,
-                   self.timeout, raise_error, min_rate=self.min_rate)
+                   self.timeout, raise_error, min_rate=self.min_rate, tls=self._tls)
 
     def request_pull(self, node: str, address: str, segment_ids: Sequence[str],
                      source: str | None, streams: int | None = None) -> dict[str, Any]:

@@ -22,7 +22,15 @@ process. Requests:
 - action ``ping``: the node's name and tiers (clients use it to fail fast), and the
   port of its data plane (``_dataplane``: segment ranges over a plain TCP stream, the
   way clients read them when they can);
-- action ``pull`` ``{"segments": [...], "source": node}``: fetch and register replicas.
+- action ``pull`` ``{"segments": [...], "source": node}``: fetch and register replicas;
+- ``do_put`` descriptor ``{"collection", "message"?}`` with the ``to_arrow`` layout:
+  commit it as a version (``_version_writes``).
+
+With a token, every request is checked against the grant of the token it carries
+(``_auth``: the cluster's own, the ``node`` role; or a scoped token of the catalog):
+its role must allow what it asks, and its scope cover the collection or namespace it
+names (for segments: a collection whose rows point into the segment). A refusal is
+``Unauthorized``, sent as Flight's ``FlightUnauthorizedError``.
 
 A ``tensordb.errors`` exception goes back as ``FlightServerError`` whose text carries
 its JSON payload (``_base.error_text``), and the client raises it as the same class
@@ -47,16 +55,32 @@ import pyarrow.flight as fl
 import xxhash
 
 import storage_engine as se
-from tensordb.catalog import NodeDirectory
-from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, NotFound, TensorDBError
+from tensordb.catalog import Grant, NodeDirectory, TokenStore
+from tensordb.errors import (
+    CorruptData,
+    InvalidInput,
+    NodeUnavailable,
+    NotFound,
+    TensorDBError,
+    Unauthorized,
+)
 
-from ._auth import TokenMiddlewareFactory, check_token, require_token_for
+from ._auth import (
+    Authenticated,
+    Authenticator,
+    TokenMiddlewareFactory,
+    check_access,
+    check_token,
+    require_token_for,
+)
 from ._base import DEFAULT_TIMEOUT, KVBlocks, NodeStore, Transport, error_text, terse
 from ._dataplane import DataPlaneServer
 from ._flight_client import KV_SCHEMA, SEGMENT_SCHEMA, FlightTransport, chunk_batch
 from ._metrics import NodeMetrics
 from ._pull import pull_segment
-from ._version_reads import VersionReads
+from ._tls import ServerTLS, read_ca
+from ._version_reads import VersionReads, json_object, version_ticket
+from ._version_writes import answer, commit_stream, put_descriptor
 
 __all__ = ["NodeServer", "NodeService", "THROTTLE_ENV", "CHUNK_BYTES", "block_bytes"]
 
@@ -271,11 +295,13 @@ class NodeService:
             cache.close()
 
 
-def _flight_error(exc: TensorDBError) -> fl.FlightServerError:
+def _flight_error(exc: TensorDBError) -> fl.FlightError:
     """The Flight error of ``exc``: its class and message first, for a plain client to
-    read, then its payload, for ``FlightTransport`` to raise it as itself."""
-    return fl.FlightServerError(f"{type(exc).__name__}: {terse(exc.message)}\n"
-                                f"{error_text(exc)}")
+    read, then its payload, for ``FlightTransport`` to raise it as itself. A refused
+    scope is Flight's own ``FlightUnauthorizedError`` (gRPC's PERMISSION_DENIED)."""
+    kind = fl.FlightUnauthorizedError if isinstance(exc, Unauthorized) \
+        else fl.FlightServerError
+    return kind(f"{type(exc).__name__}: {terse(exc.message)}\n{error_text(exc)}")
 
 
 class NodeServer(fl.FlightServerBase):
@@ -286,25 +312,34 @@ class NodeServer(fl.FlightServerBase):
     def __init__(self, db: NodeStore, host: str = "127.0.0.1", port: int = 0, *,
                  token: str | None = None, metrics: NodeMetrics | None = None,
                  timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = CHUNK_BYTES,
-                 data_plane: bool = True, data_port: int = 0) -> None:
+                 data_plane: bool = True, data_port: int = 0,
+                 tls: ServerTLS | None = None) -> None:
         require_token_for(host, token)
         if token is not None:
             check_token(token)
-        middleware = {"auth": TokenMiddlewareFactory(token)} if token else None
-        super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
+        #: who a request's token is: the cluster's own, or a scoped token of the catalog
+        self.auth = Authenticator(token, TokenStore(db.catalog.engine)) if token else None
+        middleware = {"auth": TokenMiddlewareFactory(self.auth)} if self.auth else None
+        self.tls = tls
+        if tls is not None:
+            super().__init__(f"grpc+tls://{host}:{port}", middleware=middleware,
+                             tls_certificates=[fl.CertKeyPair(tls.cert_pem, tls.key_pem)])
+        else:
+            super().__init__(f"grpc+tcp://{host}:{port}", middleware=middleware)
         self.host = host
-        # this node reaches others (to pull) with its own token
-        self.service = NodeService(db, FlightTransport(token, timeout), token=token,
-                                   metrics=metrics, chunk_bytes=chunk_bytes)
+        # this node reaches others (to pull) with its own token, trusting the store's CA
+        ca = read_ca(db.config.tls_ca) if db.config.tls_ca else None
+        self.service = NodeService(db, FlightTransport(token, timeout, tls_ca=ca),
+                                   token=token, metrics=metrics, chunk_bytes=chunk_bytes)
         self.node = self.service.node
         self.metrics = self.service.metrics
         self.data_plane = DataPlaneServer(
-            host, data_port, token, timeout,
+            host, data_port, self._authorize_segment if self.auth else None, timeout,
             lambda req: self.service.checked("segment",
                                              lambda: self.service.segment_range(req)),
             lambda status: self.metrics.request("segment", status),
             chunk=self.service.chunk_bytes, throttle=self.service.throttle,
-            node=self.service.node) if data_plane else None
+            node=self.service.node, tls=tls.context() if tls else None) if data_plane else None
         self.service.data_port = self.data_plane.port if self.data_plane else None
 
     def _answer(self, kind: str, work: Callable[[], _T]) -> _T:
@@ -313,22 +348,68 @@ class NodeServer(fl.FlightServerBase):
         except TensorDBError as exc:
             raise _flight_error(exc) from None
 
+    # -- scoped access --------------------------------------------------------------
+    @staticmethod
+    def _grant(context: fl.ServerCallContext) -> Grant | None:
+        """The grant of a call's token (None: this node runs without tokens)."""
+        mw = context.get_middleware("auth")
+        return mw.grant if isinstance(mw, Authenticated) else None
+
+    def _check(self, grant: Grant | None, action: str, names: list[str], what: str) -> None:
+        check_access(grant, action, names, self.node, what)
+
+    def _check_segments(self, grant: Grant | None, action: str, segment_ids: list[str],
+                        what: str) -> None:
+        """A request naming segments (what nodes ask of each other) is checked against
+        the collections whose rows point into each: a scoped token may have a segment's
+        bytes when its scope covers one of them. The node role skips the look-up."""
+        if grant is None or (grant.scope == "*" and grant.may(action)):
+            self._check(grant, action, [], what)
+            return
+        self._check(grant, action, [], what)
+        owners = self.service.directory.segment_collections(segment_ids)
+        for sid, names in owners.items():
+            if not any(grant.covers(n) for n in names):
+                raise Unauthorized(f"this token's scope {grant.scope!r} covers no collection "
+                                   f"of segment {sid} ({what}) on node {self.node!r}",
+                                   node=self.node)
+
+    def _authorize_segment(self, token: str | None, req: dict[str, Any]) -> None:
+        """The data plane's check: the request's token, then its segment's scope."""
+        grant = self.auth.grant(token) if self.auth is not None else None
+        if self.auth is not None and grant is None:
+            raise Unauthorized("this node refused the request: missing or wrong token "
+                               "(give token= to connect, or set $TENSORDB_TOKEN)",
+                               node=self.node)
+        sid = req.get("id")
+        self._check_segments(grant, "read", [sid] if isinstance(sid, str) else [],
+                             "segment bytes")
+
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
+        grant = self._grant(context)
         try:
             req = self.service.request(ticket.ticket)
         except TensorDBError as exc:
             raise _flight_error(exc) from None
         if "kind" not in req:  # a version, asked by any Flight client
-            return self._answer("version", lambda: self.service.versions.stream(
-                req, lambda batches: self._guarded("version", batches)))
+            def version() -> fl.FlightDataStream:
+                self._check(grant, "read", [version_ticket(req)[0]], "a version")
+                return self.service.versions.stream(
+                    req, lambda batches: self._guarded("version", batches))
+            return self._answer("version", version)
         kind = str(req.get("kind"))
 
         def run() -> fl.FlightDataStream:
             if kind == "segment":
+                sid = req.get("id")
+                self._check_segments(grant, "read", [sid] if isinstance(sid, str) else [],
+                                     "segment bytes")
                 chunks = self.service.segment_stream(req)
                 return fl.GeneratorStream(SEGMENT_SCHEMA, self._guarded(
                     kind, (chunk_batch(c) for c in chunks)))
             if kind == "kv":
+                ns = req.get("namespace")
+                self._check(grant, "read", [ns] if isinstance(ns, str) else [], "KV blocks")
                 return fl.RecordBatchStream(self.service.kv_table(req))
             raise InvalidInput(f"unknown ticket kind {kind!r} (segment, kv; no kind: a version)")
 
@@ -349,14 +430,35 @@ class NodeServer(fl.FlightServerBase):
                 f"node {self.node!r} failed while streaming a {kind} "
                 f"({type(exc).__name__})", node=self.node)) from None
 
+    def do_put(self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor,
+               reader: fl.MetadataRecordBatchReader, writer: fl.FlightMetadataWriter) -> None:
+        grant = self._grant(context)
+
+        def run() -> dict[str, Any]:
+            if descriptor.descriptor_type != fl.DescriptorType.CMD:
+                raise InvalidInput("put a version with a command descriptor: "
+                                   "{\"collection\": c}")
+            collection, message = put_descriptor(json_object(
+                descriptor.command, "a put descriptor's command"))
+            self._check(grant, "write", [collection], "a commit")
+            batches = (chunk.data for chunk in reader)
+            return commit_stream(self.service.db, collection, message, batches,
+                                 reader.schema)
+
+        writer.write(answer(self._answer("put", run)))
+
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[fl.Result]:
         kind = action.type
+        grant = self._grant(context)
 
         def run() -> dict[str, Any]:
             body = self.service.request(action.body.to_pybytes() if action.body else b"")
             if kind == "ping":
                 return self.service.ping()
             if kind == "pull":
+                segments = body.get("segments")
+                self._check_segments(grant, "pull", [s for s in segments if isinstance(s, str)]
+                                     if isinstance(segments, list) else [], "a pull")
                 return self.service.pull(body)
             raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
 
@@ -364,14 +466,26 @@ class NodeServer(fl.FlightServerBase):
 
     def list_flights(self, context: fl.ServerCallContext, criteria: bytes
                      ) -> Iterator[fl.FlightInfo]:
-        return iter(self._answer("list", lambda: self.service.versions.flights(criteria)))
+        grant = self._grant(context)
+
+        def run() -> list[fl.FlightInfo]:
+            self._check(grant, "read", [], "a listing")
+            # a scoped token sees the collections its scope covers, and no others
+            return self.service.versions.flights(
+                criteria, None if grant is None else grant.covers)
+
+        return iter(self._answer("list", run))
 
     def get_flight_info(self, context: fl.ServerCallContext,
                         descriptor: fl.FlightDescriptor) -> fl.FlightInfo:
+        grant = self._grant(context)
+
         def run() -> fl.FlightInfo:
             if descriptor.descriptor_type != fl.DescriptorType.CMD:
                 raise InvalidInput("describe a version with a command descriptor: its "
                                    "ticket's JSON, {\"collection\": c, \"version\": v}")
+            req = json_object(descriptor.command, "a descriptor's command (a version ticket)")
+            self._check(grant, "read", [version_ticket(req)[0]], "a version's description")
             return self.service.versions.flight_info(descriptor.command)
 
         return self._answer("info", run)

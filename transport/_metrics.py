@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from prometheus_client.registry import Collector
 
 import storage_engine as se
 
-from ._auth import bearer_ok, is_loopback
+from ._auth import Authenticator, is_loopback
 
 __all__ = ["NodeMetrics"]
 
@@ -100,16 +101,21 @@ class NodeMetrics:
     def request(self, kind: str, outcome: str) -> None:
         self.requests.labels(self.node, kind, outcome).inc()
 
-    def serve(self, port: int, host: str = "127.0.0.1", token: str | None = None) -> int:
-        """Serve /metrics over HTTP on a daemon thread; returns the bound port. Off
-        loopback, with a ``token``, a scrape without it is answered 401."""
+    def serve(self, port: int, host: str = "127.0.0.1", token: str | None = None, *,
+              auth: Authenticator | None = None, tls: ssl.SSLContext | None = None) -> int:
+        """Serve /metrics over HTTP (HTTPS with ``tls``) on a daemon thread; returns the
+        bound port. Off loopback, with a ``token``, a scrape must carry it, or a token
+        ``auth`` grants the admin action (the node role's, an admin token's); else 401."""
         app = make_wsgi_app(self.registry)
         if token and not is_loopback(host):
-            app = _bearer_only(app, f"Bearer {token}".encode())
+            app = _bearer_only(app, auth or Authenticator(token))
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         server_class: type[ThreadingWSGIServer] = type(
             "_MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
         server: ThreadingWSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        if tls is not None:  # the handshake runs on the request's thread, not accept's
+            server.socket = tls.wrap_socket(server.socket, server_side=True,
+                                            do_handshake_on_connect=False)
         threading.Thread(target=server.serve_forever, daemon=True,
                          name="tensordb-metrics").start()
         self._http = server
@@ -122,15 +128,17 @@ class NodeMetrics:
             server.server_close()
 
 
-def _bearer_only(app: Callable[..., Iterable[bytes]], expected: bytes
+def _bearer_only(app: Callable[..., Iterable[bytes]], auth: Authenticator
                  ) -> Callable[..., Iterable[bytes]]:
-    """``app`` behind the node's bearer token (exactly one authorization header)."""
+    """``app`` behind a token that may read the node's metrics (exactly one
+    authorization header)."""
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]
                 ) -> Iterable[bytes]:
         # WSGI folds repeated headers into one value joined by ", ": two never match
         got = environ.get("HTTP_AUTHORIZATION")
-        if got is not None and bearer_ok([got.encode("latin-1")], expected):
+        grant = auth.header_grant([got.encode("latin-1")]) if got is not None else None
+        if grant is not None and grant.may("admin"):
             return app(environ, start_response)
         start_response("401 Unauthorized", [("Content-Type", "text/plain"),
                                             ("WWW-Authenticate", "Bearer")])

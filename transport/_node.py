@@ -27,6 +27,7 @@ from ._auth import resolve_token
 from ._base import DEFAULT_TIMEOUT, NodeStore
 from ._flight_server import NodeServer
 from ._metrics import NodeMetrics
+from ._tls import ServerTLS
 
 __all__ = ["DEFAULT_HEARTBEAT", "NodeRegistration", "RunningNode", "ready_line", "start_node"]
 
@@ -154,13 +155,15 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
                token: str | None = None, metrics_port: int | None = None,
                advertise: str | None = None, heartbeat: float = DEFAULT_HEARTBEAT,
                timeout: float | None = None, data_port: int = 0,
-               token_file: str | os.PathLike[str] | None = None) -> RunningNode:
+               token_file: str | os.PathLike[str] | None = None,
+               tls: ServerTLS | None = None) -> RunningNode:
     """Serve ``db``'s node: listen (refusing a non-loopback host without a token, and a
     weak token anywhere), register in the catalog with a heartbeat, and serve metrics
     on ``metrics_port`` (None: no endpoint; 0: any free port; off loopback it needs the
     token). Segment bytes go out on a data plane at ``data_port`` (0: any free port),
     on the same host. The token: ``token``, else the file ``token_file``, else the
-    environment's (``resolve_token``). The node's segments are scrubbed by its store's
+    environment's (``resolve_token``). With ``tls`` (a certificate and key) Flight, the
+    data plane and the metrics endpoint speak TLS only. The node's segments are scrubbed by its store's
     background scrub, as every store's are (``Config.scrub_interval``, ``scrub_rate``,
     ``scrub_cpu``). Returns once all of it is up."""
     token = resolve_token(token, token_file)
@@ -169,15 +172,16 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
                           collectors=[db.metrics_collector()])
     server = NodeServer(db, host, port, token=token, metrics=metrics,
                         timeout=timeout or db.config.node_timeout or DEFAULT_TIMEOUT,
-                        data_port=data_port)
+                        data_port=data_port, tls=tls)
     address = _advertised(host, server.port, advertise)
     registration = NodeRegistration(
         NodeDirectory(db.catalog.engine), db.config.node, address, sorted(tiers),
         db.config.host_capacity, interval=heartbeat)
     try:
         registration.start()
-        bound = metrics.serve(metrics_port, host, token) if metrics_port is not None \
-            else None
+        bound = metrics.serve(metrics_port, host, token, auth=server.auth,
+                              tls=tls.context() if tls else None) \
+            if metrics_port is not None else None
     except BaseException:
         registration.stop()
         server.close()
@@ -188,4 +192,5 @@ def start_node(db: NodeStore, *, host: str = "127.0.0.1", port: int = 0,
 def ready_line(node: RunningNode) -> str:
     """The one JSON line ``tensordb serve`` prints once it answers."""
     return json.dumps({"node": node.registration.name, "address": node.address,
-                       "metrics_port": node.metrics_port})
+                       "metrics_port": node.metrics_port,
+                       "tls": node.server.tls is not None})

@@ -205,11 +205,15 @@ class VersionReads:
             _log.exception("node %s could not release lease %s", self.node, lease)
 
     # -- list_flights / get_flight_info -----------------------------------------------
-    def flights(self, criteria: bytes) -> list[fl.FlightInfo]:
+    def flights(self, criteria: bytes, visible: Callable[[str], bool] | None = None
+                ) -> list[fl.FlightInfo]:
         """One FlightInfo per version of every collection (of one, when ``criteria`` is
-        ``{"collection": c}``), oldest version first; its descriptor is a command and
-        its ticket the version's ticket, both ``{"collection": c, "version": v}``."""
+        ``{"collection": c}``; of those ``visible`` accepts, when given), oldest version
+        first; its descriptor is a command and its ticket the version's ticket, both
+        ``{"collection": c, "version": v}``."""
         names = self.db.catalog.collection_names()
+        if visible is not None:
+            names = [n for n in names if visible(n)]
         if criteria:
             want = _criteria(criteria)
             names = [n for n in names if n == want]

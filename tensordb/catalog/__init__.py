@@ -36,10 +36,18 @@ from ._sql import (
     upgrade,
     write_conn,
 )
+from ._tokens import ACTIONS, NODE_ROLE, ROLES, Grant, TokenInfo, TokenStore, check_scope
 from .schema import HEAD_REVISION, metadata
 
 __all__ = [
     "HEAD_REVISION",
+    "ACTIONS",
+    "NODE_ROLE",
+    "ROLES",
+    "Grant",
+    "TokenInfo",
+    "TokenStore",
+    "check_scope",
     "CHUNK_ROWS",
     "PACK_MIN_ROWS",
     "Beat",

@@ -23,7 +23,15 @@ from ..errors import NotFound
 from ._common import now_utc
 from ._segments import shards_of_rows
 from ._sql import write_conn
-from .schema import kv_namespaces, nodes, segment_replicas, segments, tensor_shards, tensors
+from .schema import (
+    collections,
+    kv_namespaces,
+    nodes,
+    segment_replicas,
+    segments,
+    tensor_shards,
+    tensors,
+)
 
 __all__ = ["Beat", "NodeDirectory", "NodeInfo", "SegmentInfo", "DEFAULT_LAPSE"]
 
@@ -275,6 +283,25 @@ class NodeDirectory:
     def local_tier(self, segment_id: str, node: str) -> str | None:
         """The tier where ``node`` holds the segment (as writer or replica), or None."""
         return self.holders(segment_id).get(node)
+
+    def segment_collections(self, segment_ids: Sequence[str]) -> dict[str, set[str]]:
+        """The collections whose tensor rows (or shards) point into each segment: what a
+        scoped token's request for segment bytes is checked against. A segment no row
+        points at (an orphan, or one a commit has not published yet) maps to an empty
+        set. Two statements, each served by its segment index."""
+        out: dict[str, set[str]] = {s: set() for s in segment_ids}
+        if not out:
+            return out
+        ids = list(out)
+        with self.engine.connect() as conn:
+            for table in (tensors, tensor_shards):
+                rows = conn.execute(
+                    select(table.c.segment_id, collections.c.name).distinct()
+                    .join(collections, collections.c.id == table.c.collection_id)
+                    .where(table.c.segment_id.in_(ids))).all()
+                for sid, name in rows:
+                    out[sid].add(name)
+        return out
 
     def add_replica(self, segment_id: str, node: str, tier: str) -> bool:
         """Record that ``node`` now holds a verified copy in ``tier``, in one transaction

@@ -45,12 +45,13 @@ __all__ = [
     "tensor_shards",
     "commit_groups",
     "group_parts",
+    "access_tokens",
     "UTCDateTime",
     "HEAD_REVISION",
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0009"
+HEAD_REVISION = "0010"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -329,4 +330,23 @@ group_parts = Table(
     Column("part", Text, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Index("ix_group_parts_segment", "segment_id"),
+)
+
+# -- revision 0010 ------------------------------------------------------------------------
+
+#: scoped access tokens of the node servers' network API: ``id`` is the token's public
+#: part, ``secret_hash`` the SHA-256 of its secret (hex; the secret itself is printed
+#: once, when the token is made, and kept nowhere), ``role`` one of read / write / admin,
+#: ``scope`` a glob over collection and KV namespace names; a revoked token keeps its row
+#: (``revoked_at`` set) so that listing shows it
+access_tokens = Table(
+    "access_tokens",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("secret_hash", String(64), nullable=False),
+    Column("role", String(16), nullable=False),
+    Column("scope", String(255), nullable=False),
+    Column("note", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("revoked_at", UTCDateTime, nullable=True),
 )

@@ -61,8 +61,9 @@ class Cluster:
     def transport(self) -> Transport:
         """The node-to-node transport, built on first use."""
         if self.flight is None:
+            ca = transport.read_ca(self._config.tls_ca) if self._config.tls_ca else None
             self.flight = transport.FlightTransport(self._config.token,
-                                                    self._config.node_timeout)
+                                                    self._config.node_timeout, tls_ca=ca)
         return self.flight
 
     def pull(self, segment_ids: Iterable[str], prefer: str | None = None) -> dict[str, str]:
