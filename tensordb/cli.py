@@ -674,4 +674,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 from . import _cli_tokens  # noqa: E402,F401 - registers 'tensordb token'
 
 if __name__ == "__main__":
-    main()
+    # run as -m: the commands other modules register live on tensordb.cli's app, the
+    # module of that name, not on this __main__ copy of it
+    from tensordb.cli import main as _main
+
+    _main()

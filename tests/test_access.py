@@ -383,3 +383,56 @@ def test_token_cli_creates_lists_and_revokes(home: Path) -> None:
     r = runner.invoke(app, ["--home", str(home), "token", "create", "--role", "root",
                             "--scope", "*"])
     assert r.exit_code == 2 and "read, write, admin" in r.output
+
+
+def test_nodes_pull_from_each_other_over_tls(tmp_path: Path, tls_files: dict[str, Path],
+                                             ca: trustme.CA) -> None:
+    """Two nodes that serve TLS and trust the CA: b pulls a's segment (Flight control,
+    data plane bytes, both TLS), and a scoped read token's pull request is refused."""
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    tls = transport.ServerTLS.load(tls_files["cert"], tls_files["key"])
+    dbs = {n: tensordb.connect(url, home=tmp_path / n, node=n, data_dir=tmp_path / n / "d",
+                               tls_ca=tls_files["ca"], token=NODE_TOKEN, scrub_interval=0)
+           for n in ("a", "b")}
+    nodes = {n: transport.start_node(db, token=NODE_TOKEN, tls=tls, heartbeat=0.2)
+             for n, db in dbs.items()}
+    client = transport.FlightTransport(NODE_TOKEN, 10.0,
+                                       tls_ca=transport.read_ca(tls_files["ca"]))
+    try:
+        _fill(dbs["a"])
+        sid = _segment_of(dbs["a"], "team-a/x")
+        _, reader = TokenStore(dbs["a"].catalog.engine).create("read", "*")
+        scoped = transport.FlightTransport(reader, 10.0,
+                                           tls_ca=transport.read_ca(tls_files["ca"]))
+        with pytest.raises(Unauthorized):
+            scoped.request_pull("b", nodes["b"].address, [sid], "a")
+        scoped.close()
+        got = client.request_pull("b", nodes["b"].address, [sid], "a")
+        assert got["segments"] == {sid: "host"}
+        assert torch.equal(dbs["b"].get("team-a/x", "w", verify=True),
+                           torch.arange(1024, dtype=torch.float32))
+        from tensordb.catalog import NodeDirectory
+
+        assert NodeDirectory(dbs["b"].catalog.engine).local_tier(sid, "b") == "host"
+    finally:
+        client.close()
+        for n in nodes.values():
+            n.stop()
+        for db in dbs.values():
+            db.close()
+
+
+def test_kv_reads_are_scoped_by_namespace(served: tuple[tensordb.Database, str]) -> None:
+    db, address = served
+    for ns in ("team-a/kv", "team-b/kv"):
+        kv = db.kv(ns, block_tokens=4, capacity_bytes=8 << 20)
+        kv.put([b"k" * 16], [torch.ones(4)])
+        kv.close()
+    _, token = TokenStore(db.catalog.engine).create("read", "team-a/*")
+    flight = transport.FlightTransport(token, 5.0)
+    try:
+        assert len(flight.read_kv("n", address, "team-a/kv", 4, [b"k" * 16])) == 1
+        with pytest.raises(Unauthorized, match="team-b/kv"):
+            flight.read_kv("n", address, "team-b/kv", 4, [b"k" * 16])
+    finally:
+        flight.close()
