@@ -436,3 +436,23 @@ def test_kv_reads_are_scoped_by_namespace(served: tuple[tensordb.Database, str])
             flight.read_kv("n", address, "team-b/kv", 4, [b"k" * 16])
     finally:
         flight.close()
+
+
+def test_metrics_off_loopback_take_the_node_and_admin_tokens_only(
+        sqlite_db: tensordb.Database) -> None:
+    from transport._metrics import _bearer_only
+
+    store = TokenStore(sqlite_db.catalog.engine)
+    app_ = _bearer_only(lambda env, start: (start("200 OK", []), [b"m 1\n"])[1],
+                        transport.Authenticator(NODE_TOKEN, store))
+    status: list[str] = []
+
+    def scrape(token: str | None) -> str:
+        env = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
+        app_(env, lambda s, h: status.append(s))
+        return status[-1].split()[0]
+
+    _, admin = store.create("admin", "*")
+    _, reader = store.create("read", "*")
+    assert [scrape(t) for t in (NODE_TOKEN, admin, reader, None, "wrong-token-1234567")] \
+        == ["200", "200", "401", "401", "401"]

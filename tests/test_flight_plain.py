@@ -234,7 +234,7 @@ def test_the_existing_tickets_still_answer(store, server) -> None:  # type: igno
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_a_missing_or_wrong_token_is_unauthenticated(server, token: str | None) -> None:  # type: ignore[no-untyped-def]
     with _client(server) as client:
-        with pytest.raises(fl.FlightUnauthenticatedError, match="requires its token"):
+        with pytest.raises(fl.FlightUnauthenticatedError, match="requires a token"):
             client.do_get(_ticket({"collection": "m"}), _options(token)).read_all()
         with pytest.raises(fl.FlightUnauthenticatedError):
             list(client.list_flights(options=_options(token)))
