@@ -36,7 +36,7 @@ from tensordb.config import TOKEN_FILE_ENV, env_token, read_token_file
 from tensordb.errors import InvalidInput, Unauthorized
 
 __all__ = ["Authenticated", "Authenticator", "GRANT_TTL", "check_access", "TokenMiddlewareFactory", "auth_headers", "resolve_token", "is_loopback", "unauthorized",
-           "require_token_for", "check_token", "bearer_ok", "TOKEN_ENV", "TOKEN_FILE_ENV",
+           "require_token_for", "check_token", "TOKEN_ENV", "TOKEN_FILE_ENV",
            "MIN_TOKEN_LENGTH"]
 
 #: where the node server and its clients read the token when no flag gives it
@@ -69,15 +69,6 @@ def check_token(token: str) -> None:
     if token.strip() != token or not (token.isascii() and token.isprintable()):
         raise InvalidInput("the token must be printable ASCII with no whitespace at either "
                            "end (a header carries it)")
-
-
-def bearer_ok(values: list[str | bytes], expected: bytes) -> bool:
-    """Whether the ``authorization`` values of one request are exactly one bearer
-    token equal to ``expected`` (compared in constant time); two headers are refused."""
-    if len(values) != 1:
-        return False
-    got = values[0] if isinstance(values[0], bytes) else values[0].encode()
-    return hmac.compare_digest(got, expected)
 
 
 def auth_headers(token: str | None) -> list[tuple[bytes, bytes]]:
@@ -124,7 +115,6 @@ class Authenticator:
 
     def __init__(self, node_token: str, tokens: TokenStore | None = None, *,
                  ttl: float = GRANT_TTL) -> None:
-        self._node = f"Bearer {node_token}".encode()
         self._node_token = node_token.encode()
         self._tokens = tokens
         self._ttl = ttl
@@ -163,8 +153,6 @@ class Authenticator:
         if len(values) != 1:
             return None
         got = values[0] if isinstance(values[0], bytes) else values[0].encode()
-        if hmac.compare_digest(got, self._node):
-            return _NODE_GRANT
         if not got.startswith(b"Bearer "):
             return None
         return self.grant(got[len(b"Bearer "):])

@@ -358,15 +358,18 @@ class NodeServer(fl.FlightServerBase):
     def _check(self, grant: Grant | None, action: str, names: list[str], what: str) -> None:
         check_access(grant, action, names, self.node, what)
 
-    def _check_segments(self, grant: Grant | None, action: str, segment_ids: list[str],
+    def _check_segments(self, grant: Grant | None, action: str, ids: object,
                         what: str) -> None:
-        """A request naming segments (what nodes ask of each other) is checked against
-        the collections whose rows point into each: a scoped token may have a segment's
-        bytes when its scope covers one of them. The node role skips the look-up."""
-        if grant is None or (grant.scope == "*" and grant.may(action)):
-            self._check(grant, action, [], what)
-            return
+        """A request naming segments (``ids``: the id or list of ids it gives; what
+        nodes ask of each other) is checked against the collections whose rows point
+        into each: a scoped token may have a segment's bytes when its scope covers one
+        of them. A token of scope ``*`` skips the look-up; what is not an id is the
+        handler's to refuse."""
         self._check(grant, action, [], what)
+        if grant is None or grant.scope == "*":
+            return
+        segment_ids = [ids] if isinstance(ids, str) else \
+            [s for s in ids if isinstance(s, str)] if isinstance(ids, list) else []
         owners = self.service.directory.segment_collections(segment_ids)
         for sid, names in owners.items():
             if not any(grant.covers(n) for n in names):
@@ -381,9 +384,7 @@ class NodeServer(fl.FlightServerBase):
             raise Unauthorized("this node refused the request: missing or wrong token "
                                "(give token= to connect, or set $TENSORDB_TOKEN)",
                                node=self.node)
-        sid = req.get("id")
-        self._check_segments(grant, "read", [sid] if isinstance(sid, str) else [],
-                             "segment bytes")
+        self._check_segments(grant, "read", req.get("id"), "segment bytes")
 
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
         grant = self._grant(context)
@@ -401,9 +402,7 @@ class NodeServer(fl.FlightServerBase):
 
         def run() -> fl.FlightDataStream:
             if kind == "segment":
-                sid = req.get("id")
-                self._check_segments(grant, "read", [sid] if isinstance(sid, str) else [],
-                                     "segment bytes")
+                self._check_segments(grant, "read", req.get("id"), "segment bytes")
                 chunks = self.service.segment_stream(req)
                 return fl.GeneratorStream(SEGMENT_SCHEMA, self._guarded(
                     kind, (chunk_batch(c) for c in chunks)))
@@ -456,9 +455,7 @@ class NodeServer(fl.FlightServerBase):
             if kind == "ping":
                 return self.service.ping()
             if kind == "pull":
-                segments = body.get("segments")
-                self._check_segments(grant, "pull", [s for s in segments if isinstance(s, str)]
-                                     if isinstance(segments, list) else [], "a pull")
+                self._check_segments(grant, "pull", body.get("segments"), "a pull")
                 return self.service.pull(body)
             raise InvalidInput(f"unknown action {kind!r} (ping, pull)")
 

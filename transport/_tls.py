@@ -56,8 +56,11 @@ def client_context(ca_pem: bytes) -> ssl.SSLContext:
 
 @dataclass(frozen=True, slots=True)
 class ServerTLS:
-    """A server's certificate chain and key, PEM; ``load`` reads and checks them."""
+    """A server's certificate chain and key: their files, and their PEM as read (what
+    Flight takes); ``load`` reads and checks them."""
 
+    cert_path: Path
+    key_path: Path
     cert_pem: bytes
     key_pem: bytes
 
@@ -65,7 +68,7 @@ class ServerTLS:
     def load(cls, cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> ServerTLS:
         """Read ``cert`` and ``key``; InvalidInput naming the file when either cannot be
         read or the two are no pair."""
-        tls = cls(_read("certificate", cert), _read("key", key))
+        tls = cls(Path(cert), Path(key), _read("certificate", cert), _read("key", key))
         try:
             tls.context()
         except ssl.SSLError as exc:
@@ -75,16 +78,7 @@ class ServerTLS:
 
     def context(self) -> ssl.SSLContext:
         """A server context for the data plane and the metrics endpoint."""
-        import tempfile
-
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        # load_cert_chain reads files only: a private directory for the moment it takes
-        with tempfile.TemporaryDirectory(prefix="tensordb-tls-") as d:
-            cert, key = Path(d) / "cert.pem", Path(d) / "key.pem"
-            cert.write_bytes(self.cert_pem)
-            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.key_pem)
-            ctx.load_cert_chain(cert, key)
+        ctx.load_cert_chain(self.cert_path, self.key_path)
         return ctx
