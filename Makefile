@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NATIVE := storage_engine/_stream.c storage_engine/_stream.h $(wildcard storage_engine/kv/*.c storage_engine/kv/*.h)
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean bench asan
+.PHONY: run test lint e2e e2e-vllm e2e-sglang mutate clean bench asan console-assets
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -153,3 +153,15 @@ gpu-wheels:
 
 clean:
 	rm -rf $(VENV) $(VLLM_CPU) $(SGLANG) $(LMCACHE) .tensordb
+
+# The console's chart library, vendored unchanged from its npm package (the file, its
+# licence, and its hash in static/VENDORED, which tests/test_console.py checks)
+CHARTJS := 4.6.1
+CONSOLE_STATIC := $(CURDIR)/tensordb/console/static
+console-assets:
+	tmp=$$(mktemp -d) && cd $$tmp && npm pack -q chart.js@$(CHARTJS) >/dev/null \
+	  && tar xzf chart.js-$(CHARTJS).tgz \
+	  && cp package/dist/chart.umd.min.js $(CONSOLE_STATIC)/ \
+	  && cp package/LICENSE.md $(CONSOLE_STATIC)/LICENSE.chartjs.md \
+	  && sed -i "s/^sha256 .*/sha256 $$(sha256sum package/dist/chart.umd.min.js | cut -d' ' -f1)/" \
+	     $(CONSOLE_STATIC)/VENDORED; rc=$$?; rm -rf $$tmp; exit $$rc

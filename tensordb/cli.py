@@ -8,11 +8,8 @@ exits 1 when it finds a problem.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -27,7 +24,6 @@ from sqlalchemy.exc import OperationalError
 from typer.core import TyperGroup
 
 import query
-import transport
 from storage_engine import shm_root
 
 from . import Database, connect
@@ -35,7 +31,7 @@ from ._display import TABLE_STYLE, history_table, human_bytes, result_table, sha
 from .catalog import current_revision, ensure_schema, make_engine
 from .client import find_areas, remove_area
 from .config import Config
-from .errors import InvalidInput, NodeUnavailable, TensorDBError
+from .errors import NodeUnavailable, TensorDBError
 
 __all__ = ["app", "main"]
 
@@ -478,178 +474,6 @@ def db_upgrade_command(ctx: typer.Context) -> None:
         out.print(f"revision {before or 'none (empty catalog)'} -> {after}")
 
 
-@app.command("serve")
-def serve_command(
-    ctx: typer.Context,
-    port: Annotated[int, typer.Option(help="The Flight port (0: any free port).")],
-    catalog: Annotated[str | None, typer.Option(
-        "--catalog", metavar="URL", help="The cluster's catalog (default: the global "
-        "--catalog).", show_default=False)] = None,
-    node: Annotated[str | None, typer.Option(
-        "--node", help="This host's node name (default: the global --node).",
-        show_default=False)] = None,
-    data_dir: Annotated[Path | None, typer.Option(
-        "--data-dir", help="This node's disk tier (default: the global --data-dir).",
-        show_default=False)] = None,
-    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback "
-                                      "needs a token.")] = "127.0.0.1",
-    token: Annotated[str | None, typer.Option(
-        help="Token every request must carry, 16 characters or more (default: "
-        "$TENSORDB_TOKEN). Every local user can read a command line: prefer "
-        "--token-file.", show_default=False)] = None,
-    token_file: Annotated[Path | None, typer.Option(
-        "--token-file", metavar="PATH", help="Read the token from this file (its text, "
-        "without the final newline; default: $TENSORDB_TOKEN_FILE).",
-        show_default=False)] = None,
-    metrics_port: Annotated[int | None, typer.Option(
-        help="Serve Prometheus metrics on this HTTP port (0: any free port).",
-        show_default=False)] = None,
-    advertise: Annotated[str | None, typer.Option(
-        help="HOST[:PORT] other nodes reach this one at (default: the bound address).",
-        show_default=False)] = None,
-    heartbeat: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 1.0,
-    data_port: Annotated[int, typer.Option(
-        min=0, max=65535, help="TCP port of the data plane, the stream segment bytes take "
-        "to other nodes (0: any free port; nodes learn it from a ping).")] = 0,
-    spare_bytes: Annotated[int | None, typer.Option(
-        "--spare-bytes", min=0, help="Keep a pre-faulted shared-memory spare this large "
-        "for incoming replicas: a pulled segment that fits lands at copy speed instead "
-        "of faulting every page in (default: $TENSORDB_SPARE_BYTES, else none).",
-        show_default=False)] = None,
-    tls_cert: Annotated[Path | None, typer.Option(
-        "--tls-cert", metavar="PATH", help="Serve TLS only, with this certificate chain "
-        "(PEM; it must name the advertised host): Flight, the data plane and metrics.",
-        show_default=False)] = None,
-    tls_key: Annotated[Path | None, typer.Option(
-        "--tls-key", metavar="PATH", help="The certificate's private key (PEM).",
-        show_default=False)] = None,
-    tls_ca: Annotated[Path | None, typer.Option(
-        "--tls-ca", metavar="PATH", help="The CA bundle this node trusts when it pulls "
-        "from other nodes over TLS (default: $TENSORDB_TLS_CA).", show_default=False)
-    ] = None,
-) -> None:
-    """Run this host's node server: serve its store to other nodes over Arrow Flight
-    (segment bytes over a TCP data plane beside it, on --data-port).
-
-    Registers the node in the catalog with a heartbeat, and deregisters it on SIGTERM
-    or Ctrl-C. Prints one JSON line (node, address, metrics_port, tls) once it answers.
-    With a token, scoped tokens of the catalog ('tensordb token create') open it too.
-    """
-    if (tls_cert is None) != (tls_key is None):
-        raise InvalidInput("TLS needs both --tls-cert and --tls-key")
-    tls = transport.ServerTLS.load(tls_cert, tls_key) \
-        if tls_cert is not None and tls_key is not None else None
-    w = _where(ctx)
-    extra: dict[str, Any] = {} if spare_bytes is None else {"spare_bytes": spare_bytes}
-    if tls_ca is not None:
-        transport.read_ca(tls_ca)  # a bad bundle fails now, not at the first pull
-        extra["tls_ca"] = tls_ca.resolve()
-    db = connect(catalog or w.catalog, home=w.home, node=node or w.node,
-                 data_dir=data_dir or w.data_dir, **extra)
-    try:
-        running = transport.start_node(db, host=host, port=port, token=token,
-                                       token_file=token_file, metrics_port=metrics_port,
-                                       advertise=advertise, heartbeat=heartbeat,
-                                       data_port=data_port, tls=tls)
-        running.wait(on_ready=lambda n: print(transport.ready_line(n), flush=True))
-    finally:
-        db.close()
-    _console(stderr=True).print(f"node {escape(repr(db.config.node))} stopped")
-
-
-@app.command("ping")
-def ping_command(
-    address: Annotated[str, typer.Argument(help="HOST:PORT of a node server's Flight port.")],
-    token: Annotated[str | None, typer.Option(
-        help="The node's token (default: $TENSORDB_TOKEN).", show_default=False)] = None,
-    token_file: Annotated[Path | None, typer.Option(
-        "--token-file", metavar="PATH", help="Read the token from this file (default: "
-        "$TENSORDB_TOKEN_FILE).", show_default=False)] = None,
-    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait.")] = 5.0,
-    tls_ca: Annotated[Path | None, typer.Option(
-        "--tls-ca", metavar="PATH", help="Speak TLS, trusting this CA bundle (default: "
-        "$TENSORDB_TLS_CA).", show_default=False)] = None,
-) -> None:
-    """Ask a node server whether it answers (a container's health check): prints its
-    reply as one JSON line; NodeUnavailable (a non-zero exit) when it does not answer in
-    time."""
-    ca_path = tls_ca or os.environ.get("TENSORDB_TLS_CA") or None
-    flight = transport.FlightTransport(transport.resolve_token(token, token_file), timeout,
-                                       tls_ca=transport.read_ca(ca_path) if ca_path else None)
-    try:
-        print(json.dumps(flight.ping(address, address), sort_keys=True), flush=True)
-    finally:
-        flight.close()
-
-
-@app.command("metrics")
-def metrics_command(
-    ctx: typer.Context,
-    home: Annotated[Path | None, typer.Option(
-        "--home", help="The embedded store's directory (default: the one before the "
-        "command, else $TENSORDB_HOME, else ./.tensordb).", show_default=False)] = None,
-    port: Annotated[int, typer.Option(
-        min=0, max=65535, help="HTTP port of /metrics (0: any free port).")] = 9464,
-    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback "
-                                      "needs a token.")] = "127.0.0.1",
-    token: Annotated[str | None, typer.Option(
-        help="Token a scrape must carry off loopback (authorization: Bearer; default: "
-        "$TENSORDB_TOKEN).", show_default=False)] = None,
-    token_file: Annotated[Path | None, typer.Option(
-        "--token-file", metavar="PATH", help="Read the token from this file.",
-        show_default=False)] = None,
-    once: Annotated[bool, typer.Option(
-        "--once", help="Print the metrics once (Prometheus' text format) and exit.")
-    ] = False,
-) -> None:
-    """Export this host's metrics for Prometheus: the KV namespaces' shared counters,
-    the tiers' bytes, the latency of the commits, reads and pulls of every process of
-    the host, the catalog's collections and policy runs, and the scrubber's progress.
-
-    For a host with no node server (an embedded store); a node server serves the same
-    beside its own on --metrics-port. Prints one JSON line (metrics_port) once it
-    answers, then serves until SIGTERM or Ctrl-C.
-    """
-    w = _where(ctx)
-    db = connect(w.catalog, home=home or w.home, node=w.node, data_dir=w.data_dir)
-    try:
-        if once:
-            from prometheus_client import CollectorRegistry, generate_latest
-
-            registry = CollectorRegistry()
-            registry.register(db.metrics_collector())
-            sys.stdout.write(generate_latest(registry).decode())
-            return
-        secret = transport.resolve_token(token, token_file)
-        if not transport.is_loopback(host) and secret is None:
-            raise InvalidInput(f"metrics on {host} (off loopback) need a token: give "
-                               f"--token-file or $TENSORDB_TOKEN")
-        if secret is not None:
-            transport.check_token(secret)
-        metrics = transport.NodeMetrics(db.config.node, collectors=[db.metrics_collector()])
-        bound = metrics.serve(port, host, secret)
-        try:
-            print(json.dumps({"node": db.config.node, "metrics_port": bound}), flush=True)
-            _wait_for_signal()
-        finally:
-            metrics.close()
-    finally:
-        db.close()
-
-
-def _wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
-    done = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: done.set())
-                for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not done.wait(0.5):
-            pass
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 @app.command("demo")
 def demo_command() -> None:
     """A tour on a throwaway store: commit, read zero-copy, commit a change.
@@ -671,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
 
 
-from . import _cli_tokens  # noqa: E402,F401 - registers 'tensordb token'
+from . import _cli_serve, _cli_tokens  # noqa: E402,F401 - register serve, console, metrics, ping, token
 
 if __name__ == "__main__":
     # run as -m: the commands other modules register live on tensordb.cli's app, the

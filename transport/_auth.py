@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pyarrow.flight as fl
 
@@ -147,7 +147,7 @@ class Authenticator:
             self._cache[key] = (now + self._ttl, got)
         return got
 
-    def header_grant(self, values: list[str | bytes]) -> Grant | None:
+    def header_grant(self, values: Sequence[str | bytes]) -> Grant | None:
         """What the ``authorization`` values of one request allow: exactly one
         ``Bearer <token>`` header, else nobody."""
         if len(values) != 1:

@@ -28,13 +28,14 @@ from sqlalchemy.exc import DatabaseError, OperationalError
 
 import query
 import storage_engine as se
-from tensordb.catalog import Catalog, Commit, ensure_schema, make_engine
+from tensordb.catalog import Catalog, Commit, NodeDirectory, ensure_schema, make_engine
 from tensordb.config import Config
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, StoreClosed, StoreFull
 
 from ._cluster import Cluster
 from ._inputs import check_name
 from ._kv_cache import KVCache
+from ._kv_namespace import kv_counters
 from ._maintenance import Corruption, GcReport, Maintenance, ScrubReport
 from ._metrics import HostCollector
 from ._model_files import CHECKOUT_MARKER, write_files
@@ -390,6 +391,29 @@ class Database:
         """The host's metrics as a ``prometheus_client`` collector (docs/operations.md):
         what ``tensordb metrics`` and the node server's metrics endpoint serve."""
         return HostCollector(self)
+
+    def kv_counters(self, namespace: str) -> tuple[dict[str, int], int] | None:
+        """The shared counters of a KV namespace on this host (hits, misses, evictions,
+        spills, corrupt; blocks and bytes per medium; arena bytes) and its capacity;
+        None where it has no store on this host. Opens nothing for writing and creates
+        nothing: for the metrics and the console."""
+        self._check_open()
+        return kv_counters(self.config, namespace)
+
+    def holdings(self, collection: str, *, version: int | None = None
+                 ) -> tuple[int, int, dict[str, int]]:
+        """What each node holds of a version (default: the head): (version, bytes of its
+        segments, node -> bytes of them it holds, as owner or replica). NotFound for a
+        collection or version that does not exist."""
+        self._check_open()
+        info, v = self.catalog.resolve(collection, version)
+        directory = NodeDirectory(self.catalog.engine)
+        sizes = dict(directory.version_segments(info.id, v))
+        held: dict[str, int] = {}
+        for sid, nodes in directory.held_by(sizes).items():
+            for node in nodes:
+                held[node] = held.get(node, 0) + sizes[sid]
+        return v, sum(sizes.values()), held
 
     def stats(self) -> dict[str, int]:
         """The catalog's counts, the bytes of each tier of this node, and the host's

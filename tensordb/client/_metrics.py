@@ -30,10 +30,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 import storage_engine as se
-from tensordb.catalog import NodeDirectory
 from tensordb.catalog.schema import kv_namespaces, policy_runs
-
-from ._kv_namespace import kv_counters
 
 if TYPE_CHECKING:
     from ._database import Database
@@ -99,7 +96,7 @@ class HostCollector(Collector):
                                 "Host blocks' bytes over the arena's capacity",
                                 labels=["node", "namespace"])
         for name in names:
-            got = kv_counters(db.config, name)
+            got = db.kv_counters(name)
             if got is None:  # registered, never opened on this boot
                 continue
             c, capacity = got
@@ -150,13 +147,10 @@ class HostCollector(Collector):
         lag = GaugeMetricFamily("tensordb_replication_lag_bytes",
                                 "Bytes of the head version's segments this node holds no "
                                 "copy of", labels=["node", "collection"])
-        directory = NodeDirectory(db.catalog.engine)
         for name in db.collections():
-            info, version = db.catalog.resolve(name)
+            version, total, held = db.holdings(name)
             head.add_metric([name], version)
-            segs = directory.version_segments(info.id, version)
-            held = directory.held_by([s for s, _ in segs])
-            lag.add_metric([node, name], sum(n for s, n in segs if node not in held.get(s, ())))
+            lag.add_metric([node, name], total - held.get(node, 0))
         runs = CounterMetricFamily("tensordb_policy_runs", "Policy runs, per outcome",
                                    labels=["policy", "outcome"])
         last = GaugeMetricFamily("tensordb_policy_last_run_seconds",
