@@ -137,6 +137,14 @@ def test_bad_token_settings_are_refused_and_store_nothing(
     assert store.list() == []
 
 
+def test_a_scoped_token_cannot_be_a_nodes_own_token(sqlite_db: tensordb.Database) -> None:
+    _, scoped = TokenStore(sqlite_db.catalog.engine).create("read", "team-a/*")
+    with pytest.raises(InvalidInput, match="scoped token"):
+        transport.check_token(scoped)
+    with pytest.raises(InvalidInput, match="scoped token"):
+        transport.NodeServer(sqlite_db, token=scoped)
+
+
 # -- the matrix --------------------------------------------------------------------------
 #: role -> operation -> (on team-a/x, on team-b/x), for a token scoped to team-a/*
 EXPECTED = {
@@ -249,8 +257,20 @@ def _bad_tables() -> dict[str, pa.Table]:
     extra = good.append_column("owner", pa.array(["me"]))
     no_dtype = good.drop_columns(["dtype"])
     bad_dtype = good.set_column(1, "dtype", pa.array(["float99"]))
+    # no bytes for a shape that needs them; a shape no store could hold (a bad input,
+    # not a full store); an empty tensor whose checksum is not that of no bytes
+    empty = good.set_column(good.schema.get_field_index("data"), "data",
+                            pa.array([b""], pa.large_binary()))
+    huge = good.set_column(good.schema.get_field_index("shape"), "shape",
+                           pa.array([[1 << 40, 1 << 20]], pa.list_(pa.int64())))
+    zero = pa.table({"name": ["z"], "dtype": ["float32"],
+                     "shape": pa.array([[0, 4]], pa.list_(pa.int64())),
+                     "checksum": ["0" * 16], "data": pa.array([b""], pa.large_binary())})
+    zero_with_bytes = good.set_column(good.schema.get_field_index("shape"), "shape",
+                                      pa.array([[0]], pa.list_(pa.int64())))
     return {"checksum": bad_sum, "short": short, "twice": twice, "extra": extra,
-            "no_dtype": no_dtype, "bad_dtype": bad_dtype}
+            "no_dtype": no_dtype, "bad_dtype": bad_dtype, "empty": empty, "huge": huge,
+            "zero_checksum": zero, "zero_with_bytes": zero_with_bytes}
 
 
 @pytest.mark.parametrize("case", sorted(_bad_tables()))
@@ -262,11 +282,36 @@ def test_a_bad_put_is_refused_and_changes_nothing(served: tuple[tensordb.Databas
     before = db.catalog.info("team-a/x").head
     with pytest.raises(fl.FlightServerError) as info:
         _put(client, token, "team-a/x", _bad_tables()[case])
-    kind = (CorruptData if case == "checksum" else InvalidInput).__name__
+    kind = (CorruptData if "checksum" in case else InvalidInput).__name__
     assert str(info.value).startswith(kind), info.value
     assert db.catalog.info("team-a/x").head == before
     assert db.catalog.info("nothing") is None
     client.close()
+
+
+def test_a_put_larger_than_the_node_holds_in_memory_is_refused_unwritten(
+        store_home: Path) -> None:
+    db = tensordb.connect(home=store_home, host_capacity=1 << 20)
+    server = transport.NodeServer(db, token=NODE_TOKEN)
+    try:
+        _, token = TokenStore(db.catalog.engine).create("write", "*")
+        client = fl.FlightClient(f"grpc+tcp://127.0.0.1:{server.port}")
+        big = pa.concat_tables([_put_table(f"w{i}", 1 << 16) for i in range(5)])  # 1.25 MiB
+        with pytest.raises(fl.FlightServerError) as info:
+            _put(client, token, "big", big)
+        assert str(info.value).startswith("InvalidInput") and "'w4'" in str(info.value)
+        assert db.catalog.info("big") is None and db.stats()["host_bytes"] == 0
+        # a zero-size tensor with the checksum of no bytes is a tensor like any other
+        empty = pa.table({"name": ["z"], "dtype": ["float32"],
+                          "shape": pa.array([[0, 4]], pa.list_(pa.int64())),
+                          "checksum": [xxhash.xxh3_64_hexdigest(b"")],
+                          "data": pa.array([b""], pa.large_binary())})
+        assert _put(client, token, "small", empty)["version"] == 1
+        assert db.get("small", "z").shape == (0, 4)
+        client.close()
+    finally:
+        server.close()
+        db.close()
 
 
 # -- TLS -------------------------------------------------------------------------------
@@ -406,12 +451,19 @@ def test_nodes_pull_from_each_other_over_tls(tmp_path: Path, tls_files: dict[str
         with pytest.raises(Unauthorized):
             scoped.request_pull("b", nodes["b"].address, [sid], "a")
         scoped.close()
+        # nor may a read token's read of the version make b pull what it lacks
+        plain = fl.FlightClient(f"grpc+tls://{nodes['b'].address}",
+                                tls_root_certs=tls_files["ca"].read_bytes())
+        with pytest.raises(fl.FlightError, match="may not make it pull"):
+            plain.do_get(fl.Ticket(b'{"collection": "team-a/x"}'), _options(reader)).read_all()
+        plain.close()
+        from tensordb.catalog import NodeDirectory
+
+        assert NodeDirectory(dbs["b"].catalog.engine).local_tier(sid, "b") is None
         got = client.request_pull("b", nodes["b"].address, [sid], "a")
         assert got["segments"] == {sid: "host"}
         assert torch.equal(dbs["b"].get("team-a/x", "w", verify=True),
                            torch.arange(1024, dtype=torch.float32))
-        from tensordb.catalog import NodeDirectory
-
         assert NodeDirectory(dbs["b"].catalog.engine).local_tier(sid, "b") == "host"
     finally:
         client.close()
@@ -453,5 +505,7 @@ def test_metrics_off_loopback_take_the_node_and_admin_tokens_only(
 
     _, admin = store.create("admin", "*")
     _, reader = store.create("read", "*")
-    assert [scrape(t) for t in (NODE_TOKEN, admin, reader, None, "wrong-token-1234567")] \
-        == ["200", "200", "401", "401", "401"]
+    _, tenant_admin = store.create("admin", "team-a/*")  # the metrics name every tenant
+    assert [scrape(t) for t in (NODE_TOKEN, admin, reader, tenant_admin, None,
+                                "wrong-token-1234567")] \
+        == ["200", "200", "401", "401", "401", "401"]

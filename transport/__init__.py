@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     )
     from ._tls import ServerTLS, read_ca
     from ._version_reads import MAX_BATCH_BYTES, VersionReads, version_ticket
+    from ._version_writes import MAX_PUT_BYTES
 
 #: each name of the face and the module that defines it, loaded on first use
 _LAZY = {
@@ -107,6 +108,7 @@ _LAZY = {
     "ServerTLS": "._tls",
     "read_ca": "._tls",
     "MAX_BATCH_BYTES": "._version_reads",
+    "MAX_PUT_BYTES": "._version_writes",
     "VersionReads": "._version_reads",
     "version_ticket": "._version_reads",
 }
@@ -130,6 +132,7 @@ __all__ = [
     "KVBlocks",
     "LocalTransport",
     "MAX_BATCH_BYTES",
+    "MAX_PUT_BYTES",
     "MIN_TOKEN_LENGTH",
     "NodeMetrics",
     "NodeRegistration",

@@ -60,8 +60,9 @@ def resolve_token(token: str | None, token_file: str | os.PathLike[str] | None =
 
 def check_token(token: str) -> None:
     """Refuse a token a server should not start with (InvalidInput, never echoing it):
-    shorter than MIN_TOKEN_LENGTH, blank at either end, or with characters an HTTP
-    header cannot carry (printable ASCII only)."""
+    shorter than MIN_TOKEN_LENGTH, blank at either end, with characters an HTTP header
+    cannot carry (printable ASCII only), or in the form of the catalog's scoped tokens
+    (``tdb_...``)."""
     if not isinstance(token, str) or len(token) < MIN_TOKEN_LENGTH:
         raise InvalidInput(f"the token is too weak: it needs at least {MIN_TOKEN_LENGTH} "
                            f"characters (a random one: python -c 'import secrets; "
@@ -69,6 +70,10 @@ def check_token(token: str) -> None:
     if token.strip() != token or not (token.isascii() and token.isprintable()):
         raise InvalidInput("the token must be printable ASCII with no whitespace at either "
                            "end (a header carries it)")
+    if token.startswith("tdb_"):  # the Authenticator would take it for the node role
+        raise InvalidInput("that is a scoped token of the catalog ('tensordb token create'): "
+                           "a node's own token must be another secret, or every holder of "
+                           "the scoped token would have the node role")
 
 
 def auth_headers(token: str | None) -> list[tuple[bytes, bytes]]:
@@ -142,8 +147,8 @@ class Authenticator:
             _log.warning("could not look a token up in the catalog: %s", exc)
             return None
         with self._lock:
-            if len(self._cache) >= _CACHE_MAX:
-                self._cache.clear()
+            while len(self._cache) >= _CACHE_MAX:  # the oldest lookups go first
+                self._cache.pop(next(iter(self._cache)))
             self._cache[key] = (now + self._ttl, got)
         return got
 

@@ -80,7 +80,7 @@ from ._metrics import NodeMetrics
 from ._pull import pull_segment
 from ._tls import ServerTLS, read_ca
 from ._version_reads import VersionReads, json_object, version_ticket
-from ._version_writes import answer, commit_stream, put_descriptor
+from ._version_writes import MAX_PUT_BYTES, answer, commit_stream, put_descriptor
 
 __all__ = ["NodeServer", "NodeService", "THROTTLE_ENV", "CHUNK_BYTES", "block_bytes"]
 
@@ -396,7 +396,8 @@ class NodeServer(fl.FlightServerBase):
             def version() -> fl.FlightDataStream:
                 self._check(grant, "read", [version_ticket(req)[0]], "a version")
                 return self.service.versions.stream(
-                    req, lambda batches: self._guarded("version", batches))
+                    req, lambda batches: self._guarded("version", batches),
+                    may_pull=grant is None or grant.may("pull"))
             return self._answer("version", version)
         kind = str(req.get("kind"))
 
@@ -441,8 +442,9 @@ class NodeServer(fl.FlightServerBase):
                 descriptor.command, "a put descriptor's command"))
             self._check(grant, "write", [collection], "a commit")
             batches = (chunk.data for chunk in reader)
+            cap = self.service.db.config.host_capacity
             return commit_stream(self.service.db, collection, message, batches,
-                                 reader.schema)
+                                 reader.schema, min(MAX_PUT_BYTES, cap or MAX_PUT_BYTES))
 
         writer.write(answer(self._answer("put", run)))
 

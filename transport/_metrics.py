@@ -105,7 +105,8 @@ class NodeMetrics:
               auth: Authenticator | None = None, tls: ssl.SSLContext | None = None) -> int:
         """Serve /metrics over HTTP (HTTPS with ``tls``) on a daemon thread; returns the
         bound port. Off loopback, with a ``token``, a scrape must carry it, or a token
-        ``auth`` grants the admin action (the node role's, an admin token's); else 401."""
+        ``auth`` grants the admin action on every name (the node role's, an admin token
+        of scope ``*``); else 401."""
         app = make_wsgi_app(self.registry)
         if token and not is_loopback(host):
             app = _bearer_only(app, auth or Authenticator(token))
@@ -131,14 +132,15 @@ class NodeMetrics:
 def _bearer_only(app: Callable[..., Iterable[bytes]], auth: Authenticator
                  ) -> Callable[..., Iterable[bytes]]:
     """``app`` behind a token that may read the node's metrics (exactly one
-    authorization header)."""
+    authorization header): the node's, or an admin token of every name (the metrics
+    name every tenant's collections and namespaces)."""
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]
                 ) -> Iterable[bytes]:
         # WSGI folds repeated headers into one value joined by ", ": two never match
         got = environ.get("HTTP_AUTHORIZATION")
         grant = auth.header_grant([got.encode("latin-1")]) if got is not None else None
-        if grant is not None and grant.may("admin"):
+        if grant is not None and grant.may("admin") and grant.scope == "*":
             return app(environ, start_response)
         start_response("401 Unauthorized", [("Content-Type", "text/plain"),
                                             ("WWW-Authenticate", "Bearer")])

@@ -43,7 +43,7 @@ import pyarrow.flight as fl
 import storage_engine as se
 from tensordb.arrow import LAYOUT, TENSOR_SCHEMA, numpy_dtype, refuse, tensors_table
 from tensordb.catalog import NodeDirectory, TensorRow, box_copies
-from tensordb.errors import CorruptData, InvalidInput, NotFound
+from tensordb.errors import CorruptData, InvalidInput, NotFound, Unauthorized
 
 from ._base import NodeStore
 
@@ -99,18 +99,19 @@ class VersionReads:
     # -- do_get -----------------------------------------------------------------------
     def stream(self, req: dict[str, Any],
                guard: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
-               | None = None) -> fl.GeneratorStream:
+               | None = None, *, may_pull: bool = True) -> fl.GeneratorStream:
         """The version a ticket names as a stream of one batch per tensor, under a lease
         released when the stream ends, fails or is dropped. Errors about the ticket (and
         a tensor too large for one batch) are raised here, before any batch is sent;
         ``guard`` wraps the batches (to turn a failure while they stream into a Flight
-        error of the server's making)."""
+        error of the server's making). ``may_pull``: whether the asker may make this node
+        pull a segment it holds no copy of (a read token may not: Unauthorized)."""
         collection, version, tag = version_ticket(req)
         lease, info, v, rows = self.db.catalog.open_snapshot(
             collection, version, tag, se.current_holder(), self.db.config.lease_ttl)
         try:
             listed = list(rows.values())
-            table = self.table(listed, collection, v, info.id)
+            table = self.table(listed, collection, v, info.id, may_pull=may_pull)
         except BaseException:
             self._release(lease)
             raise
@@ -120,7 +121,7 @@ class VersionReads:
         return fl.GeneratorStream(table.schema, guard(batches) if guard else batches)
 
     def table(self, rows: list[TensorRow], collection: str, version: int,
-              cid: int | None = None) -> pa.Table:
+              cid: int | None = None, *, may_pull: bool = True) -> pa.Table:
         """The ``to_arrow`` layout of ``rows``, over this node's mappings (``cid``: the
         collection's id, to find the shards of sharded rows)."""
         big = next((r for r in rows if r.nbytes > MAX_BATCH_BYTES), None)
@@ -150,7 +151,8 @@ class VersionReads:
                                           (0,) * len(row.shape), row.shape):
                 sh = got[i]
                 assert sh.segment_id is not None
-                view = self._segment(sh.segment_id, sh.tier or "host", collection, row.name)
+                view = self._segment(sh.segment_id, sh.tier or "host", collection, row.name,
+                                     may_pull)
                 refuse(collection, row.name, sh.segment_id, sh.offset, sh.nbytes, len(view),
                        marks.corrupt(sh.segment_id) if marks is not None else None)
                 data = np.frombuffer(view.host_bytes(sh.offset, sh.nbytes), np.uint8)
@@ -166,7 +168,7 @@ class VersionReads:
             return pa.py_buffer(out)
 
         return tensors_table(
-            rows, lambda sid, tier: self._segment(sid, tier, collection, first[sid]),
+            rows, lambda sid, tier: self._segment(sid, tier, collection, first[sid], may_pull),
             collection=collection, version=version, whole_of=whole,
             marked=marks.corrupt if marks is not None else None)
 
@@ -176,15 +178,23 @@ class VersionReads:
         marks = getattr(self.db.tier("host"), "marks", None)
         return marks if isinstance(marks, se.Marks) else None
 
-    def _segment(self, segment_id: str, tier: str, collection: str, tensor: str
-                 ) -> se.SegmentView:
+    def _segment(self, segment_id: str, tier: str, collection: str, tensor: str,
+                 may_pull: bool = True) -> se.SegmentView:
         """A segment's view on this node (pulled here first when another node holds
         it); ``tier`` is where its writer put it, not necessarily where it is here. A
         segment that moves between tiers meanwhile (an eviction) is looked up again.
         Opened through the tier, so a disk segment's first open per boot verifies it.
-        Errors name ``collection``/``tensor`` (a tensor whose bytes are in it)."""
+        Errors name ``collection``/``tensor`` (a tensor whose bytes are in it); without
+        ``may_pull``, a segment held only elsewhere is Unauthorized, never pulled."""
         for _ in range(3):
-            here = self.directory.local_tier(segment_id, self.node) or self.pull(segment_id)
+            here = self.directory.local_tier(segment_id, self.node)
+            if here is None and not may_pull:
+                raise Unauthorized(f"{collection}/{tensor}: node {self.node!r} holds no copy "
+                                   f"of segment {segment_id}, and this token may not make it "
+                                   f"pull one: read the version from a node that holds it, "
+                                   f"or with a token that may pull (write)",
+                                   collection=collection, tensor=tensor, node=self.node)
+            here = here or self.pull(segment_id)
             try:
                 return self.db.tier(here).open(segment_id)
             except se.SegmentMissing:

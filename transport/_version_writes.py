@@ -12,6 +12,9 @@ version's JSON, ``{"collection", "version", "tensors", "written_nbytes"}``.
 
 The received batches are held until the commit, and each tensor's bytes are copied
 once, from them into its extent (``Transaction.put_raw``), hashed there while in cache.
+So a stream may hold at most ``MAX_PUT_BYTES`` of tensor bytes (less where the node's
+host tier is smaller): a larger one is refused (InvalidInput) as soon as it passes the
+limit, before anything is written; commit larger versions through a tensordb client.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tensordb.arrow import numpy_dtype
 from tensordb.errors import CorruptData, InvalidInput
 
 from ._base import NodeStore
 
-__all__ = ["PUT_KEYS", "answer", "commit_stream", "put_descriptor"]
+__all__ = ["MAX_PUT_BYTES", "PUT_KEYS", "answer", "commit_stream", "put_descriptor"]
+
+#: the most tensor bytes one Flight put may hold in memory until it commits
+MAX_PUT_BYTES = 4 << 30
 
 #: the keys a put descriptor may have
 PUT_KEYS = ("collection", "message")
@@ -89,12 +96,16 @@ def _rows(batch: pa.RecordBatch, collection: str
 
 
 def commit_stream(db: NodeStore, collection: str, message: str | None,
-                  batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> dict[str, Any]:
+                  batches: Iterator[pa.RecordBatch], schema: pa.Schema,
+                  max_bytes: int = MAX_PUT_BYTES) -> dict[str, Any]:
     """Commit the tensors of ``batches`` (of ``schema``) as one version of
     ``collection``; returns what the put answers. Raises before anything is published
-    when any tensor is malformed, named twice, or its bytes fail its checksum."""
+    when any tensor is malformed (its bytes not those its dtype and shape take), named
+    twice, or its bytes fail its checksum, or when the stream holds more than
+    ``max_bytes`` of tensor bytes."""
     _check_schema(schema, collection)
     seen: set[str] = set()
+    held = 0
     with db.transaction(collection, message=message) as tx:
         for batch in batches:
             for name, dtype, shape, value, checksum, nbytes in _rows(batch, collection):
@@ -106,6 +117,20 @@ def commit_stream(db: NodeStore, collection: str, message: str | None,
                     raise InvalidInput(f"tensor {name!r}: the stream said {nbytes} bytes "
                                        f"and gave {value.size}", collection=collection,
                                        tensor=name)
+                _check_size(collection, name, dtype, shape, value.size)
+                held += value.size
+                if held > max_bytes:
+                    raise InvalidInput(f"a Flight put holds its tensors in memory until it "
+                                       f"commits, at most {max_bytes} bytes on this node; "
+                                       f"this stream passed it at {name!r}: commit it "
+                                       f"through a tensordb client", collection=collection,
+                                       tensor=name)
+                if value.size == 0 and checksum is not None \
+                        and checksum != tx.hasher().hexdigest():
+                    raise CorruptData(f"tensor {name!r}: it has no bytes, which hash to "
+                                      f"{tx.hasher().hexdigest()}; the stream said "
+                                      f"{checksum[:40]!r}", collection=collection,
+                                      tensor=name)
                 tx.put_raw(name, dtype, shape, _filler(tx, collection, name, dtype, shape,
                                                        value, checksum))
     commit = tx.result
@@ -113,6 +138,27 @@ def commit_stream(db: NodeStore, collection: str, message: str | None,
         raise InvalidInput("the put published nothing", collection=collection)
     return {"collection": collection, "version": commit.version, "tensors": commit.tensors,
             "written_nbytes": commit.written_nbytes}
+
+
+def _check_size(collection: str, name: str, dtype: str, shape: list[int],
+                size: int) -> None:
+    """InvalidInput unless ``size`` bytes are exactly what a ``dtype`` of ``shape`` takes
+    (checked before the store reserves room for the shape: a wild shape is a bad input,
+    not a full store)."""
+    try:
+        np_dtype, trailing = numpy_dtype(dtype)
+    except InvalidInput:
+        raise InvalidInput(f"tensor {name!r}: unsupported dtype {dtype!r}",
+                           collection=collection, tensor=name) from None
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"tensor {name!r}: its shape {shape} has a negative dimension",
+                           collection=collection, tensor=name)
+    want = np_dtype.itemsize * trailing
+    for d in shape:
+        want *= d
+    if want != size:
+        raise InvalidInput(f"tensor {name!r}: a {dtype} of shape {shape} has {want} bytes; "
+                           f"the stream gave {size}", collection=collection, tensor=name)
 
 
 def _filler(tx: Any, collection: str, name: str, dtype: str, shape: list[int],
