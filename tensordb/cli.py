@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
 
 
-from . import _cli_serve, _cli_tokens  # noqa: E402,F401 - register serve, console, metrics, ping, token
+from . import _cli_quota, _cli_serve, _cli_tokens  # noqa: E402,F401 - register their commands
 
 if __name__ == "__main__":
     # run as -m: the commands other modules register live on tensordb.cli's app, the

@@ -88,10 +88,38 @@ def test_a_0006_store_gains_segment_sources(store_home: Path, catalog_url: str |
     db = open_store(store_home, catalog_url)
     try:
         with db.catalog.engine.connect() as conn:
-            assert current_revision(conn) == HEAD_REVISION == "0010"
+            assert current_revision(conn) == HEAD_REVISION == "0011"
         assert "segment_sources" in inspect(db.catalog.engine).get_table_names()
         db.import_safetensors("m", src, in_place=True)
         assert torch.equal(db.get("m", "w", verify=True), torch.arange(4.0))
+    finally:
+        remove_store(db)
+
+
+def test_a_0010_store_gives_its_segments_their_collection(store_home: Path,
+                                                          catalog_url: str | None) -> None:
+    engine = make_engine(_url(store_home, catalog_url))
+    upgrade(engine, "0010")
+    now = "2026-01-01 00:00:00"
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO collections (id, name, head, created_at) "
+                          "VALUES (7, 'team-a/m', 1, :t)"), {"t": now})
+        for sid, n in (("seg-a", 64), ("seg-orphan", 32)):
+            conn.execute(text("INSERT INTO segments (id, node, tier, nbytes, created_at) "
+                              "VALUES (:id, 'local', 'host', :n, :t)"),
+                         {"id": sid, "n": n, "t": now})
+        conn.execute(text(
+            "INSERT INTO tensors (collection_id, name, first_version, end_version, dtype, "
+            "shape, nbytes, checksum, segment_id, \"offset\") VALUES (7, 'w', 1, NULL, "
+            "'float32', '16', 64, '0', 'seg-a', 0)"))
+    engine.dispose()
+    db = open_store(store_home, catalog_url)
+    try:
+        with db.catalog.engine.connect() as conn:
+            got = dict(conn.execute(text("SELECT id, collection_id FROM segments")).all())
+        assert got == {"seg-a": 7, "seg-orphan": None}
+        db.set_quota("team-a/*", 100)
+        assert [(q.scope, q.used_bytes) for q in db.quotas()] == [("team-a/*", 64)]
     finally:
         remove_store(db)
 

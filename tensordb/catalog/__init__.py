@@ -28,6 +28,7 @@ from ._groups import (
 )
 from ._manifests import CHUNK_ROWS, PACK_MIN_ROWS, Manifest
 from ._nodes import Beat, NodeDirectory, NodeInfo, SegmentInfo
+from ._quotas import Quota, Quotas, check_quotas
 from ._sql import (
     current_revision,
     ensure_schema,
@@ -41,6 +42,9 @@ from .schema import HEAD_REVISION, metadata
 
 __all__ = [
     "HEAD_REVISION",
+    "Quota",
+    "Quotas",
+    "check_quotas",
     "ACTIONS",
     "NODE_ROLE",
     "ROLES",

@@ -30,7 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 import storage_engine as se
 
-from ..errors import GroupAborted, InvalidInput, TensorDBError
+from ..errors import GroupAborted, InvalidInput, StoreFull, TensorDBError
 from ._common import Commit, NewShard, NewTensor, collection_info, insert_ignore, now_utc
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
@@ -366,7 +366,7 @@ class Groups:
                         why = exc.message if isinstance(exc, TensorDBError) else \
                             f"{type(exc).__name__}: {exc}"
                         self._set_aborted(conn, collection, group, why)
-                        failure = exc if isinstance(exc, InvalidInput) else \
+                        failure = exc if isinstance(exc, (InvalidInput, StoreFull)) else \
                             self._aborted(collection, group, why, base)
                     else:
                         g = commit_groups.c
@@ -434,7 +434,8 @@ class Groups:
             shards.extend(mine)
         return self._versions.publish_in(conn, collection, base, puts, [], sorted(deletes),
                                          None, message, meta or None, uuid.uuid4().hex,
-                                         shards=shards)
+                                         shards=shards,
+                                         claimed=sorted({sid for _, sid, _ in parts if sid}))
 
     def reap(self, conn: Connection) -> None:
         """For gc (in its transaction): end open groups past their deadline, drop the

@@ -46,7 +46,8 @@ __all__ = ["make_engine", "current_revision", "upgrade", "ensure_schema", "write
            "notify_after_commit"]
 
 _log = logging.getLogger("tensordb.catalog")
-_KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010")
+_KNOWN = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
+          "0011")
 _PG_LOCK_KEY = 0x7E75D8  # advisory lock id for migrations
 
 #: Alembic's version table as ``alembic stamp`` creates it (MigrationContext's

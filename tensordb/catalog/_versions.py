@@ -22,6 +22,7 @@ from sqlalchemy import (
     Select,
     bindparam,
     delete,
+    func,
     or_,
     select,
     text,
@@ -49,9 +50,19 @@ from ._common import (
     tensor_rows,
 )
 from ._manifests import Manifests
+from ._quotas import check_quotas
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import notify_after_commit, write_conn
-from .schema import UTCDateTime, collections, commits, leases, tags, tensor_shards, tensors
+from .schema import (
+    UTCDateTime,
+    collections,
+    commits,
+    leases,
+    segments,
+    tags,
+    tensor_shards,
+    tensors,
+)
 
 __all__ = ["Versions", "Published", "DBAPI_HEAD_ROWS"]
 
@@ -150,8 +161,9 @@ def _pg_publish(conn: Connection, cid: int, version: int, puts: Sequence[NewTens
         values = []
         for k, (sid, node, tier, nbytes) in enumerate(segs):
             params.update({f"s{k}": sid, f"sn{k}": node, f"st{k}": tier, f"sb{k}": nbytes})
-            values.append(f"(%(s{k})s, %(sn{k})s, %(st{k})s, %(sb{k})s, %(created)s)")
-        parts.append("s AS (INSERT INTO segments (id, node, tier, nbytes, created_at) VALUES "
+            values.append(f"(%(s{k})s, %(sn{k})s, %(st{k})s, %(sb{k})s, %(created)s, %(c)s)")
+        parts.append("s AS (INSERT INTO segments (id, node, tier, nbytes, created_at, "
+                     "collection_id) VALUES "
                      + ", ".join(values) + ")")
     if puts:
         parts.append(f"r AS ({_PG_INSERT_ROWS})")
@@ -163,6 +175,13 @@ def _pg_publish(conn: Connection, cid: int, version: int, puts: Sequence[NewTens
         "%(written_nbytes)s, %(meta)s, %(txn_id)s))")
     conn.exec_driver_sql("WITH " + ", ".join(parts)
                          + " UPDATE collections SET head = %(v)s WHERE id = %(c)s", params)
+
+
+def _claimed_bytes(conn: Connection, ids: Sequence[str]) -> int:
+    """The bytes of segments ``ids``, registered before the commit that stores them."""
+    got = conn.execute(select(func.coalesce(func.sum(segments.c.nbytes), 0))
+                       .where(segments.c.id.in_(ids))).scalar()
+    return int(got or 0)
 
 
 def _unnest_params(cid: int, version: int, puts: Sequence[NewTensor]) -> dict[str, Any]:
@@ -178,8 +197,8 @@ def _unnest_params(cid: int, version: int, puts: Sequence[NewTensor]) -> dict[st
 # microseconds. The statements are the same on every backend; PostgreSQL runs the
 # segments, commit and head ones inside ``_pg_publish`` instead.
 _SQL_SEGMENT = text(
-    "INSERT INTO segments (id, node, tier, nbytes, created_at) "
-    "VALUES (:id, :node, :tier, :nbytes, :created)"
+    "INSERT INTO segments (id, node, tier, nbytes, created_at, collection_id) "
+    "VALUES (:id, :node, :tier, :nbytes, :created, :cid)"
 ).bindparams(bindparam("created", type_=UTCDateTime()))
 _SQL_SOURCE = text(
     "INSERT INTO segment_sources (segment_id, path, nbytes, mtime_ns, inode, dev, created_at) "
@@ -503,11 +522,14 @@ class Versions:
                    segment: tuple[str, str, int] | None, message: str | None,
                    meta: dict[str, str] | None, txn_id: str,
                    more_segments: Sequence[NewSegment] = (),
-                   shards: Sequence[NewShard] = ()) -> Published:
+                   shards: Sequence[NewShard] = (),
+                   claimed: Sequence[str] = ()) -> Published:
         """The statements of a commit, in the caller's write transaction ``conn`` (a
         group commit runs them in the transaction of its last part); ``shards``: the
-        shards of the sharded rows of ``puts``. ``after_publish`` runs once it has
-        committed."""
+        shards of the sharded rows of ``puts``; ``claimed``: segments registered before
+        (a group's parts) that this commit stores, made the collection's here.
+        ``after_publish`` runs once it has committed. StoreFull naming a quota when the
+        commit's segments would take a tenant past it (``_quotas``)."""
         created = now_utc()
         pg = self.engine.dialect.name == "postgresql"
         locked = _lock_head(conn, name)
@@ -531,6 +553,14 @@ class Versions:
         segs = [(sid, self.node, tier, snb) for sid, tier, snb in ([segment] if segment
                                                                     else [])]
         segs += [(seg.id, self.node, seg.tier, seg.nbytes) for seg in more_segments]
+        stored = sum(snb for *_, snb in segs)
+        if claimed:
+            stored += _claimed_bytes(conn, claimed)
+        if stored:
+            check_quotas(conn, name, stored)
+        if claimed:
+            conn.execute(update(segments).where(segments.c.id.in_(claimed))
+                         .values(collection_id=info.id))
         written_bytes = sum(p.nbytes for p in puts)
         result = Commit(
             collection=name, version=version, created_at=created, message=message,
@@ -549,7 +579,8 @@ class Versions:
         else:
             for sid, node, tier, snb in segs:
                 conn.execute(_SQL_SEGMENT, {"id": sid, "node": node, "tier": tier,
-                                            "nbytes": snb, "created": created})
+                                            "nbytes": snb, "created": created,
+                                            "cid": info.id})
             if puts:
                 _insert_rows(conn, info.id, version, puts)
             conn.execute(_SQL_COMMIT, {"cid": info.id, "v": version, "created": created,

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: the Alembic revision this code writes and reads
-HEAD_REVISION = "0010"
+HEAD_REVISION = "0011"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -148,6 +148,10 @@ segments = Table(
     Column("tier", String(16), nullable=False),
     Column("nbytes", BigInteger, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
+    # the collection whose commit stored it (NULL: stored before 0011 and pointed to by
+    # no row); no foreign key: a dropped collection's segments wait for gc
+    Column("collection_id", Integer, nullable=True),
+    Index("ix_segments_collection", "collection_id"),
 )
 
 tags = Table(
@@ -339,6 +343,15 @@ group_parts = Table(
 #: once, when the token is made, and kept nowhere), ``role`` one of read / write / admin,
 #: ``scope`` a glob over collection and KV namespace names; a revoked token keeps its row
 #: (``revoked_at`` set) so that listing shows it
+#: byte quotas per tenant: a scope glob over collection names (``*`` and ``?`` only)
+quotas = Table(
+    "quotas",
+    metadata,
+    Column("scope", String(255), primary_key=True),
+    Column("max_bytes", BigInteger, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
 access_tokens = Table(
     "access_tokens",
     metadata,

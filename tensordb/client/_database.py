@@ -28,7 +28,15 @@ from sqlalchemy.exc import DatabaseError, OperationalError
 
 import query
 import storage_engine as se
-from tensordb.catalog import Catalog, Commit, NodeDirectory, ensure_schema, make_engine
+from tensordb.catalog import (
+    Catalog,
+    Commit,
+    NodeDirectory,
+    Quota,
+    Quotas,
+    ensure_schema,
+    make_engine,
+)
 from tensordb.config import Config
 from tensordb.errors import CorruptData, InvalidInput, NodeUnavailable, StoreClosed, StoreFull
 
@@ -391,6 +399,25 @@ class Database:
         """The host's metrics as a ``prometheus_client`` collector (docs/operations.md):
         what ``tensordb metrics`` and the node server's metrics endpoint serve."""
         return HostCollector(self)
+
+    def set_quota(self, scope: str, max_bytes: int) -> None:
+        """Limit the bytes the collections whose names ``scope`` matches (a glob of ``*``
+        and ``?``, as a token's scope: a tenant) store together: a commit that would
+        pass it raises StoreFull naming the quota and changes nothing. Replaces the
+        scope's quota if it has one; what is stored already stays."""
+        self._check_open()
+        Quotas(self.catalog.engine).set(scope, max_bytes)
+
+    def drop_quota(self, scope: str) -> None:
+        """End the quota of ``scope`` (NotFound when it has none)."""
+        self._check_open()
+        Quotas(self.catalog.engine).drop(scope)
+
+    def quotas(self) -> list[Quota]:
+        """Every quota with the bytes its tenant's collections store now (the segments
+        their commits stored: a shared extent once, a replica not at all)."""
+        self._check_open()
+        return Quotas(self.catalog.engine).list()
 
     def kv_counters(self, namespace: str) -> tuple[dict[str, int], int] | None:
         """The shared counters of a KV namespace on this host (hits, misses, evictions,
