@@ -193,7 +193,10 @@ TABLES: dict[str, VTable] = {
             ("tier", s.tier, "segments.tier"),
             ("nbytes", s.nbytes, "segments.nbytes"),
             ("created_at", s.created_at, "segments.created_at"),
-        )),
+            ("collection", c.name, "collections.name of segments.collection_id (the "
+             "collection whose commit stored it)", ("collections",)),
+        ), (VJoin("collections", collections, collections.c.id == s.collection_id, True,
+                  "LEFT JOIN collections ON collections.id = segments.collection_id"),)),
     "nodes": VTable(
         "nodes", "one row per node of the cluster", nodes, _cols(
             ("name", nodes.c.name, "nodes.name"),

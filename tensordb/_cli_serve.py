@@ -231,6 +231,12 @@ def console_command(
         show_default=False)] = None,
     sample_interval: Annotated[float, typer.Option(
         min=0.05, help="Seconds between samples of the KV counters for the charts.")] = 5.0,
+    tls_cert: Annotated[Path | None, typer.Option(
+        "--tls-cert", metavar="PATH", help="Serve HTTPS only, with this certificate chain "
+        "(PEM).", show_default=False)] = None,
+    tls_key: Annotated[Path | None, typer.Option(
+        "--tls-key", metavar="PATH", help="The certificate's private key (PEM).",
+        show_default=False)] = None,
 ) -> None:
     """Serve the web console of this host's store: collections and their history, the
     tensors of a version, tiers, KV namespaces over time, nodes and replication,
@@ -241,6 +247,14 @@ def console_command(
     token given it makes one and prints a sign-in URL that carries it. Prints one JSON
     line (node, console_port, url) once it answers, then serves until SIGTERM or Ctrl-C.
     """
+    if (tls_cert is None) != (tls_key is None):
+        raise InvalidInput("TLS needs both --tls-cert and --tls-key")
+    tls = transport.ServerTLS.load(tls_cert, tls_key) \
+        if tls_cert is not None and tls_key is not None else None
+    if tls is None and not transport.is_loopback(host):
+        _console(stderr=True).print(f"warning: the console on {escape(host)} speaks clear "
+                                    f"text: its token and sessions cross the network "
+                                    f"unencrypted (give --tls-cert and --tls-key)")
     secret = transport.resolve_token(token, token_file)
     made = secret is None
     if made:
@@ -251,7 +265,8 @@ def console_command(
     db = connect(w.catalog, home=home or w.home, node=w.node, data_dir=w.data_dir)
     try:
         auth = transport.Authenticator(secret, TokenStore(db.catalog.engine))
-        console = serve_console(db, port, host, auth=auth, sample_interval=sample_interval)
+        console = serve_console(db, port, host, auth=auth, sample_interval=sample_interval,
+                                tls=tls.context() if tls else None)
         try:
             line = {"node": db.config.node, "console_port": console.port,
                     "url": console.url + (f"/login?token={secret}" if made else "/")}

@@ -7,6 +7,7 @@ The browser test is tests/test_console_browser.py."""
 from __future__ import annotations
 
 import hashlib
+import http.client
 import http.cookiejar
 import json
 import re
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from sqlalchemy import event
 
 import query
 import tensordb
@@ -108,7 +110,7 @@ def titles(html: str, table_id: str, cls: str) -> list[int]:
 
 
 # -- the pages -------------------------------------------------------------------------
-def test_collections_page_lists_heads_versions_and_bytes_written_against_shared(
+def test_collections_page_lists_heads_versions_and_bytes_stored_against_shared(
         console: ConsoleServer, store: Store) -> None:
     db, _ = store
     status, html, _ = fetch(console, "/collections")
@@ -116,13 +118,17 @@ def test_collections_page_lists_heads_versions_and_bytes_written_against_shared(
     rows = {r[0]: r for r in cells(html, "collections")}
     assert set(rows) == {"team-a/llama", "team-b/secret"}
     assert rows["team-a/llama"][1:3] == ["3", "4"] and rows["team-a/llama"][4] == "3"
-    assert rows["team-a/llama"][7] == "ckpt-300@3"
+    assert rows["team-a/llama"][8] == "ckpt-300@3"
     one = 64 * 64 * 4
-    # v1 wrote 4 tensors, v2 and v3 one each; the rest of each is shared
-    assert titles(html, "collections", "written") == [6 * one, 10 * 8]
-    assert titles(html, "collections", "shared") == [6 * one, 0]
-    hist = db.history("team-a/llama")
-    assert sum(c.written_nbytes for c in hist) == 6 * one
+    # three versions of 4 tensors; v1 stored 4 extents, v2 and v3 one each
+    assert titles(html, "collections", "logical") == [12 * one, 10 * 8]
+    small = db.query("SELECT sum(nbytes) AS n FROM extents WHERE collection = 'team-b/secret'"
+                     ).column("n")[0].as_py()
+    assert small >= 10 * 8  # one segment, aligned: what the store holds for it
+    assert titles(html, "collections", "stored") == [6 * one, small]
+    assert titles(html, "collections", "saved") == [6 * one, 0]
+    assert [q.used_bytes for q in (db.set_quota("team-a/*", 1 << 30), db.quotas())[1]] \
+        == [6 * one]  # the figure quotas count
 
 
 def test_collection_page_is_its_history_with_tags_and_the_chart_data(
@@ -427,6 +433,126 @@ def test_the_vendored_chart_library_is_the_one_named(tmp_path: Path) -> None:
     assert (STATIC / "chart.umd.min.js").read_text().startswith("/*!\n * Chart.js v4.6.1")
 
 
+def test_a_console_without_tokens_answers_only_its_own_names(sqlite_db: tensordb.Database
+                                                              ) -> None:
+    """DNS rebinding: another site's name pointed at 127.0.0.1 reaches nothing."""
+    c = serve_console(sqlite_db, 0)
+    try:
+        for host, code in (("evil.example", 400), ("localhost", 200), ("127.0.0.1", 200)):
+            conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+            conn.request("GET", "/collections", headers={"Host": f"{host}:{c.port}"})
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            assert r.status == code, host
+    finally:
+        c.close()
+
+
+def test_two_authorization_headers_open_nothing(console: ConsoleServer) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", console.port, timeout=30)
+    conn.putrequest("GET", "/collections")
+    conn.putheader("Authorization", f"Bearer {NODE_TOKEN}")
+    conn.putheader("Authorization", f"Bearer {NODE_TOKEN}")
+    conn.endheaders()
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    assert r.status == 303 and r.headers["location"].startswith("/login")
+
+
+def test_the_query_box_reads_one_row_past_what_it_shows(sqlite_db: tensordb.Database
+                                                        ) -> None:
+    from tensordb.console._data import QUERY_ROWS
+
+    sqlite_db.commit("many", {f"t{i:05d}": torch.ones(1) for i in range(QUERY_ROWS + 50)})
+    seen: list[tuple[str, Any]] = []
+
+    def spy(conn: Any, cursor: Any, statement: str, params: Any, *a: Any) -> None:
+        seen.append((statement, params))
+
+    event.listen(sqlite_db.catalog.engine, "before_cursor_execute", spy)
+    c = serve_console(sqlite_db, 0)
+    try:
+        q = urllib.parse.quote("SELECT name FROM tensors ORDER BY name")
+        status, html, _ = fetch(c, f"/query?q={q}", None)
+        assert status == 200 and len(cells(html, "result")) == QUERY_ROWS
+        assert f"more than {QUERY_ROWS} rows" in html
+        selects = [(s, p) for s, p in seen if "FROM tensors" in s]
+        assert selects and all("LIMIT" in s for s, _ in selects)
+        assert QUERY_ROWS + 1 in tuple(selects[-1][1])
+        # a smaller LIMIT of the statement's own is kept
+        status, html, _ = fetch(c, "/query?q=" + urllib.parse.quote(
+            "SELECT name FROM tensors ORDER BY name LIMIT 3"), None)
+        assert len(cells(html, "result")) == 3 and "3 rows" in html
+    finally:
+        c.close()
+        event.remove(sqlite_db.catalog.engine, "before_cursor_execute", spy)
+
+
+def test_paging_past_a_versions_last_tensor_is_not_found(console: ConsoleServer) -> None:
+    assert fetch(console, "/version?name=team-a%2Fllama&v=1&offset=4")[0] == 404
+    assert fetch(console, "/version?name=team-a%2Fllama&v=1&offset=1000")[0] == 404
+    assert fetch(console, "/version?name=team-a%2Fllama&v=1&offset=3")[0] == 200
+
+
+def test_a_damaged_kv_namespace_is_shown_damaged_and_the_rest_still_served(
+        console: ConsoleServer, store: Store) -> None:
+    db, _ = store
+    kv = db.kv("team-a/broken", block_tokens=16, capacity_bytes=8 << 20)
+    kv.put(kv.keys(list(range(16))), [torch.ones(8)])
+    kv.close()
+    shm = Path(db.config.shm_dir) / "kv"
+    before = {p.parent for p in shm.glob("*/index.kvx")}
+    c, _ = db.kv_counters("team-a/kv") or ({}, 0)
+    index = next(p for p in shm.glob("*/index.kvx") if "broken" in p.parent.name)
+    with open(index, "r+b") as f:
+        f.truncate(16)
+    with pytest.raises(tensordb.errors.CorruptData):
+        db.kv_counters("team-a/broken")
+    status, html, _ = fetch(console, "/kv")
+    assert status == 200
+    broken = re.search(r'data-namespace="team-a/broken">(.*?)</section>', html, re.S)
+    assert broken and 'class="error damaged"' in broken.group(1)
+    ok = re.search(r'data-namespace="team-a/kv">(.*?)</section>', html, re.S)
+    assert ok and f'<td class="hits">{c["hits"]}</td>' in ok.group(1)
+    console.series.sample()  # the sampler skips it and samples the rest
+    assert len(console.series.series("team-a/kv")["t"]) >= 2
+    assert {p.parent for p in shm.glob("*/index.kvx")} == before
+
+
+def test_a_console_over_tls_speaks_https_only_with_a_secure_cookie(
+        store: Store, tmp_path: Path) -> None:
+    trustme = pytest.importorskip("trustme")
+    import ssl
+
+    db, _ = store
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.private_key_pem.write_to_path(str(key_path))
+    with open(cert_path, "wb") as f:
+        for blob in cert.cert_chain_pems:
+            f.write(blob.bytes())
+    tls = transport.ServerTLS.load(cert_path, key_path)
+    auth = transport.Authenticator(NODE_TOKEN, TokenStore(db.catalog.engine))
+    c = serve_console(db, 0, auth=auth, tls=tls.context())
+    try:
+        assert c.url.startswith("https://")
+        trusting = ssl.create_default_context()
+        ca.configure_trust(trusting)
+        op = urllib.request.build_opener(urllib.request.HTTPSHandler(context=trusting),
+                                         _NoRedirect)
+        status, _, headers = fetch(c, f"/login?token={NODE_TOKEN}", None, op)
+        assert status == 303 and "Secure" in headers["set-cookie"]
+        assert fetch(c, "/collections", NODE_TOKEN, op)[0] == 200
+        # clear text is refused: the handshake is all the port speaks
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(c.url.replace("https", "http") + "/login", timeout=10)
+    finally:
+        c.close()
+
+
 # -- the CLI ---------------------------------------------------------------------------
 def _serve(args: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     p = subprocess.Popen([sys.executable, "-m", "tensordb.cli", *args],
@@ -483,7 +609,7 @@ def test_tensordb_serve_serves_the_console_behind_the_node_token(home: Path) -> 
         with urllib.request.urlopen(req, timeout=30) as r:
             html = r.read().decode()
         rows = {row[0]: row for row in cells(html, "nodes")}
-        assert rows[line["node"]][2] == "live" or rows[line["node"]][2]
+        assert rows[line["node"]][2] == "up"
         anon = urllib.request.build_opener(_NoRedirect)
         with pytest.raises(urllib.error.HTTPError) as e:
             anon.open(f"http://127.0.0.1:{port}/collections", timeout=30)

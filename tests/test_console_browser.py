@@ -114,7 +114,7 @@ def test_every_page_in_a_browser(console: tuple[ConsoleServer, dict[str, Any]],
             rows = page.locator("#collections tbody tr")
             assert rows.count() == 2
             llama = page.locator("#collections tr[data-name='team-a/llama'] td")
-            assert llama.nth(1).inner_text() == "3" and llama.nth(7).inner_text() == "ckpt-300@3"
+            assert llama.nth(1).inner_text() == "3" and llama.nth(8).inner_text() == "ckpt-300@3"
             page.screenshot(path=shots / "console-collections.png", full_page=True)
 
             page.click("text=team-a/llama")

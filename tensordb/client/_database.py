@@ -422,8 +422,9 @@ class Database:
     def kv_counters(self, namespace: str) -> tuple[dict[str, int], int] | None:
         """The shared counters of a KV namespace on this host (hits, misses, evictions,
         spills, corrupt; blocks and bytes per medium; arena bytes) and its capacity;
-        None where it has no store on this host. Opens nothing for writing and creates
-        nothing: for the metrics and the console."""
+        None where it has no store on this host; CorruptData where its files are
+        damaged. Opens nothing for writing and creates nothing: for the metrics and the
+        console."""
         self._check_open()
         return kv_counters(self.config, namespace)
 

@@ -333,16 +333,17 @@ def kv_counters(config: Config, name: str) -> tuple[dict[str, int], int] | None:
     """The shared counters of namespace ``name`` on this host and its capacity, for
     the metrics (this process's handle where it has one open; else one opened for the
     read and closed); None where the namespace has no store on this host. Creates
-    nothing."""
+    nothing. CorruptData where its files are damaged."""
     root = Path(config.shm_dir) / "kv" / _dir_name(name)
     if not (root / "index.kvx").is_file():
         return None
-    store = _open_store(root, capacity_bytes=1,  # an existing store's settings win
-                        disk_root=Path(config.data_dir) / "kv" / _dir_name(name))
-    try:
-        return store.index_stats(), store.capacity
-    finally:
-        _close_store(store)
+    with typed_errors(name, config.node):  # damaged files: CorruptData naming them
+        store = _open_store(root, capacity_bytes=1,  # an existing store's settings win
+                            disk_root=Path(config.data_dir) / "kv" / _dir_name(name))
+        try:
+            return store.index_stats(), store.capacity
+        finally:
+            _close_store(store)
 
 
 def _env_int(name: str) -> int | None:

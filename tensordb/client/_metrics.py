@@ -31,6 +31,7 @@ from sqlalchemy import func, select
 
 import storage_engine as se
 from tensordb.catalog.schema import kv_namespaces, policy_runs
+from tensordb.errors import CorruptData
 
 if TYPE_CHECKING:
     from ._database import Database
@@ -96,7 +97,11 @@ class HostCollector(Collector):
                                 "Host blocks' bytes over the arena's capacity",
                                 labels=["node", "namespace"])
         for name in names:
-            got = db.kv_counters(name)
+            try:
+                got = db.kv_counters(name)
+            except CorruptData as exc:  # the others are still exported
+                _log.warning("metrics: %s", exc)
+                continue
             if got is None:  # registered, never opened on this boot
                 continue
             c, capacity = got

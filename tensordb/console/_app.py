@@ -20,7 +20,8 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
@@ -28,6 +29,7 @@ from urllib.parse import quote, urlsplit
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -45,7 +47,10 @@ if TYPE_CHECKING:
     from tensordb.client import Database
     from transport import Authenticator
 
-__all__ = ["SESSION_COOKIE", "SESSION_TTL", "make_app"]
+__all__ = ["LOOPBACK_NAMES", "SESSION_COOKIE", "SESSION_TTL", "make_app"]
+
+#: the Host names a console without tokens answers (beside the address it is bound to)
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
 _HERE = Path(__file__).parent
 #: the cookie a signed-in browser carries: a random session id, never the token
@@ -165,7 +170,7 @@ class _Console:
         env.filters["bytes"] = lambda n: human_bytes(int(n or 0))
         env.filters["shape"] = lambda s: shape_text([int(x) for x in s.split(",")] if s else [])
         env.filters["pct"] = lambda x: "-" if x is None else f"{100 * x:.1f} %"
-        env.filters["when"] = lambda t: "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%S")
+        env.filters["when"] = _utc
         env.globals.update(pages=_PAGES, node=db.config.node, signed=auth is not None)
 
     def render(self, request: Request, template: str, current: str, status: int = 200,
@@ -243,6 +248,14 @@ class _Console:
         return response
 
 
+def _utc(t: datetime | None) -> str:
+    """A catalog time as UTC text (the catalog keeps UTC; a naive value is UTC too)."""
+    if t is None:
+        return "-"
+    t = t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def _arg(request: Request, key: str) -> str:
     value = request.query_params.get(key)
     if not value:
@@ -261,10 +274,11 @@ def _int_arg(request: Request, key: str, default: int | None = None) -> int:
 
 
 def make_app(db: Database, auth: Authenticator | None, series: KVSeries, *,
-             secure: bool = False) -> Starlette:
+             secure: bool = False, hosts: Sequence[str] = ()) -> Starlette:
     """The console of ``db``: pages and charts behind ``auth`` (None: no sign-in, a
-    console on loopback beside a node without a token). ``secure``: served over TLS
-    (the session cookie is then Secure)."""
+    console on loopback beside a node without a token, which then answers only
+    requests addressed to a loopback name or one of ``hosts``). ``secure``: served over
+    TLS (the session cookie is then Secure)."""
     c = _Console(db, auth, series, secure)
     routes = [
         Route("/", lambda request: RedirectResponse("/collections", 303)),
@@ -287,5 +301,8 @@ def make_app(db: Database, auth: Authenticator | None, series: KVSeries, *,
         Route("/api/kv", c.kv_series),
         Mount("/static", StaticFiles(directory=str(_HERE / "static")), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_Guard, auth=auth,
-                                                           sessions=c.sessions)])
+    middleware = [Middleware(_Guard, auth=auth, sessions=c.sessions)]
+    if auth is None:  # open on loopback: no other site's name may reach it (DNS rebinding)
+        middleware.insert(0, Middleware(TrustedHostMiddleware,
+                                        allowed_hosts=[*LOOPBACK_NAMES, *hosts]))
+    return Starlette(routes=routes, middleware=middleware)

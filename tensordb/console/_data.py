@@ -15,13 +15,14 @@ loopback, beside a node that has none): it sees everything.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import query
 from tensordb.catalog import Grant
-from tensordb.errors import InvalidInput, NotFound
+from tensordb.errors import CorruptData, InvalidInput, NotFound
 
 if TYPE_CHECKING:
     from tensordb.client import Database
@@ -71,21 +72,23 @@ def _withheld(grant: Grant | None, what: str) -> str | None:
 
 
 def collections_page(db: Database, grant: Grant | None) -> Page:
-    """Every visible collection: head, tensors, bytes of the head, versions, tags, and
-    the bytes its retained versions wrote against the bytes they share."""
+    """Every visible collection: head, tensors, bytes of the head, versions, tags; the
+    bytes its segments store (what quotas count: a shared extent once, a segment whole
+    until gc frees it) against the bytes its retained versions hold, and what sharing
+    saved between the two."""
     cols = [r for r in _rows(db, "SELECT name, head, tensors, nbytes, versions, created_at "
                                  "FROM collections ORDER BY name") if visible(grant, r["name"])]
-    sums = {r["collection"]: r for r in _rows(
-        db, "SELECT collection, sum(nbytes) AS logical, sum(written_nbytes) AS written "
-            "FROM commits GROUP BY collection")}
+    logical = {r["collection"]: r["logical"] for r in _rows(
+        db, "SELECT collection, sum(nbytes) AS logical FROM commits GROUP BY collection")}
+    stored = {r["collection"]: r["stored"] for r in _rows(
+        db, "SELECT collection, sum(nbytes) AS stored FROM extents GROUP BY collection")}
     tags: dict[str, list[str]] = {}
     for r in _rows(db, "SELECT collection, tag, version FROM tags ORDER BY tag"):
         tags.setdefault(r["collection"], []).append(f"{r['tag']}@{r['version']}")
     for c in cols:
-        s = sums.get(c["name"], {})
-        c["written"] = int(s.get("written") or 0)
-        c["logical"] = int(s.get("logical") or 0)
-        c["shared"] = max(0, c["logical"] - c["written"])
+        c["stored"] = int(stored.get(c["name"]) or 0)
+        c["logical"] = int(logical.get(c["name"]) or 0)
+        c["saved"] = max(0, c["logical"] - c["stored"])
         c["tags"] = tags.get(c["name"], [])
     return Page({"collections": cols})
 
@@ -129,6 +132,9 @@ def version_page(db: Database, grant: Grant | None, name: str, version: int,
                      "WHERE collection = :c AND version = :v", params)
     if not head:
         raise NotFound(f"{name!r} has no version {version}", collection=name)
+    if offset and offset >= head[0]["tensors"]:
+        raise NotFound(f"{name!r} v{version} has {head[0]['tensors']} tensors: none from "
+                       f"{offset} on", collection=name)
     rows = _rows(db, f"SELECT name, dtype, shape, nbytes, checksum, tier, node "
                      f"FROM versions WHERE {where} ORDER BY name LIMIT {PAGE_ROWS} "
                      f"OFFSET {int(offset)}", params)
@@ -163,7 +169,11 @@ def kv_page(db: Database, grant: Grant | None) -> Page:
                        "WHERE node = :n ORDER BY name", {"n": db.config.node}):
         if not visible(grant, r["name"]):
             continue
-        got = db.kv_counters(r["name"])
+        try:
+            got = db.kv_counters(r["name"])
+        except CorruptData as exc:  # shown damaged; the other namespaces still shown
+            r["damaged"] = str(exc)
+            got = None
         if got is not None:
             c, capacity = got
             lookups = c["hits"] + c["misses"]
@@ -219,7 +229,8 @@ def policies_page(db: Database, grant: Grant | None) -> Page:
 
 def query_page(db: Database, grant: Grant | None, text: str) -> Page:
     """The result of one read statement of the query language (SELECT, EXPLAIN, SHOW
-    POLICIES), at most QUERY_ROWS rows. Any other statement is refused unrun
+    POLICIES), at most QUERY_ROWS rows (a SELECT asks the catalog for one more, to
+    tell whether there are more, and no further). Any other statement is refused unrun
     (InvalidInput naming it); a bad one is the parser's QueryError."""
     withheld = _withheld(grant, "query results")
     if withheld is not None:
@@ -230,8 +241,12 @@ def query_page(db: Database, grant: Grant | None, text: str) -> Page:
     if stmt.kind not in READ_STATEMENTS:
         raise InvalidInput(f"the console runs read statements only (SELECT, EXPLAIN, SHOW "
                            f"POLICIES), not {stmt.kind}: run it with 'tensordb query'")
+    if isinstance(stmt, query.Select) and (not isinstance(stmt.limit, int)
+                                           or stmt.limit > QUERY_ROWS):
+        # the catalog reads one row past what is shown, never the whole result
+        stmt = dataclasses.replace(stmt, limit=QUERY_ROWS + 1)
     result = query.execute(db, stmt)
     rows: Sequence[dict[str, Any]] = result.slice(0, QUERY_ROWS).to_pylist()
     return Page({"text": text, "columns": result.column_names, "rows": rows,
-                 "total": result.num_rows, "shown": len(rows)})
+                 "more": result.num_rows > QUERY_ROWS, "shown": len(rows)})
 

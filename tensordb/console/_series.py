@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tensordb.errors import InvalidInput
+from tensordb.errors import CorruptData, InvalidInput, StoreClosed
 
 if TYPE_CHECKING:
     from tensordb.client import Database
@@ -56,8 +56,13 @@ class KVSeries:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Take a sample now, then one every ``interval`` seconds until ``stop``."""
-        self.sample()
+        """Take a sample now, then one every ``interval`` seconds until ``stop``. A
+        first sample that fails (a catalog not answering) is logged, not raised: the
+        console starts, and its charts begin at the next sample."""
+        try:
+            self.sample()
+        except Exception as exc:  # noqa: BLE001 - the console serves without it
+            _log.warning("console: KV sample failed: %s", exc)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="tensordb-console-kv")
         self._thread.start()
@@ -72,6 +77,8 @@ class KVSeries:
         while not self._stop.wait(self.interval):
             try:
                 self.sample()
+            except StoreClosed:  # the store closed under the console: nothing to sample
+                return
             except Exception as exc:  # noqa: BLE001 - a missed sample, not a dead chart
                 _log.warning("console: KV sample failed: %s", exc)
 
@@ -82,8 +89,15 @@ class KVSeries:
         names = [r["name"] for r in db.query(
             "SELECT name FROM kv_namespaces WHERE node = :n", {"n": db.config.node}
         ).to_pylist()]
+        with self._lock:  # namespaces dropped since: their series go
+            for gone in set(self._samples) - set(names):
+                del self._samples[gone]
         for name in names:
-            got = db.kv_counters(name)
+            try:
+                got = db.kv_counters(name)
+            except CorruptData as exc:  # no point for it; the others are still sampled
+                _log.warning("console: %s", exc)
+                continue
             if got is None:
                 continue
             c, capacity = got

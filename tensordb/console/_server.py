@@ -68,7 +68,7 @@ def serve_console(db: Database, port: int = 0, host: str = "127.0.0.1", *,
     if not 0 <= port <= 65535:
         raise InvalidInput(f"the console's port must be 0-65535, not {port}")
     series = KVSeries(db, sample_interval)
-    app = make_app(db, auth, series, secure=tls is not None)
+    app = make_app(db, auth, series, secure=tls is not None, hosts=[host])
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

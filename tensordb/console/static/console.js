@@ -32,7 +32,8 @@
   document.querySelectorAll("canvas.kv-chart").forEach((c) => {
     (byName[c.dataset.namespace] = byName[c.dataset.namespace] || []).push(c);
   });
-  const timeLabel = (t) => new Date(t * 1000).toLocaleTimeString([], { hourCycle: "h23" });
+  // UTC, as the pages' times are
+  const timeLabel = (t) => new Date(t * 1000).toLocaleTimeString([], { hourCycle: "h23", timeZone: "UTC" });
   for (const [name, canvases] of Object.entries(byName)) {
     pending.push(fetch("/api/kv?name=" + encodeURIComponent(name), { credentials: "same-origin" })
       .then((r) => r.json())
@@ -47,7 +48,7 @@
               borderColor: kind === "hit_rate" ? "#2e8b57" : "#2f6fde", spanGaps: true,
               pointRadius: 2, tension: 0.2, fill: false }] },
             options: { animation: false, maintainAspectRatio: false,
-              scales: { x: { ticks: { maxTicksLimit: 8, maxRotation: 0 } },
+              scales: { x: { ticks: { maxTicksLimit: 8, maxRotation: 0 }, title: { display: true, text: "UTC" } },
                         y: { min: 0, max: 1, ticks: { callback: (v) => Math.round(v * 100) + " %" } } } },
           });
         }
