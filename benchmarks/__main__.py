@@ -171,6 +171,7 @@ PLAN: tuple[Bench, ...] = (
     Bench("transfer", "transfer",
           ("--gib", "0.25", "--fanout-mib", "64", "--targets", "2", "--reps", "2")),
     Bench("tls", "tls", ("--mib", "128", "--reps", "2")),
+    Bench("latency", "latency", ("--n", "100000", "--reps", "3")),
     Bench("engines_e2e", "engines_e2e", ("--prompts", "2", "--skip-process-restart"),
           venv=VLLM_VENV, why_not=no_vllm_forward, timeout=600),
 )

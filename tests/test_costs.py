@@ -483,3 +483,48 @@ def test_filling_a_kv_arena_maps_each_new_slab_once(tmp_path: Path) -> None:
     full, full_slabs = shared_maps(8)  # 512 MiB: every slab of the arena made
     assert (base_slabs, full_slabs) == (1, 8)
     assert 7 <= full - base <= 8
+
+
+_OBSERVE_CODE = """
+import json, sys
+from pathlib import Path
+import storage_engine as se
+FILE_EVENTS = {"open", "mmap.__new__", "os.listdir", "os.scandir", "os.replace",
+               "os.rename", "os.remove", "fcntl.flock", "os.truncate"}
+seen = []
+sys.addaudithook(lambda event, args: seen.append(event) if event in FILE_EVENTS else None)
+log = se.LatencyLog(Path(sys.argv[1]))
+out = {}
+for label, n in (("first", 1), ("next", 1), ("many", int(sys.argv[2]))):
+    seen.clear()
+    for _ in range(n):
+        log.observe("commit", 0.003)
+    out[label] = sorted(seen)
+log.release()
+seen.clear()
+log.observe("read", 0.001)
+out["after_release"] = sorted(seen)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("n", [100, 10_000])
+def test_a_latency_observation_touches_no_file_after_the_first(tmp_path: Path, n: int
+                                                               ) -> None:
+    """The hot path of every commit, read and pull (storage_engine.LatencyLog.observe):
+    after a process's first observation maps its file, an observation is a lock and
+    three stores into that mapping, with no open, map, scan, rename or lock of a file,
+    at 100 observations or 10,000 (audit events of the interpreter, counted in a child
+    process). The first maps one file; one after ``release`` maps it again."""
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "metrics"
+    root.mkdir()
+    out = subprocess.run([sys.executable, "-c", _OBSERVE_CODE, str(root), str(n)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    assert got["first"].count("mmap.__new__") == 1 and "fcntl.flock" in got["first"]
+    assert got["next"] == [] and got["many"] == []
+    assert got["after_release"].count("mmap.__new__") == 1
