@@ -183,6 +183,12 @@ def test_tiers_page_shows_each_node_and_tier(console: ConsoleServer,
     assert f'title="{st["host_bytes"]} bytes"' in html
     per = cells(html, "collection-tiers")
     assert {r[0] for r in per} == {"team-a/llama", "team-b/secret"}
+    assert 'id="no-quotas"' in html
+    db.set_quota("team-a/*", 1 << 20)
+    _, html, _ = fetch(console, "/tiers")
+    quota = cells(html, "quotas")
+    assert quota[0][0] == "team-a/*" and quota[0][1] == "1.0 MiB"
+    assert f'class="n stored" title="{db.quotas()[0].used_bytes} bytes"' in html
 
 
 def test_kv_page_shows_the_shared_counters(console: ConsoleServer,

@@ -143,8 +143,9 @@ def version_page(db: Database, grant: Grant | None, name: str, version: int,
 
 
 def tiers_page(db: Database, grant: Grant | None) -> Page:
-    """Bytes and extents per node and tier; this host's tiers and pools (node-wide);
-    and each visible collection's head bytes per node and tier."""
+    """Bytes and extents per node and tier, this host's tiers and pools, the tenants'
+    quotas and what each stores (node-wide); and each visible collection's head bytes
+    per node and tier."""
     per_collection = [r for r in _rows(
         db, "SELECT collection, node, tier, count(*) AS tensors, sum(nbytes) AS nbytes "
             "FROM tensors GROUP BY collection, node, tier ORDER BY collection, node, tier")
@@ -158,6 +159,7 @@ def tiers_page(db: Database, grant: Grant | None) -> Page:
         st = db.stats()
         values["local"] = [{"tier": t, "nbytes": st[f"{t}_bytes"],
                             "pool": st[f"{t}_pool_bytes"]} for t in ("host", "disk")]
+        values["quotas"] = db.quotas()
     return Page(values, withheld)
 
 
