@@ -528,3 +528,33 @@ def test_a_latency_observation_touches_no_file_after_the_first(tmp_path: Path, n
     assert got["first"].count("mmap.__new__") == 1 and "fcntl.flock" in got["first"]
     assert got["next"] == [] and got["many"] == []
     assert got["after_release"].count("mmap.__new__") == 1
+
+
+def test_a_scoped_segment_check_costs_its_segments_not_their_tensors(
+        sized: tensordb.Database) -> None:
+    """What a node asks the catalog before it serves a scoped token segment bytes
+    (``NodeDirectory.segment_collections``): one statement over the segments asked, the
+    same for a segment of SMALL tensors as for one of BIG, never a walk of the rows that
+    point into it."""
+    from tensordb.catalog import NodeDirectory
+
+    directory = NodeDirectory(sized.catalog.engine)
+
+    def check(db: tensordb.Database, n: int) -> None:
+        ids = [r["segment"] for r in db.query(
+            "SELECT segment FROM extents WHERE collection = :c", {"c": f"c{n}"}).to_pylist()]
+        assert ids
+        with cost_of(db) as c:
+            got = directory.segment_collections(ids[:1])
+        assert got == {ids[0]: {f"c{n}"}}
+        costs.append(c)
+
+    costs: list[Cost] = []
+    for n in (SMALL, BIG):
+        check(sized, n)
+    small, big = costs
+    for c in (small, big):
+        assert [q for q in c.statements if q.startswith("SELECT")] == [
+            "SELECT segments.id, collections.name FROM segments JOIN collections ON "
+            "collections.id = segments.collection_id WHERE segments.id IN (?)"]
+    assert_flat(small, big)

@@ -288,17 +288,30 @@ class NodeDirectory:
         """The collections whose tensor rows (or shards) point into each segment: what a
         scoped token's request for segment bytes is checked against. A segment no row
         points at (an orphan, or one a commit has not published yet) maps to an empty
-        set. Two statements, each served by its segment index."""
+        set.
+
+        A commit dedupes against its own collection's head only, so a segment's rows are
+        those of the collection that stored it (``segments.collection_id``): one
+        statement over the segments asked, whatever the tensors in them. Only a segment
+        that names no live collection (stored before migration 0011 with no row, or a
+        group part not yet published) is looked up through the rows that point into it
+        (two statements more, each served by its segment index)."""
         out: dict[str, set[str]] = {s: set() for s in segment_ids}
         if not out:
             return out
         ids = list(out)
         with self.engine.connect() as conn:
-            for table in (tensors, tensor_shards):
+            for sid, name in conn.execute(
+                    select(segments.c.id, collections.c.name)
+                    .join(collections, collections.c.id == segments.c.collection_id)
+                    .where(segments.c.id.in_(ids))):
+                out[sid].add(name)
+            rest = [s for s in ids if not out[s]]
+            for table in (tensors, tensor_shards) if rest else ():
                 rows = conn.execute(
                     select(table.c.segment_id, collections.c.name).distinct()
                     .join(collections, collections.c.id == table.c.collection_id)
-                    .where(table.c.segment_id.in_(ids))).all()
+                    .where(table.c.segment_id.in_(rest))).all()
                 for sid, name in rows:
                     out[sid].add(name)
         return out
