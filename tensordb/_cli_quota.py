@@ -1,6 +1,7 @@
 """``tensordb quota``: byte quotas per tenant (a scope glob over collection names).
 
-``set GLOB SIZE`` gives a tenant a quota (``10GiB``, ``500MB`` or bytes), ``list``
+``set GLOB SIZE`` gives a tenant a quota (``10GiB``, ``500MiB`` or bytes; binary
+units, so ``500MB`` is read as 500 MiB), ``list``
 shows each with what its collections store now, ``drop GLOB`` ends one. A commit that
 would take a tenant past its quota is StoreFull naming it (docs/operations.md,
 "Quotas"). Part of the CLI application layer: registered on ``tensordb.cli.app`` when
@@ -34,14 +35,14 @@ def _size(text: str) -> int:
     try:
         return int(humanfriendly.parse_size(text, binary=True))
     except humanfriendly.InvalidSize:
-        raise InvalidInput(f"a quota is a size (10GiB, 500MB, or bytes), not {text!r}"
+        raise InvalidInput(f"a quota is a size (10GiB, 500MiB, or bytes), not {text!r}"
                            ) from None
 
 
 @quota_app.command("set")
 def quota_set_command(ctx: typer.Context, scope: _Scope, size: Annotated[str, typer.Argument(
-        metavar="SIZE", help="The most its collections may store together (10GiB, "
-        "500MB, or bytes).")]) -> None:
+        metavar="SIZE", help="The most its collections may store together: 10GiB, "
+        "500MiB, or bytes (binary: 500MB is read as 500MiB).")]) -> None:
     """Give a tenant a quota (replacing the one it has)."""
     max_bytes = _size(size)
     with _open(ctx) as db:

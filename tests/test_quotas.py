@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import wait_for
 from sqlalchemy import event
 
 import tensordb
@@ -128,6 +129,52 @@ def test_a_group_commit_counts_its_parts(db: tensordb.Database) -> None:
     assert used(db, "g*") == 4 * ONE
 
 
+def test_a_groups_parts_count_as_they_land_not_only_when_it_publishes(
+        db: tensordb.Database) -> None:
+    db.set_quota("g*", 4 * ONE)
+    w = torch.arange(64 * 64 * 3, dtype=torch.float32).reshape(192, 64)  # 3 parts of ONE
+    out: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        try:
+            with db.transaction("g", group="slow", rank=r, world_size=3) as tx:
+                tx.put_shard("w", w.narrow(0, 64 * r, 64), global_shape=w.shape,
+                             offsets=[64 * r, 0])
+            out[r] = tx.result
+        except Exception as exc:  # noqa: BLE001 - each rank's outcome is checked
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: used(db, "g*") == 2 * ONE, what="two parts counted while pending")
+    before = state(db)[0]
+    with pytest.raises(StoreFull, match=r"quota 'g\*'"):  # 2 pending + 3 > 4
+        db.commit("g-other", layers({0: 1, 1: 2, 2: 3}))
+    assert state(db)[0] == before
+    last = threading.Thread(target=rank, args=(2,))
+    last.start()
+    for t in [*threads, last]:
+        t.join(60)
+    assert all(isinstance(v, tensordb.Commit) for v in out.values()), out
+    assert used(db, "g*") == 3 * ONE  # counted once, as the group's now
+
+
+def test_a_dropped_collections_bytes_go_to_no_one(db: tensordb.Database) -> None:
+    from tensordb.catalog import NodeDirectory
+
+    db.commit("team-a/x", layers({0: 1, 1: 2, 2: 3, 3: 4}))
+    sid = db.query("SELECT segment FROM extents WHERE collection = 'team-a/x'"
+                   ).column("segment")[0].as_py()
+    db.drop("team-a/x")
+    db.set_quota("team-b/*", 3 * ONE)
+    # SQLite gives the next collection the dropped one's id: it is charged nothing
+    db.commit("team-b/y", layers({0: 5}))
+    assert used(db, "team-b/*") == ONE
+    # and a scoped token for it is given nothing of the dropped collection's segment
+    assert NodeDirectory(db.catalog.engine).segment_collections([sid]) == {sid: set()}
+
+
 def test_two_tenants_committing_at_once_keep_their_quotas_and_lose_nothing(
         db: tensordb.Database) -> None:
     cap = 6 * ONE
@@ -207,7 +254,7 @@ def test_a_quota_that_covers_nothing_costs_a_commit_one_statement(
     assert len(many) == len(none) and sum("quotas" in q for q in many) == 1
     db.set_quota("m*", 1 << 30)
     covered = commit_cost("m", 3.0)
-    assert len(covered) == len(none) + 1  # the covering quota's sum of its tenant's bytes
+    assert len(covered) == len(none) + 2  # the covering quota's sums: stored, pending
     event.remove(db.catalog.engine, "before_cursor_execute", count)
 
 

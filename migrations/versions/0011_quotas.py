@@ -32,7 +32,7 @@ def upgrade() -> None:
     )
     with op.batch_alter_table("segments") as batch:
         batch.add_column(sa.Column("collection_id", sa.Integer, nullable=True))
-        batch.create_index("ix_segments_collection", ["collection_id"])
+        batch.create_index("ix_segments_collection", ["collection_id", "nbytes"])
     op.execute("UPDATE segments SET collection_id = (SELECT min(t.collection_id) FROM tensors t "
                "WHERE t.segment_id = segments.id)")
     op.execute("UPDATE segments SET collection_id = (SELECT min(s.collection_id) FROM "

@@ -32,6 +32,7 @@ import storage_engine as se
 
 from ..errors import GroupAborted, InvalidInput, StoreFull, TensorDBError
 from ._common import Commit, NewShard, NewTensor, collection_info, insert_ignore, now_utc
+from ._quotas import check_quotas
 from ._retry import RETRY_SECONDS, retry_call, retrying
 from ._sql import write_conn
 from ._versions import Versions
@@ -345,6 +346,9 @@ class Groups:
             else:
                 now = now_utc()
                 if segment is not None:
+                    # a part's bytes count to its tenant as it lands (pending until the
+                    # group publishes), not only once the last part comes
+                    check_quotas(conn, collection, segment[2])
                     conn.execute(segments.insert().values(
                         id=segment[0], node=self.node, tier=segment[1], nbytes=segment[2],
                         created_at=now))

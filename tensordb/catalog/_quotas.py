@@ -5,7 +5,8 @@ A collection's stored bytes are the bytes of the segments its commits stored
 (``segments.collection_id``): an extent that several versions share lies in one segment
 and counts once, to the collection that stored it; a replica on another node is the
 same bytes and counts not at all; a version dropped and collected stops counting when
-gc frees its segments. ``check`` runs inside a commit's write transaction, after its
+gc frees its segments; a dropped collection at once. A group commit's parts count to
+its tenant as each lands (checked then), before the group publishes. ``check`` runs inside a commit's write transaction, after its
 head is locked: a commit that would take a tenant past a quota it falls under raises
 ``StoreFull`` naming the quota, and the transaction (the whole commit) is rolled back.
 On PostgreSQL the matching quota rows are locked (in scope order) for the rest of the
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, literal, select
+from sqlalchemy import Connection, Engine, and_, delete, func, literal, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -31,7 +33,7 @@ from tensordb.errors import InvalidInput, NotFound, StoreFull
 from ._common import now_utc
 from ._sql import write_conn
 from ._tokens import check_scope
-from .schema import collections, quotas, segments
+from .schema import collections, commit_groups, group_parts, quotas, segments
 
 __all__ = ["Quota", "Quotas", "check_quotas"]
 
@@ -52,9 +54,8 @@ def _check_quota_scope(scope: object) -> str:
     return scope
 
 
-def _pattern(conn: Connection, scope: str) -> object:
-    """A condition on collections.name equal to ``fnmatchcase(name, scope)``."""
-    name = collections.c.name
+def _pattern(conn: Connection, scope: str, name: Any = collections.c.name) -> Any:
+    """A condition on a name column equal to ``fnmatchcase(name, scope)``."""
     if conn.dialect.name == "sqlite":
         return name.op("GLOB")(scope)
     escaped = scope.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
@@ -62,17 +63,32 @@ def _pattern(conn: Connection, scope: str) -> object:
 
 
 def _used(conn: Connection, scope: str) -> int:
-    got = conn.execute(
+    """The bytes the tenant's collections store, and the parts of its open group commits
+    that have landed and wait for their group to publish (an aborted group's parts are
+    gc's to free, and count no more)."""
+    total = 0
+    for q in (
         select(func.coalesce(func.sum(segments.c.nbytes), literal(0)))
         .select_from(segments.join(collections, collections.c.id == segments.c.collection_id))
-        .where(_pattern(conn, scope))).scalar()  # type: ignore[arg-type]
-    return int(got or 0)
+        .where(_pattern(conn, scope)),
+        select(func.coalesce(func.sum(segments.c.nbytes), literal(0)))
+        .select_from(segments.join(group_parts, group_parts.c.segment_id == segments.c.id)
+                     .join(commit_groups, and_(
+                         commit_groups.c.collection == group_parts.c.collection,
+                         commit_groups.c.name == group_parts.c.group_name)))
+        .where(segments.c.collection_id.is_(None), commit_groups.c.state == "open",
+               _pattern(conn, scope, group_parts.c.collection)),
+    ):
+        total += int(conn.execute(q).scalar() or 0)
+    return total
 
 
 def check_quotas(conn: Connection, collection: str, adding: int) -> None:
     """Raise StoreFull, in a commit's write transaction ``conn``, when storing ``adding``
     more bytes for ``collection`` takes a tenant it falls under past its quota. One
-    statement when no quota covers the collection; two more per quota that does."""
+    statement (reading every quota row) when none covers the collection; three more
+    per quota that does (its lock on PostgreSQL, the sums of its stored and pending
+    bytes, by index: O(the tenant's segments))."""
     rows = conn.execute(select(quotas.c.scope, quotas.c.max_bytes)
                         .order_by(quotas.c.scope)).all()
     for scope, cap in rows:

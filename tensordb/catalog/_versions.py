@@ -22,7 +22,6 @@ from sqlalchemy import (
     Select,
     bindparam,
     delete,
-    func,
     or_,
     select,
     text,
@@ -175,13 +174,6 @@ def _pg_publish(conn: Connection, cid: int, version: int, puts: Sequence[NewTens
         "%(written_nbytes)s, %(meta)s, %(txn_id)s))")
     conn.exec_driver_sql("WITH " + ", ".join(parts)
                          + " UPDATE collections SET head = %(v)s WHERE id = %(c)s", params)
-
-
-def _claimed_bytes(conn: Connection, ids: Sequence[str]) -> int:
-    """The bytes of segments ``ids``, registered before the commit that stores them."""
-    got = conn.execute(select(func.coalesce(func.sum(segments.c.nbytes), 0))
-                       .where(segments.c.id.in_(ids))).scalar()
-    return int(got or 0)
 
 
 def _unnest_params(cid: int, version: int, puts: Sequence[NewTensor]) -> dict[str, Any]:
@@ -390,6 +382,11 @@ class Versions:
                 raise NotFound(f"no collection {name!r}", collection=name)
             for table in (tensors, commits, tags, leases):
                 conn.execute(delete(table).where(table.c.collection_id == info.id))
+            # its segments wait for gc, stored by no collection: a later collection
+            # that gets the same id (SQLite reuses them) is neither charged for them by
+            # quotas nor given them by a scoped token's segment check
+            conn.execute(update(segments).where(segments.c.collection_id == info.id)
+                         .values(collection_id=None))
             conn.execute(delete(collections).where(collections.c.id == info.id))
 
     # -- versions --------------------------------------------------------------------
@@ -527,7 +524,8 @@ class Versions:
         """The statements of a commit, in the caller's write transaction ``conn`` (a
         group commit runs them in the transaction of its last part); ``shards``: the
         shards of the sharded rows of ``puts``; ``claimed``: segments registered before
-        (a group's parts) that this commit stores, made the collection's here.
+        (a group's parts, checked against the quotas as each landed) that this commit
+        stores, made the collection's here.
         ``after_publish`` runs once it has committed. StoreFull naming a quota when the
         commit's segments would take a tenant past it (``_quotas``)."""
         created = now_utc()
@@ -553,9 +551,8 @@ class Versions:
         segs = [(sid, self.node, tier, snb) for sid, tier, snb in ([segment] if segment
                                                                     else [])]
         segs += [(seg.id, self.node, seg.tier, seg.nbytes) for seg in more_segments]
+        # a group's parts (``claimed``) were checked and counted as they landed
         stored = sum(snb for *_, snb in segs)
-        if claimed:
-            stored += _claimed_bytes(conn, claimed)
         if stored:
             check_quotas(conn, name, stored)
         if claimed:

@@ -151,7 +151,7 @@ segments = Table(
     # the collection whose commit stored it (NULL: stored before 0011 and pointed to by
     # no row); no foreign key: a dropped collection's segments wait for gc
     Column("collection_id", Integer, nullable=True),
-    Index("ix_segments_collection", "collection_id"),
+    Index("ix_segments_collection", "collection_id", "nbytes"),  # the sums read it alone
 )
 
 tags = Table(
