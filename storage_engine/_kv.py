@@ -10,7 +10,8 @@ table's seqlock), flat however many blocks the store holds.
 Layout under ``root``::
 
     index.kvx       the header: settings, counters, the lock, who reads what
-    table-<n>.kvx   the hash table and the block records (grown by doubling)
+    table-<n>.kvx   the hash table (grown by doubling, its buckets moved a few at a time)
+    records-<n>.kvx the block records (never moved: a growth extends the file)
     slabs/*.slab    the arena: pre-allocated with posix_fallocate, so a full tmpfs is an
                     error at slab creation, never a SIGBUS at first write
     index/          the GPU tier's LMDB index, when a process gives the store a GPU

@@ -3,7 +3,7 @@ and reads it is never killed, and every failure it sees is a ``tensordb.errors``
 
 The probe: a namespace of 500 blocks (some spilled to disk, some with metadata past
 their records, an event ring written) is closed; then, in a copy of its files, one file
-(the table, ``index.kvx``, the event ring or a slab) is damaged (64 random bytes at
+(the table or records file, ``index.kvx``, the event ring or a slab) is damaged (64 random bytes at
 random offsets, a truncation, or a 4 KiB run of 0xff), and a fresh child process opens
 the copy and runs match / contains / get / get_into / put / delete and reads the ring.
 The children come from a forkserver that imported tensordb only (no namespace open
@@ -153,7 +153,8 @@ def _damage(path: Path, kind: str, rng: random.Random) -> str:
 
 
 def _files(root: Path) -> dict[str, list[Path]]:
-    return {"table": sorted(root.glob("table-*.kvx")), "index": [root / "index.kvx"],
+    return {"table": sorted([*root.glob("table-*.kvx"), *root.glob("records-*.kvx")]),
+            "index": [root / "index.kvx"],
             "ring": [root / "events.kvx"], "slab": sorted((root / "slabs").glob("*.slab"))}
 
 

@@ -1,6 +1,6 @@
 """Garbage images of a KV namespace's files, opened and used in this process: random
 byte flips, words set to edge values, truncations, zeroed ranges and runs of 0xff in
-the table file, ``index.kvx``, the event ring and a slab (seeded: the same cases every
+the table and records files, ``index.kvx``, the event ring and a slab (seeded: the same cases every
 run). No case may crash the process, and every failure must be a ``tensordb.errors``
 class as the client maps it (``typed_errors``), never InvalidInput: the inputs are
 valid, only the files are damaged.
@@ -102,7 +102,7 @@ def _mutate(path: Path, rng: random.Random) -> str:
 
 def _target(shm: Path, which: str, rng: random.Random) -> Path:
     if which == "table":
-        return rng.choice(sorted(shm.glob("table-*.kvx")))
+        return rng.choice(sorted([*shm.glob("table-*.kvx"), *shm.glob("records-*.kvx")]))
     if which == "slab":
         return rng.choice(sorted((shm / "slabs").glob("*.slab")))
     return shm / ("index.kvx" if which == "index" else "events.kvx")

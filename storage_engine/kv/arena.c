@@ -6,6 +6,11 @@
 int64_t rec_new(Idx *s) {
     hdr_t *h = s->hdr;
     uint32_t i;
+    /* a growth's move of buckets into the new table goes on a few at each record made */
+    if (s->onb != 0 && rehash(s, REHASH_STEP) < 0) {
+        errno = EIO;
+        return -1;
+    }
     if (h->free_rec) {
         i = (uint32_t)h->free_rec - 1;
         if (h->free_rec > h->bump || R(s, i)->state != S_FREE || !link_ok(s, R(s, i)->next)) {

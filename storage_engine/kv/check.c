@@ -23,22 +23,31 @@ PyObject *Idx_check(Idx *s, PyObject *unused) {
         hdr_t *h = s->hdr;
         uint64_t bump = h->bump, live = 0, in_buckets = 0, host_n = 0, host_b = 0,
                  disk_n = 0, disk_b = 0;
-        /* buckets: each names a record of its key, found where it is */
-        for (uint64_t b = 0; b < s->nb; b++) {
-            uint64_t v = s->buckets[b];
-            if (!v)
-                continue;
-            in_buckets++;
-            uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
-            rec_t *rec = i < bump ? R(s, i) : NULL;
-            if (rec == NULL || rec->state == S_FREE || rec->state == S_ZOMBIE ||
-                    rec->klen == 0 || rec->klen > KEYMAX) {
-                CHECK_SAY("bucket %llu names record %u, which is free or of no key",
-                          (unsigned long long)b, i);
-                continue;
+        /* buckets (of both tables during a growth's move): each names a record of its
+         * key, found where it is; the old table's below the move's cursor are empty */
+        for (int t = 0; t < 2; t++) {
+            const uint64_t *bk = t == 0 ? s->buckets : s->obuckets;
+            uint64_t nb = t == 0 ? s->nb : s->onb;
+            for (uint64_t b = 0; bk != NULL && b < nb; b++) {
+                uint64_t v = bk[b];
+                if (!v)
+                    continue;
+                in_buckets++;
+                if (t == 1 && b < h->rehash_at)
+                    CHECK_SAY("bucket %llu of the old table is below the move's cursor "
+                              "(%llu) and not empty", (unsigned long long)b,
+                              (unsigned long long)h->rehash_at);
+                uint32_t i = (uint32_t)(v & 0xffffffffu) - 1;
+                rec_t *rec = i < bump ? R(s, i) : NULL;
+                if (rec == NULL || rec->state == S_FREE || rec->state == S_ZOMBIE ||
+                        rec->klen == 0 || rec->klen > KEYMAX) {
+                    CHECK_SAY("bucket %llu names record %u, which is free or of no key",
+                              (unsigned long long)b, i);
+                    continue;
+                }
+                if (h_find(s, rec->key, rec->klen) != (int64_t)i)
+                    CHECK_SAY("record %u is not found by its key", i);
             }
-            if (h_find(s, rec->key, rec->klen) != (int64_t)i)
-                CHECK_SAY("record %u is not found by its key", i);
         }
         /* records: those in use are in the buckets, counted once */
         uint8_t *chunks[MAX_SLABS] = {0};

@@ -19,8 +19,9 @@ static fpoint_t fpoints[] = {
     {"put.copied", 0, 0, 0},    /* its copies made, before the lock to publish */
     {"put.publish", 0, 0, 0},   /* the first of its records published, under the lock */
     {"read.copy", 0, 0, 0},     /* a batch read between its look-up and its copies */
-    {"grow.made", 0, 0, 0},     /* a table growth's new file written, not published */
-    {"grow.published", 0, 0, 0},/* the new table published, the old file not removed */
+    {"grow.made", 0, 0, 0},     /* a table growth's new file made, not published */
+    {"grow.published", 0, 0, 0},/* the new table published beside the old, none moved */
+    {"grow.rehash", 0, 0, 0},   /* one bucket moved to the new table, in the seqlock */
     {"evict", 0, 0, 0},         /* a victim's record taken out of its queue */
     {"spill.written", 0, 0, 0}, /* a victim's spill file written, its record not moved */
     {"promote.read", 0, 0, 0},  /* a spilled block read back into a chunk, not published */

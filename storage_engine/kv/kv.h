@@ -26,7 +26,8 @@
  * The files of this library, one job each (this header declares what they share):
  *   layout.h    the shared structs, the layout's version and each struct's invariants
  *   fault.c     compiled-in fault points (tests)
- *   table.c     the table file and its hash table (open addressing, growth by doubling)
+ *   table.c     the table files, the records file and the hash table (open addressing,
+ *               growth by doubling, buckets moved to the next table a few at a time)
  *   arena.c     records, slabs and chunks, kept mappings of pooled slab files
  *   evict.c     the eviction queues (LRU, S3-FIFO), victims, reclaiming dead processes
  *   spill.c     spill files: a victim's bytes to disk, written outside the lock
@@ -98,6 +99,15 @@ typedef struct {
     char *ev_map; /* the event ring, mapped once events are on */
     size_t ev_size;
     uint64_t nb, ncap; /* the table this process maps: its buckets and records */
+    uint64_t tables;   /* the header's tables (both generations) these mappings are of */
+    /* the table a growth is moving buckets out of (old_gen; NULL: none), mapped too */
+    char *otable;
+    size_t otable_size;
+    uint64_t *obuckets;
+    uint64_t onb;
+    uint32_t old_gen;
+    size_t recs_mapped; /* bytes of the records file mapped at recs (a reservation of
+                         * MAX_RECS records, made at the first mapping) */
     /* this process's hold on that mapping: lookups without the mutex read it under a
      * read hold, and whoever replaces or unmaps it (a remap after a growth, a growth,
      * close) takes the write hold, so that no thread of the process reads a table
@@ -129,6 +139,8 @@ typedef struct {
 HIDDEN int damaged(Idx *s, const char *file, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 HIDDEN int table_damaged(Idx *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+HIDDEN int gen_damaged(Idx *s, uint32_t gen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* fault points (fault.c): FAULT(name) does what a test armed the point to do */
 HIDDEN extern int faults_armed;
@@ -233,6 +245,13 @@ void table_path(Idx *s, uint32_t gen, char *out, size_t n);
 int map_table(Idx *s);
 int create_file(const char *path, size_t size);
 int create_table(const char *path, uint32_t gen, uint64_t nb, uint64_t cap);
+void records_path(const char *root, uint32_t gen, char *out, size_t n);
+void unmap_tables(Idx *s);
+void drop_old(Idx *s);
+int rehash(Idx *s, uint64_t budget);
+#define REHASH_STEP 4 /* buckets of the old table moved on at each record made: it holds
+                       * half as many as the new one, which a growth doubles again only
+                       * after cap / 2 more records, so it is empty well before */
 int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx);
 int h_insert(Idx *s, uint64_t hash, uint32_t idx);
 int grow(Idx *s);

@@ -6,8 +6,9 @@
  *
  * The files of a namespace (under its root):
  *   index.kvx                 one hdr_t
- *   table-<gen>.kvx           one thdr_t, thdr_t.nbuckets buckets (uint64_t), then
- *                             thdr_t.cap records (rec_t)
+ *   table-<gen>.kvx           one thdr_t, then thdr_t.nbuckets buckets (uint64_t)
+ *   records-<rec_gen>.kvx     the records (rec_t): at least the table's thdr_t.cap; they
+ *                             never move (a growth extends the file)
  *   slabs/<slot>-<gen>.slab   hdr_t.slabs[slot].nchunks chunks of .csize bytes each
  *   events.kvx                the event ring: hdr_t.ev_ring bytes of evh_t entries
  *   (the spill directory)     a spilled block's file: its bytes, then its metadata
@@ -22,9 +23,11 @@
 #include <stdint.h>
 
 #define KV_MAGIC 0x3178766b62647374ULL /* "tsdbkvx1" */
-#define KV_VERSION 4 /* 3: the table file has its own header; 4: hdr_t.tseq, slabs
+#define KV_VERSION 5 /* 3: the table file has its own header; 4: hdr_t.tseq, slabs
                       * made and blocks promoted outside the lock (slab_t.maker,
-                      * rec_t.pslab) */
+                      * rec_t.pslab); 5: the records in a file of their own that a
+                      * growth extends, the buckets moved to the next table a few at a
+                      * time (hdr_t.old_gen, rehash_at) */
 #define KEYMAX 32
 #define INLINE_META 40
 #define MAX_SLABS 1024
@@ -32,6 +35,10 @@
 #define MIN_CHUNK 512
 #define PAGE 4096
 #define INITIAL_RECS 256
+#define MAX_RECS (1u << 28) /* records a namespace can have: each process reserves the
+                             * address space of this many (40 GiB) for the records file,
+                             * so that a growth maps more of it where it is and no record
+                             * ever moves */
 #define EV_RING_BYTES (16u << 20) /* the event ring's size: the only one ever made */
 #define META_SPILLED 0xFFFFFFFFu /* mslab of a spilled block: its metadata is in its file */
 #define READY_DAMAGED 0xdead     /* hdr_t.ready of a namespace found damaged */
@@ -129,16 +136,20 @@ typedef struct {
 } queue_t;
 
 /* index.kvx. magic and version are checked at every open, ready at every lock (1: made;
- * READY_DAMAGED: serves nothing). table_gen names the table file, stored last when a
- * growth publishes (release; the table's sizes are in its own header); the first is
- * random in [1, 2^30], so that creators racing on a new namespace never share a name. nslabs <=
+ * READY_DAMAGED: serves nothing). table_gen names the table file in use; old_gen (0:
+ * none) the table a growth is still moving buckets out of into it, a few at each record
+ * made (rehash_at: its buckets below this are moved, all empty; <= its nbuckets, which
+ * are half of the table's). Both are stored at once (tables), last when a growth
+ * publishes (release); the sizes are in the tables' own headers. The first generation
+ * is random in [1, 2^30], so that creators racing on a new namespace never share a
+ * name; the records file is named by it (rec_gen) and never changes. nslabs <=
  * MAX_SLABS. bump <= the table's cap; free_rec: record index + 1 of the free chain.
  * The lock is a process-shared robust mutex: a holder's death leaves it EOWNERDEAD, and
  * the next locker rebuilds what can be derived from the records before it is marked
  * consistent. tseq is the buckets' seqlock: odd while a holder changes any bucket (an
- * insert, a delete's backward shift, a rebuild), so that lookups can read the table
- * without the lock (read.c); a holder killed inside leaves it odd, and the rebuild
- * after it makes it even again. */
+ * insert, a delete's backward shift, a move to the new table, a rebuild), so that
+ * lookups can read the tables without the lock (read.c); a holder killed inside leaves
+ * it odd, and the rebuild after it makes it even again. */
 typedef struct {
     uint64_t magic;
     uint32_t version, ready;
@@ -146,7 +157,14 @@ typedef struct {
     uint64_t seed0, seed1;
     uint64_t capacity, slab_bytes;
     uint32_t eviction, gpu_seen;
-    uint32_t table_gen, nslabs; /* slab slots ever used (high-water mark) */
+    union {
+        struct {
+            uint32_t table_gen, old_gen;
+        };
+        uint64_t tables; /* both, for the one store that publishes them */
+    };
+    uint32_t nslabs, rec_gen; /* slab slots ever used (high-water mark); the records' file */
+    uint64_t rehash_at;
     uint64_t bump, free_rec, nrecs; /* records made, the free ones' chain, those in use */
     uint64_t spill_seq, write_epoch;
     uint64_t tseq; /* the buckets' seqlock: odd while they change */
@@ -164,11 +182,12 @@ typedef struct {
 } hdr_t;
 
 /* A table file's own header: its sizes live with it, so that a growth publishes a new
- * table with one store (the index's table_gen, written last) and a holder killed at any
- * point of it leaves either the old table named, whole, or the new one, whole (a file
- * made and not named is removed by the next growth). gen equals the file's name;
- * nbuckets == 2 * cap, a power of two <= 2^32; cap >= INITIAL_RECS; the file is at
- * least table_bytes(nbuckets, cap) long. A bucket is 0 (empty) or a 32-bit tag of the
+ * table with one store (the index's tables, written last) and a holder killed at any
+ * point of it leaves either the old table named, whole, or the new one, whole, beside
+ * the old (a file made and not named is removed by the next growth). gen equals the
+ * file's name; nbuckets == 2 * cap, a power of two <= 2 * MAX_RECS; INITIAL_RECS <= cap
+ * (the records the table admits: the records file holds at least that many); the file
+ * is at least table_bytes(nbuckets) long. A bucket is 0 (empty) or a 32-bit tag of the
  * key's hash above the record index + 1 (<= cap). spare[0] is PREMADE (table.c) in a
  * file made ahead of its growth and not yet taken by it, 0 otherwise. */
 #define TABLE_MAGIC 0x3162617462647374ULL /* "tsdbtab1" */

@@ -22,14 +22,29 @@ int damaged(Idx *s, const char *file, const char *fmt, ...) {
     return -1;
 }
 
-int table_damaged(Idx *s, const char *fmt, ...) {
+static int vgen_damaged(Idx *s, uint32_t gen, const char *fmt, va_list ap) {
     char file[64], why[200];
-    snprintf(file, sizeof file, "table-%u.kvx", s->table_gen);
+    snprintf(file, sizeof file, "table-%u.kvx", gen);
+    vsnprintf(why, sizeof why, fmt, ap);
+    return damaged(s, file, "%s", why);
+}
+
+/* the table of generation gen is damaged */
+int gen_damaged(Idx *s, uint32_t gen, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(why, sizeof why, fmt, ap);
+    int r = vgen_damaged(s, gen, fmt, ap);
     va_end(ap);
-    return damaged(s, file, "%s", why);
+    return r;
+}
+
+/* the table in use is damaged */
+int table_damaged(Idx *s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int r = vgen_damaged(s, s->table_gen, fmt, ap);
+    va_end(ap);
+    return r;
 }
 
 /* raise the handle's damage (with the GIL) */
@@ -129,12 +144,14 @@ static int hdr_check(Idx *s) {
         return damaged(s, "index.kvx", "%u slabs, eviction %u, publisher %u, a ring of "
                        "%llu bytes", h->nslabs, h->eviction, h->ev_pub,
                        (unsigned long long)h->ev_ring);
-    if (h->table_gen != s->table_gen || h->bump > s->ncap || h->free_rec > h->bump ||
-            h->nrecs > h->bump)
+    if (h->tables != s->tables || h->bump > s->ncap || h->free_rec > h->bump ||
+            h->nrecs > h->bump || h->rehash_at > s->onb)
         return damaged(s, "index.kvx", "table generation %u (mapped: %u, of %llu records), "
-                       "%llu made, free from %llu, %llu in use", h->table_gen, s->table_gen,
-                       (unsigned long long)s->ncap, (unsigned long long)h->bump,
-                       (unsigned long long)h->free_rec, (unsigned long long)h->nrecs);
+                       "%llu made, free from %llu, %llu in use, %llu of %llu buckets moved",
+                       h->table_gen, s->table_gen, (unsigned long long)s->ncap,
+                       (unsigned long long)h->bump, (unsigned long long)h->free_rec,
+                       (unsigned long long)h->nrecs, (unsigned long long)h->rehash_at,
+                       (unsigned long long)s->onb);
     for (int q = 0; q < NQ; q++)
         if (h->q[q].head > h->bump || h->q[q].tail > h->bump || h->q[q].len > h->bump ||
                 (h->q[q].len == 0) != (h->q[q].head == 0))
@@ -161,7 +178,7 @@ int lock(Idx *s) {
         return -1;
     }
     int saved = 0;
-    if (s->table_gen != h->table_gen || s->table == NULL) {
+    if (s->tables != __atomic_load_n(&h->tables, __ATOMIC_ACQUIRE) || s->table == NULL) {
         /* the header's basic marks before its sizes are believed */
         if (h->ready != 1 || h->magic != KV_MAGIC || h->version != KV_VERSION)
             hdr_check(s);
@@ -192,8 +209,15 @@ static void rebuild(Idx *s) {
      * tseq odd: tseq_end makes it even) */
     tseq_begin(h);
     memset(s->buckets, 0, s->nb * 8); /* the mapped table's: its own header's size */
-    { /* a growth's holder killed before it removed the old file, or before it named
-       * the new one */
+    /* every record goes into the table in use: a growth's move out of the old one is
+     * over (its file goes, with the next table's file of a growth killed before it
+     * named it) */
+    if (h->old_gen != 0) {
+        __atomic_store_n(&h->tables, (uint64_t)h->table_gen, __ATOMIC_RELEASE);
+        drop_old(s);
+        h->rehash_at = 0;
+    }
+    {
         char other[4096];
         if (h->table_gen - 1 != 0) {
             table_path(s, h->table_gen - 1, other, sizeof other);

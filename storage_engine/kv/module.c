@@ -158,25 +158,38 @@ static int Idx_init(Idx *s, PyObject *args, PyObject *kw) {
         uint32_t gen0 = 1 + (uint32_t)((seeds[0] ^ (seeds[1] >> 7) ^ (uint64_t)getpid()) &
                                        ((1u << 30) - 1));
         h->table_gen = gen0;
-        char tpath[4096];
+        h->rec_gen = gen0;
+        char tpath[4096], rpath[4096];
         table_path(s, gen0, tpath, sizeof tpath);
+        records_path(root, gen0, rpath, sizeof rpath);
         int t = create_table(tpath, gen0, INITIAL_RECS * 2, INITIAL_RECS);
-        if (t < 0) {
+        int rf = t < 0 ? -1 : create_file(rpath, INITIAL_RECS * sizeof(rec_t));
+        if (rf < 0) {
+            const char *bad = t < 0 ? tpath : rpath;
+            int e = errno;
+            if (t >= 0) {
+                close(t);
+                unlink(tpath);
+            }
             munmap(h, sizeof *h);
             close(tfd);
             unlink(tmp);
-            PyErr_SetFromErrnoWithFilename(PyExc_OSError, tpath);
+            errno = e;
+            PyErr_SetFromErrnoWithFilename(PyExc_OSError, bad);
             return -1;
         }
         close(t);
+        close(rf);
         h->version = KV_VERSION;
         h->magic = KV_MAGIC;
         h->ready = 1;
         munmap(h, sizeof *h);
-        if (link(tmp, path) == 0)
+        if (link(tmp, path) == 0) {
             created = 1;
-        else
-            unlink(tpath); /* another process made it first: use theirs */
+        } else { /* another process made it first: use theirs */
+            unlink(tpath);
+            unlink(rpath);
+        }
         unlink(tmp);
         close(tfd);
         fd = open(path, O_RDWR | O_CLOEXEC);
@@ -275,12 +288,10 @@ static void close_handle(Idx *s) {
     s->ev_map = NULL;
     for (int i = 0; i < MAX_SLABS; i++)
         unmap_slab(s, (uint32_t)i);
-    map_hold(s, 1); /* no lookup of this process reads them meanwhile */
-    if (s->table != NULL)
-        munmap(s->table, s->table_size);
+    unmap_tables(s); /* no lookup of this process reads them meanwhile */
+    map_hold(s, 1);
     munmap(s->hdr, sizeof(hdr_t));
     s->hdr = NULL;
-    s->table = NULL;
     map_let_go(s);
 }
 
@@ -325,12 +336,10 @@ static PyObject *Idx_abandon(Idx *s, PyObject *unused) {
         s->ev_map = NULL;
         for (int i = 0; i < MAX_SLABS; i++)
             unmap_slab(s, (uint32_t)i);
-        if (s->table != NULL)
-            munmap(s->table, s->table_size);
+        unmap_tables(s);
         munmap(s->hdr, sizeof(hdr_t));
     }
     s->hdr = NULL;
-    s->table = NULL;
     Py_RETURN_NONE;
 }
 
@@ -397,7 +406,7 @@ static PyObject *Idx_stats(Idx *s, PyObject *unused) {
     (void)unused;
     if (!usable(s))
         return NULL;
-    uint64_t c[NCOUNTERS], recs = 0, cap = 0;
+    uint64_t c[NCOUNTERS], recs = 0, cap = 0, to_move = 0;
     int r;
     Py_BEGIN_ALLOW_THREADS
     r = lock(s);
@@ -405,6 +414,13 @@ static PyObject *Idx_stats(Idx *s, PyObject *unused) {
         memcpy(c, s->hdr->count, sizeof c);
         recs = s->hdr->nrecs;
         cap = s->ncap;
+        to_move = s->onb - s->hdr->rehash_at; /* hdr_check: rehash_at <= onb */
+        /* the block counts size what callers build from them (a Bloom filter): never
+         * more blocks than records in use */
+        if (c[C_HOST_BLOCKS] > recs || c[C_DISK_BLOCKS] > recs - c[C_HOST_BLOCKS])
+            damaged(s, "index.kvx", "its counters say %llu blocks in memory and %llu on "
+                    "disk, of %llu records in use", (unsigned long long)c[C_HOST_BLOCKS],
+                    (unsigned long long)c[C_DISK_BLOCKS], (unsigned long long)recs);
         unlock(s);
     }
     Py_END_ALLOW_THREADS
@@ -423,6 +439,10 @@ static PyObject *Idx_stats(Idx *s, PyObject *unused) {
         PyDict_SetItemString(d, "record_capacity", b);
         Py_XDECREF(a);
         Py_XDECREF(b);
+        /* a growth's move: the old table's buckets not yet moved into the new one */
+        PyObject *m = PyLong_FromUnsignedLongLong(to_move);
+        PyDict_SetItemString(d, "buckets_to_move", m);
+        Py_XDECREF(m);
     }
     return d;
 }
@@ -626,7 +646,9 @@ static PyObject *Idx_reclaim_orphans(Idx *s, PyObject *unused) {
         d = opendir(s->root);
         while (d != NULL && (e = readdir(d)) != NULL) {
             unsigned gen;
-            if (sscanf(e->d_name, "table-%u.kvx", &gen) == 1 && gen != h->table_gen) {
+            if ((sscanf(e->d_name, "table-%u.kvx", &gen) == 1 && gen != h->table_gen &&
+                    gen != h->old_gen) ||
+                    (sscanf(e->d_name, "records-%u.kvx", &gen) == 1 && gen != h->rec_gen)) {
                 snprintf(path, sizeof path, "%s/%s", s->root, e->d_name);
                 removed += unlink(path) == 0;
             }

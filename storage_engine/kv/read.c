@@ -40,55 +40,62 @@ static inline void spin_pause(void) {
 #endif
 }
 
+/* (under map_hold) the record of a key in one table read without the lock: its index,
+ * -1 (absent), or -2 (a value out of bounds: torn, or damage for the lock to judge) */
+static int64_t lf_find(Idx *s, const uint64_t *bk, uint64_t nb, uint64_t hash, uint64_t made,
+                       const uint8_t *key, size_t klen) {
+    uint64_t tag = hash & 0xffffffffu, mask = nb - 1, b = hash & mask;
+    for (uint64_t probes = 0;; probes++) {
+        uint64_t v = __atomic_load_n(&bk[b], __ATOMIC_RELAXED);
+        if (!v)
+            return -1;
+        if (probes >= nb)
+            return -2;
+        if ((v >> 32) == tag) {
+            uint64_t i = (v & 0xffffffffu) - 1;
+            if (i >= s->ncap || i >= made)
+                return -2;
+            rec_t *r = &s->recs[i];
+            uint8_t rk[KEYMAX];
+            size_t rl = __atomic_load_n(&r->klen, __ATOMIC_RELAXED);
+            memcpy(rk, r->key, KEYMAX);
+            if (rl == klen && memcmp(rk, key, klen) == 0)
+                return (int64_t)i;
+        }
+        b = (b + 1) & mask;
+    }
+}
+
 /* (under map_hold) 1: the key's block is readable (host or disk), 0: it is not,
- * -1: no answer without the lock */
+ * -1: no answer without the lock. During a growth's move the key is in the new table
+ * or the old one (a move is one window of the seqlock: never in neither). */
 int lf_present(Idx *s, const uint8_t *key, size_t klen) {
     hdr_t *h = s->hdr;
     if (s->table == NULL || __atomic_load_n(&h->ready, __ATOMIC_ACQUIRE) != 1)
         return -1;
-    uint64_t hash = khash(h, key, klen), tag = hash & 0xffffffffu, mask = s->nb - 1;
+    uint64_t hash = khash(h, key, klen);
     for (int t = 0; t < LF_TRIES; t++) {
         uint64_t q = __atomic_load_n(&h->tseq, __ATOMIC_ACQUIRE);
         if (q & 1) {
             spin_pause();
             continue;
         }
-        if (__atomic_load_n(&h->table_gen, __ATOMIC_ACQUIRE) != s->table_gen)
-            return -1; /* it grew: the lock remaps */
+        if (__atomic_load_n(&h->tables, __ATOMIC_ACQUIRE) != s->tables)
+            return -1; /* it grew, or a move ended: the lock remaps */
         /* records made: a bucket naming another is damage, the lock's to judge */
         uint64_t made = __atomic_load_n(&h->bump, __ATOMIC_RELAXED);
-        int found = 0, sane = 1;
-        uint64_t b = hash & mask;
-        for (uint64_t probes = 0;; probes++) {
-            uint64_t v = __atomic_load_n(&s->buckets[b], __ATOMIC_RELAXED);
-            if (!v)
-                break;
-            if (probes >= s->nb) {
-                sane = 0;
-                break;
-            }
-            if ((v >> 32) == tag) {
-                uint64_t i = (v & 0xffffffffu) - 1;
-                if (i >= s->ncap || i >= made) {
-                    sane = 0;
-                    break;
-                }
-                rec_t *r = &s->recs[i];
-                uint8_t rk[KEYMAX];
-                size_t rl = __atomic_load_n(&r->klen, __ATOMIC_RELAXED);
-                memcpy(rk, r->key, KEYMAX);
-                if (rl == klen && memcmp(rk, key, klen) == 0) {
-                    uint8_t st = __atomic_load_n(&r->state, __ATOMIC_RELAXED);
-                    found = st == S_HOST || st == S_DISK;
-                    break;
-                }
-            }
-            b = (b + 1) & mask;
+        int64_t f = lf_find(s, s->buckets, s->nb, hash, made, key, klen);
+        if (f == -1 && s->onb != 0)
+            f = lf_find(s, s->obuckets, s->onb, hash, made, key, klen);
+        int found = 0;
+        if (f >= 0) {
+            uint8_t st = __atomic_load_n(&s->recs[f].state, __ATOMIC_RELAXED);
+            found = st == S_HOST || st == S_DISK;
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (__atomic_load_n(&h->tseq, __ATOMIC_RELAXED) != q)
             continue; /* the buckets changed while we read them */
-        if (!sane)
+        if (f == -2)
             return -1; /* in a quiet window: the lock's checks judge it */
         return found;
     }
