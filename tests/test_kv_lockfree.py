@@ -217,22 +217,26 @@ import os, sys, numpy as np
 if os.environ.get("TENSORDB_ASAN_LIB"):
     import asan_plugin  # noqa: F401
 from storage_engine import BlockStore, _stream
-root, disk, flag, done, hold_us, key = sys.argv[1:7]
+root, disk, flag, done, hold_us, key, op = sys.argv[1:8]
 store = BlockStore(root, capacity_bytes=2 << 20, slab_bytes=256 << 10, disk_root=disk,
                    disk_capacity=64 << 20)
 _stream.set_fault("promote.read", "sleep", int(hold_us), 1)  # its file read, not yet HOST
 open(flag, "w").close()
-views = store.get([bytes.fromhex(key)])
-print("none" if views[0] is None else int(views[0].data[0]), flush=True)
-del views
+if op == "pin":  # a pin promotes a spilled block too, in memory if it fits
+    print(store.pin([bytes.fromhex(key)]), flush=True)
+else:
+    views = store.get([bytes.fromhex(key)])
+    print("none" if views[0] is None else int(views[0].data[0]), flush=True)
+    del views
 open(done, "w").close()
 store.close()
 """
 
 
+@pytest.mark.parametrize("op", ["get", "pin"])
 @pytest.mark.parametrize("meanwhile", ["read", "delete"])
 def test_a_promotion_reads_its_spill_file_with_the_lock_let_go(root: Path, tmp_path: Path,
-                                                              meanwhile: str) -> None:
+                                                              meanwhile: str, op: str) -> None:
     disk = tmp_path / "disk"
     store = BlockStore(root, capacity_bytes=2 << 20, slab_bytes=256 << 10, disk_root=disk,
                        disk_capacity=64 << 20)
@@ -245,9 +249,9 @@ def test_a_promotion_reads_its_spill_file_with_the_lock_let_go(root: Path, tmp_p
         target, other = spilled[0], spilled[1]
         flag, done = tmp_path / "promoting", tmp_path / "done"
         child = _run_child(_PROMOTER, str(root), str(disk), str(flag), str(done),
-                           str(int(HOLD_S * 1e6)), target.hex())
+                           str(int(HOLD_S * 1e6)), target.hex(), op)
         try:
-            _await(flag, child, "the promoter never started its get")
+            _await(flag, child, f"the promoter never started its {op}")
             time.sleep(0.5)  # inside the fault point by now: the chunk filled, not HOST
             assert store.locate(target)[0] == "disk"  # still spilled, and readable
             assert store.match([target, other]) == 2
@@ -262,17 +266,21 @@ def test_a_promotion_reads_its_spill_file_with_the_lock_let_go(root: Path, tmp_p
             store.put([_key(200)], [np.full(64 << 10, 9, np.uint8)])
             if meanwhile == "delete":
                 assert store.delete([target]) == 1
-            assert not done.exists(), "the promoter's get ended before the reads did"
+            assert not done.exists(), f"the promoter's {op} ended before the reads did"
             got, err = child.communicate(timeout=60)
             assert child.returncode == 0, err[-3000:]
         finally:
             _reap(child)
         if meanwhile == "delete":  # deleted while promoted: gone, its chunk given back
-            assert got.split() == ["none"]
+            assert got.split() == ["0" if op == "pin" else "none"]
             assert store.match([target]) == 0
         else:
-            assert got.split() == [str(keys.index(target))]
+            assert got.split() == ["1" if op == "pin" else str(keys.index(target))]
             assert store.locate(target)[0] == "host"  # promoted by the other process
+            if op == "pin":  # and pinned: puts that fill the arena twice over leave it
+                for i in range(64):
+                    store.put([_key(300 + i)], [np.full(64 << 10, 5, np.uint8)])
+                assert store.locate(target)[0] == "host"
         assert store._ix.check() == []
     finally:
         store.close()

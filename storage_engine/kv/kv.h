@@ -341,7 +341,20 @@ PyObject *Idx_delete(Idx *s, PyObject *keys_o);
 /* read.c */
 PyObject *Idx_match(Idx *s, PyObject *keys_o);
 PyObject *Idx_contains(Idx *s, PyObject *keys_o);
-int promote(Idx *s, uint32_t i, void *state, int *reclaimed);
+/* a promotion of a spilled block: begun and finished under the lock, its file read
+ * (promote_io) with the lock let go */
+typedef struct {
+    uint32_t idx, gen, slot, chunk;
+    uint64_t nbytes, csum, seq;
+    uint32_t meta_len; /* its metadata past the record (in its file): 0 for none */
+    uint8_t klen, key[KEYMAX];
+    char *dst;         /* the chunk, in this process's mapping of its slab */
+    uint8_t *meta;     /* the metadata read (malloc), for its chunk at the end */
+    int ok;            /* read whole and checked */
+} promo_t;
+int promote_begin(Idx *s, uint32_t i, promo_t *p, int *reclaimed);
+void promote_io(Idx *s, promo_t *p, void *state);
+int promote_finish(Idx *s, promo_t *p);
 void promote_abandon(Idx *s, uint32_t i);
 PyObject *Idx_read_into(Idx *s, PyObject *args);
 PyObject *Idx_lease(Idx *s, PyObject *keys_o);

@@ -191,17 +191,8 @@ PyObject *Idx_contains(Idx *s, PyObject *keys_o) {
  * the lock again the record becomes HOST in that chunk. A delete or a drop meanwhile
  * makes the record a ZOMBIE holding the chunk for the promoter's reader bit, which the
  * promoter (or the reclaim of a dead one) ends; a promoter that died leaves its chunk
- * to the dead-process reclaim, which puts the record back on the disk queue. */
-
-typedef struct {
-    uint32_t idx, gen, slot, chunk;
-    uint64_t nbytes, csum, seq;
-    uint32_t meta_len; /* its metadata past the record (in its file): 0 for none */
-    uint8_t klen, key[KEYMAX];
-    char *dst;         /* the chunk, in this process's mapping of its slab */
-    uint8_t *meta;     /* the metadata read (malloc), for its chunk at the end */
-    int ok;            /* read whole and checked */
-} promo_t;
+ * to the dead-process reclaim, which puts the record back on the disk queue. A get's
+ * promotion and a pin's both run so (a pin of a promoted block pins it once HOST). */
 
 /* (under the lock) a promotion of DISK record i given up, by whoever finds its promoter
  * gone: its chunk freed, the record back on the disk queue */
@@ -216,7 +207,7 @@ void promote_abandon(Idx *s, uint32_t i) {
 
 /* (under the lock) begin promoting DISK record i: 1 begun, 0 no spill directory or
  * another process promotes it, -2 no room in the arena (it stays on disk) */
-static int promote_begin(Idx *s, uint32_t i, promo_t *p, int *reclaimed) {
+int promote_begin(Idx *s, uint32_t i, promo_t *p, int *reclaimed) {
     hdr_t *h = s->hdr;
     rec_t *r = R(s, i);
     if (s->disk_root == NULL || r->state != S_DISK || r->writer != 0)
@@ -255,7 +246,7 @@ static int promote_begin(Idx *s, uint32_t i, promo_t *p, int *reclaimed) {
 
 /* (outside the lock) the promotion's reads: the file, of the length its record gives,
  * into the chunk, checked against the block's checksum; its metadata into memory */
-static void promote_io(Idx *s, promo_t *p, void *state) {
+void promote_io(Idx *s, promo_t *p, void *state) {
     char path[4096];
     spill_file(s, p->key, p->klen, p->seq, path, sizeof path);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -287,7 +278,7 @@ static void promote_io(Idx *s, promo_t *p, void *state) {
 /* (under the lock) the promotion's end: 1 the block is HOST in its chunk, -2 back on
  * disk (no room for its metadata), -1 corrupt or missing (dropped), 0 gone meanwhile
  * (deleted or dropped: the ZOMBIE that held our chunk ended here) */
-static int promote_finish(Idx *s, promo_t *p) {
+int promote_finish(Idx *s, promo_t *p) {
     hdr_t *h = s->hdr;
     uint32_t i = p->idx;
     rec_t *r = R(s, i);
@@ -346,20 +337,6 @@ static int promote_finish(Idx *s, promo_t *p) {
     h->count[C_HOST_BLOCKS]++;
     h->count[C_HOST_BYTES] += r->nbytes;
     return 1;
-}
-
-/* a spilled block back into the arena, all of it in the lock (a pin's promotion): 1 now
- * HOST, 0 no spill here (or another process promotes it), -2 no room in the arena (it
- * stays on disk), -1 corrupt or missing (dropped) */
-int promote(Idx *s, uint32_t i, void *state, int *reclaimed) {
-    promo_t p;
-    int b = promote_begin(s, i, &p, reclaimed);
-    if (b <= 0)
-        return b;
-    promote_io(s, &p, state);
-    int r = promote_finish(s, &p);
-    free(p.meta);
-    return r;
 }
 
 /* whether a readable record's size is not that of its bytes (under the lock, on the

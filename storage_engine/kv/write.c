@@ -409,6 +409,28 @@ out:
 /* ---------------------------------------------------------------------------------- */
 /* reads of the index */
 
+/* (under the lock) a pin's count of readable record i moved by delta: 1 moved, 0 not
+ * (not readable, or it would go below 0); a record's first pin takes it off its queue,
+ * its last puts it back */
+static int pin_one(Idx *s, uint32_t i, int delta) {
+    hdr_t *h = s->hdr;
+    rec_t *rr = R(s, i);
+    if (!readable(rr) || (int64_t)rr->pins + delta < 0)
+        return 0;
+    uint32_t before = rr->pins;
+    rr->pins = (uint32_t)((int64_t)rr->pins + delta);
+    if (before == 0 && rr->pins > 0) {
+        h->count[C_PINNED]++;
+        if (rr->state == S_HOST)
+            q_remove(s, i);
+    } else if (before > 0 && rr->pins == 0) {
+        h->count[C_PINNED]--;
+        if (rr->state == S_HOST)
+            q_push(s, Q_SMALL, i);
+    }
+    return 1;
+}
+
 PyObject *Idx_pin(Idx *s, PyObject *args) {
     PyObject *keys_o;
     int delta;
@@ -422,40 +444,62 @@ PyObject *Idx_pin(Idx *s, PyObject *args) {
     Py_ssize_t changed = 0;
     int r;
     void *state = xxh_state_new();
+    /* a pin brings spilled blocks back (in memory if they fit), their files read with
+     * the lock let go, as get's promotion: the keys begun (their index in ps) are
+     * pinned once they are HOST, the others at once */
+    promo_t *ps = NULL;
+    Py_ssize_t *pat = NULL, np = 0;
+    if (delta > 0 && state != NULL && ks.n > 0 &&
+            ((ps = malloc(sizeof *ps * (size_t)ks.n)) == NULL ||
+             (pat = malloc(sizeof *pat * (size_t)ks.n)) == NULL)) {
+        free(ps);
+        xxh_state_free(state);
+        free_keys(&ks);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
     r = lock(s);
     if (r == 0) {
-        hdr_t *h = s->hdr;
         int reclaimed = 0;
         for (Py_ssize_t i = 0; i < ks.n && !s->dmg; i++) {
             int64_t f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
             if (f < 0 || rec_check(s, (uint32_t)f) < 0)
                 continue;
-            rec_t *rr = R(s, (uint32_t)f);
-            if (rr->state == S_DISK && delta > 0 && state != NULL)
-                promote(s, (uint32_t)f, state, &reclaimed); /* pinned: in memory if it fits */
-            f = h_find(s, ks.keys[i] + 1, ks.keys[i][0]);
-            if (f < 0 || s->dmg)
+            if (ps != NULL && R(s, (uint32_t)f)->state == S_DISK &&
+                    promote_begin(s, (uint32_t)f, &ps[np], &reclaimed) == 1) {
+                pat[np++] = i;
                 continue;
-            rr = R(s, (uint32_t)f);
-            if (!readable(rr) || (int64_t)rr->pins + delta < 0)
-                continue;
-            uint32_t before = rr->pins;
-            rr->pins = (uint32_t)((int64_t)rr->pins + delta);
-            if (before == 0 && rr->pins > 0) {
-                h->count[C_PINNED]++;
-                if (rr->state == S_HOST)
-                    q_remove(s, (uint32_t)f);
-            } else if (before > 0 && rr->pins == 0) {
-                h->count[C_PINNED]--;
-                if (rr->state == S_HOST)
-                    q_push(s, Q_SMALL, (uint32_t)f);
             }
-            changed++;
+            changed += pin_one(s, (uint32_t)f, delta);
         }
-        unlock(s);
+        if (np > 0 && !s->dmg) {
+            unlock(s); /* the spill files' reads, with the lock let go */
+            for (Py_ssize_t k = 0; k < np; k++)
+                promote_io(s, &ps[k], state);
+            r = lock(s);
+        }
+        if (r == 0) {
+            for (Py_ssize_t k = 0; k < np; k++) {
+                if (s->dmg) { /* given back: it stays on disk */
+                    rec_t *rr = R(s, ps[k].idx);
+                    if (rr->state == S_DISK && rr->writer == (uint32_t)s->slot + 1)
+                        promote_abandon(s, ps[k].idx);
+                    continue;
+                }
+                promote_finish(s, &ps[k]); /* HOST, or on disk still: pinned there */
+                const uint8_t *key = ks.keys[pat[k]];
+                int64_t f = h_find(s, key + 1, key[0]);
+                if (f >= 0 && rec_check(s, (uint32_t)f) == 0)
+                    changed += pin_one(s, (uint32_t)f, delta);
+            }
+            unlock(s);
+        }
+        for (Py_ssize_t k = 0; k < np; k++)
+            free(ps[k].meta); /* (a failed lock: their chunks are the reclaim's, or damage) */
     }
     Py_END_ALLOW_THREADS
+    free(ps);
+    free(pat);
     if (state != NULL)
         xxh_state_free(state);
     free_keys(&ks);
