@@ -153,6 +153,8 @@ PLAN: tuple[Bench, ...] = (
     # the host index: LMDB called from C against the own table (its source from the
     # registry, built once)
     Bench("kv_table", "kv_table", ("--quick",)),
+    # the table's growth while a namespace fills, against the last one-step build
+    Bench("kv_grow", "kv_grow", ("--rounds", "1")),
     # the last commit's native KV library against the one before it, alternated
     Bench("kv_ab", "kv_ab", ("--base", "HEAD~1", "--rounds", "4", "--reps", "3",
                              "--sizes-kib", "8", "2048")),

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -128,13 +130,20 @@ def _child(lib: Path, reps: int, sizes: list[int]) -> dict[str, Any]:
     return json.loads(got.stdout.strip().splitlines()[-1])
 
 
-def run(base: str, rounds: int, reps: int, sizes: list[int]) -> dict[str, Any]:
+@contextmanager
+def builds(base: str) -> Iterator[dict[str, Path]]:
+    """The native library of ``base`` and of the working tree, each built by ``build``
+    into a temporary directory: {"base": path, "new": path}, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="tensordb-ab-build-") as tmp:
         t = Path(tmp)
         (t / "a").mkdir()
         (t / "b").mkdir()
-        libs = {"base": build(checkout(base, t / "src"), t / "a"),
-                "new": build(ROOT, t / "b")}
+        yield {"base": build(checkout(base, t / "src"), t / "a"),
+               "new": build(ROOT, t / "b")}
+
+
+def run(base: str, rounds: int, reps: int, sizes: list[int]) -> dict[str, Any]:
+    with builds(base) as libs:
         ratios: dict[int, list[float]] = {k: [] for k in sizes}
         memcpy: dict[int, list[float]] = {k: [] for k in sizes}
         secs: dict[str, dict[int, list[float]]] = {"base": {k: [] for k in sizes},

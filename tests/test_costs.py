@@ -441,18 +441,26 @@ def test_kv_lookups_cost_the_same_in_any_namespace(sqlite_db: tensordb.Database)
 
 def _growth_moves(root: Path, blocks: int) -> dict[str, int]:
     """Fill a fresh KV index with ``blocks`` live blocks, 64 a batch, and count what
-    each batch moved of a growth's old table (``buckets_to_move`` before and after)."""
+    each batch moved of a growth's old table (``buckets_to_move`` before and after), and
+    the bytes of the index's files each batch allocated (the next table and the records'
+    room, made ahead in steps)."""
     import numpy as np
+
+    def index_bytes() -> int:
+        return sum(p.stat().st_blocks * 512 for p in root.iterdir() if p.is_file())
 
     store = se.BlockStore(root, capacity_bytes=blocks * 512 + (8 << 20), slab_bytes=4 << 20)
     try:
         buf = np.ones(500, np.uint8)
         st = store.index_stats()
         cap, left = st["record_capacity"], st["buckets_to_move"]
-        most = growths = unfinished = 0
+        most = growths = unfinished = most_made = 0
+        had = index_bytes()
         for lo in range(0, blocks, 64):
             keys = [b"g" + i.to_bytes(4, "little") for i in range(lo, min(blocks, lo + 64))]
             store.put(keys, [buf] * len(keys))
+            now = index_bytes()
+            most_made, had = max(most_made, now - had), now
             st = store.index_stats()
             if st["record_capacity"] != cap:  # a growth: the old table's buckets wait
                 growths += 1
@@ -464,7 +472,8 @@ def _growth_moves(root: Path, blocks: int) -> dict[str, int]:
             cap, left = st["record_capacity"], st["buckets_to_move"]
         assert store.match([b"g" + i.to_bytes(4, "little") for i in range(blocks)]) == blocks
         assert store._ix.check() == []
-        return {"most_moved": most, "growths": growths, "unfinished": unfinished}
+        return {"most_moved": most, "growths": growths, "unfinished": unfinished,
+                "most_made": most_made}
     finally:
         store.close()
 
@@ -473,13 +482,16 @@ def test_a_kv_table_grows_a_few_buckets_at_a_time(tmp_path: Path) -> None:
     """The KV table grows incrementally: a growth moves no bucket, and each batch moves
     at most REHASH_STEP (4) buckets of the old table a record it makes, at 1,000 and at
     100,000 blocks alike; the move is over before the next growth, which never has to
-    finish one at once (an O(n) step under the lock)."""
+    finish one at once (an O(n) step under the lock). The files a growth needs are made
+    ahead in steps: no batch allocates more than one step (8 MiB) of them, although the
+    last growth at 100,000 blocks needs 46 MiB (2^18 records and 2^19 buckets)."""
     small = _growth_moves(tmp_path / "small", 1_000)
     big = _growth_moves(tmp_path / "big", 100_000)
     assert (small["growths"], big["growths"]) == (2, 9)  # 256 records, doubled to 2^17
     for c in (small, big):
         assert 0 < c["most_moved"] <= 4 * 64
         assert c["unfinished"] == 0
+    assert 0 < big["most_made"] <= 8 << 20
 
 
 _FILL_CODE = """

@@ -29,6 +29,9 @@ static size_t table_bytes(uint64_t nbuckets) { return (size_t)(THDR_BYTES + nbuc
 
 static size_t records_bytes(uint64_t cap) { return (size_t)(cap * sizeof(rec_t)); }
 
+/* the most bytes of files a put makes ahead of a growth (table_premake) */
+#define PREMAKE_STEP ((size_t)8 << 20)
+
 void table_path(Idx *s, uint32_t gen, char *out, size_t n) {
     snprintf(out, n, "%s/table-%u.kvx", s->root, gen);
 }
@@ -269,9 +272,10 @@ int create_table(const char *path, uint32_t gen, uint64_t nb, uint64_t cap) {
     return fd;
 }
 
-/* the records file holds cap records at least (its pages allocated: a full tmpfs is an
- * error here, never a SIGBUS at a record's first write): 0, or -1 (errno) */
-static int extend_records(Idx *s, uint64_t cap) {
+/* the records file's room for cap records, at most `most` bytes of it allocated by this
+ * call (its pages allocated: a full tmpfs is an error here, never a SIGBUS at a
+ * record's first write): 1 (bytes allocated), 0 (the room was there), -1 (errno) */
+static int records_room(Idx *s, uint64_t cap, size_t most) {
     char path[4096];
     records_path(s->root, s->hdr->rec_gen, path, sizeof path);
     int fd = open(path, O_RDWR | O_CLOEXEC);
@@ -279,14 +283,24 @@ static int extend_records(Idx *s, uint64_t cap) {
         return -1;
     struct stat st;
     int r = fstat(fd, &st) != 0 ? errno : 0;
-    if (r == 0 && (uint64_t)st.st_size < records_bytes(cap))
-        r = posix_fallocate(fd, 0, (off_t)records_bytes(cap));
+    size_t want = records_bytes(cap), have = r == 0 ? (size_t)st.st_size : 0;
+    int made = 0;
+    if (r == 0 && have < want) {
+        size_t len = want - have < most ? want - have : most;
+        r = posix_fallocate(fd, (off_t)have, (off_t)len);
+        made = 1;
+    }
     close(fd);
     if (r != 0) {
         errno = r;
         return -1;
     }
-    return 0;
+    return made;
+}
+
+/* the records file holds cap records at least: 0, or -1 (errno) */
+static int extend_records(Idx *s, uint64_t cap) {
+    return records_room(s, cap, SIZE_MAX) < 0 ? -1 : 0;
 }
 
 /* 0, or -1 when no bucket is free (the table holds at most half as many records as
@@ -304,12 +318,17 @@ int h_insert_raw(uint64_t *buckets, uint64_t nb, uint64_t hash, uint32_t idx) {
 
 /* The next table's file and the records' room, made ahead of the growth outside the
  * lock: allocating their pages is most of a growth, which no lookup, read or other
- * writer should wait for. A put that leaves the table three quarters full makes
- * table-<gen+1>.kvx, zeroed, its header marked PREMADE, under a name of its own and
- * linked into place only where no file has that name (a growth's, or another
- * premaker's), and extends the records file to twice the records (a file longer than
- * the table admits is harmless: its end is unused); the growth takes them where the
- * file's header says it is that table, unused. */
+ * writer should wait for, and made in steps, so that no put pays for all of it (made at
+ * once, it was 50 ms of one put's time at 2^20 records). Each put from the table half
+ * full on makes one step of at most PREMAKE_STEP bytes: first the records file's
+ * extension to twice the records (a file longer than the table admits is harmless: its
+ * end is unused), then table-<gen+1>.kvx, zeroed, under a name of this process's own,
+ * which once whole gets its header, marked PREMADE, and is linked into place only where
+ * no file has that name (a growth's, or another premaker's). The half of the table left
+ * holds cap / 2 records, time for 184 bytes of files per record in 8 MiB steps at
+ * batches of up to 22,000 blocks; a growth that comes first makes what is missing
+ * itself. The growth takes the file where its header says it is that table, unused (a
+ * partial file of a premaker killed meanwhile is never named). */
 #define PREMADE 0x6564616d657270ULL /* "premade": thdr_t.spare[0] of an unused file */
 
 void table_premake(Idx *s) {
@@ -317,21 +336,54 @@ void table_premake(Idx *s) {
     uint32_t gen = __atomic_load_n(&h->table_gen, __ATOMIC_ACQUIRE);
     uint64_t made = __atomic_load_n(&h->bump, __ATOMIC_RELAXED);
     uint64_t nb = s->nb * 2, cap = s->ncap * 2;
-    if (gen != s->table_gen || s->premade == gen + 1 || made * 4 < s->ncap * 3 ||
-            cap > MAX_RECS)
+    if (gen != s->table_gen || s->premade == gen + 1 || made * 2 < s->ncap || cap > MAX_RECS)
         return;
-    s->premade = gen + 1;
-    (void)extend_records(s, cap);
+    /* one step of at most PREMAKE_STEP bytes a call: the records' room first, then the
+     * next table's file, which is named only once whole */
+    int step = records_room(s, cap, PREMAKE_STEP);
+    if (step != 0) {
+        if (step < 0)
+            s->premade = gen + 1; /* no room on the tmpfs: the growth reports it */
+        return;
+    }
     char path[4096], tmp[4200];
     table_path(s, gen + 1, path, sizeof path);
-    if (access(path, F_OK) == 0)
+    if (access(path, F_OK) == 0) {
+        s->premade = gen + 1;
         return;
+    }
     snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
-    int fd = create_table(tmp, gen + 1, nb, cap);
-    if (fd < 0)
+    int fd = open(tmp, O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        s->premade = gen + 1;
         return;
-    uint64_t mark = PREMADE;
-    int ok = pwrite(fd, &mark, sizeof mark, offsetof(thdr_t, spare)) == sizeof mark;
+    }
+    struct stat st;
+    size_t size = table_bytes(nb);
+    int bad = fstat(fd, &st) != 0;
+    size_t have = bad ? 0 : (size_t)st.st_size;
+    if (!bad && have < size) {
+        size_t len = size - have < PREMAKE_STEP ? size - have : PREMAKE_STEP;
+        bad = posix_fallocate(fd, (off_t)have, (off_t)len) != 0;
+        have += bad ? 0 : len;
+    }
+    if (bad || have < size) {
+        close(fd);
+        if (bad) {
+            unlink(tmp);
+            s->premade = gen + 1;
+        }
+        return; /* the next call goes on */
+    }
+    s->premade = gen + 1;
+    thdr_t th;
+    memset(&th, 0, sizeof th);
+    th.magic = TABLE_MAGIC;
+    th.gen = gen + 1;
+    th.nbuckets = nb;
+    th.cap = cap;
+    th.spare[0] = PREMADE;
+    int ok = pwrite(fd, &th, sizeof th, 0) == sizeof th;
     close(fd);
     if (ok)
         (void)link(tmp, path); /* EEXIST: a growth's file, or another premaker's */
